@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+# Horovod is not listed: pip cannot build 0.28.1 against today's frameworks.
+# scripts/setup.sh installs the frameworks first, then builds Horovod with
+# scripts/build_horovod.py, then installs this package.
+setup(
+    name="horovod_qsgd",
+    version="0.1.0",
+    description="Gradient compression (QSGD, top-k, random-k) for Horovod that really sends fewer bytes",
+    packages=find_packages(include=["horovod_qsgd", "horovod_qsgd.*"]),
+    package_data={"horovod_qsgd": ["testdata/*.npz"]},
+    python_requires=">=3.9",
+    install_requires=["numpy", "numba>=0.60"],
+    extras_require={
+        "torch": ["torch==2.13.0"],
+        "tensorflow": ["tensorflow-cpu==2.21.0", "tf-keras==2.21.0"],
+        "test": ["pytest", "pytest-timeout", "scipy"],
+        "bench": ["matplotlib"],
+    },
+)
