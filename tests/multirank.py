@@ -1,0 +1,120 @@
+"""Run ordinary pytest tests on several Horovod ranks under ``horovodrun --gloo``.
+
+A test marked ``@pytest.mark.ranks(2)`` is not called in the pytest process.
+Instead ``horovodrun -np 2 -H localhost:2 --gloo`` starts two workers, each
+running ``pytest <that test's node id>`` with ``HOROVOD_QSGD_RANK_WORKER=1``,
+where the marker is ignored and the test body runs as usual on every rank.
+Each worker writes its outcome to a report file; the parent test fails with
+the traceback of every rank that failed. A job that does not finish within the
+marker's ``timeout`` (seconds) is killed and fails as a hang, so a stuck
+collective never hangs CI.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+WORKER_ENV = "HOROVOD_QSGD_RANK_WORKER"
+REPORT_DIR_ENV = "HOROVOD_QSGD_RANK_REPORTS"
+DEFAULT_TIMEOUT = 180
+# Ports are picked by horovodrun; these keep oversubscribed CPU runs polite.
+WORKER_THREAD_ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
+                     "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                     "NUMBA_NUM_THREADS": "1"}
+
+
+def in_worker():
+    return os.environ.get(WORKER_ENV) == "1"
+
+
+def _rank_reports(report_dir, num_ranks):
+    reports = {}
+    for rank in range(num_ranks):
+        path = os.path.join(report_dir, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                reports[rank] = json.load(f)
+    return reports
+
+
+def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None):
+    """Runs one test node on ``num_ranks`` ranks; calls pytest.fail on any rank failure or a hang."""
+    report_dir = tempfile.mkdtemp(prefix="hq-ranks-")
+    env = dict(os.environ, **WORKER_THREAD_ENV)
+    env.update(extra_env or {})
+    env[WORKER_ENV] = "1"
+    env[REPORT_DIR_ENV] = report_dir
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [rootdir, env.get("PYTHONPATH")] if p)
+    cmd = ["horovodrun", "-np", str(num_ranks), "-H", f"localhost:{num_ranks}", "--gloo",
+           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rN", nodeid]
+    log_path = os.path.join(report_dir, "horovodrun.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=rootdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with open(log_path) as f:
+        output = f.read()
+    reports = _rank_reports(report_dir, num_ranks)
+
+    failures = [f"--- rank {rank} failed ---\n{rep['longrepr']}"
+                for rank, rep in sorted(reports.items()) if rep["outcome"] == "failed"]
+    if hung:
+        finished = sorted(reports)
+        pytest.fail(f"timed out after {timeout} s on {num_ranks} ranks (a hung collective?); "
+                    f"ranks that finished: {finished or 'none'}\n" + "\n".join(failures)
+                    + f"\n--- horovodrun output (tail) ---\n{output[-3000:]}", pytrace=False)
+    if failures:
+        pytest.fail("\n".join(failures), pytrace=False)
+    skipped = [rep for rep in reports.values() if rep["outcome"] == "skipped"]
+    if len(skipped) == num_ranks:
+        pytest.skip(skipped[0]["longrepr"])
+    missing = [r for r in range(num_ranks) if r not in reports]
+    if proc.returncode != 0 or missing:
+        pytest.fail(f"horovodrun exited with {proc.returncode}; ranks without a report: {missing}\n"
+                    f"--- horovodrun output (tail) ---\n{output[-3000:]}", pytrace=False)
+
+
+# ---- pytest hooks, registered from tests/conftest.py ----
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "ranks(n, timeout=180, env=None): run the test on n Horovod ranks under horovodrun --gloo")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    marker = pyfuncitem.get_closest_marker("ranks")
+    if marker is None or in_worker():
+        return None
+    num_ranks = marker.args[0] if marker.args else marker.kwargs["n"]
+    run_on_ranks(pyfuncitem.nodeid, str(pyfuncitem.config.rootpath), num_ranks,
+                 marker.kwargs.get("timeout", DEFAULT_TIMEOUT), marker.kwargs.get("env"))
+    return True
+
+
+def pytest_runtest_logreport(report):
+    if not in_worker() or (report.when != "call" and report.outcome == "passed"):
+        return
+    rank = os.environ.get("HOROVOD_RANK", "unknown")
+    if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+        longrepr = report.longrepr[2]
+    else:
+        longrepr = str(report.longrepr) if report.longrepr else ""
+    path = os.path.join(os.environ[REPORT_DIR_ENV], f"rank{rank}.json")
+    # A failing teardown must not hide a failing call: keep the first failure.
+    if os.path.exists(path):
+        with open(path) as f:
+            if json.load(f)["outcome"] == "failed":
+                return
+    with open(path, "w") as f:
+        json.dump({"outcome": report.outcome, "when": report.when, "longrepr": longrepr}, f)

@@ -1,0 +1,33 @@
+"""The multi-rank harness itself: a failure on one rank and a hang are both reported as failures."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLES = os.path.join("tests", "harness_samples", "failing_on_ranks.py")
+
+
+@pytest.fixture(scope="module")
+def sample_run():
+    env = dict(os.environ, HQ_SAMPLE_HANG_TIMEOUT="30")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", SAMPLES],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return proc
+
+
+def test_sample_run_fails(sample_run):
+    assert sample_run.returncode == 1, sample_run.stdout[-3000:]
+    assert "2 failed" in sample_run.stdout, sample_run.stdout[-3000:]
+
+
+def test_failure_on_rank_one_is_reported_with_its_message(sample_run):
+    out = sample_run.stdout
+    assert "--- rank 1 failed ---" in out, out[-3000:]
+    assert "deliberate failure on rank 1" in out
+    assert "--- rank 0 failed ---" not in out.split("test_hangs_in_a_collective")[0]
+
+
+def test_hang_is_reported_as_timeout(sample_run):
+    assert "timed out after 30 s on 2 ranks" in sample_run.stdout, sample_run.stdout[-3000:]
