@@ -1,0 +1,121 @@
+"""Compare compressors under ``horovodrun -np 2`` on a real, shaped network.
+
+    python benchmarks/compare.py --quick            # the README's main job, a few minutes
+    python benchmarks/compare.py --rates 100mbit,1gbit,10gbit,none --out benchmarks/results/full
+
+Each configuration runs the synthetic benchmark in a fresh private network
+namespace whose loopback is shaped with ``tc`` to the given rate (``none``:
+unshaped), and reports throughput, step time, bytes on the wire per step
+(counted by the namespace's /proc/net/dev) and the time spent encoding and
+decoding. Without root (no namespaces) it runs on the host's loopback,
+unshaped, and says so.
+"""
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks import netlab  # noqa: E402
+
+# name -> benchmark flags
+COMPRESSORS = {
+    "none": ["--compression", "none"],
+    "fp16": ["--compression", "fp16"],
+    "qsgd-8bit": ["--compression", "qsgd", "--bits", "8"],
+    "qsgd-4bit": ["--compression", "qsgd", "--bits", "4"],
+    "qsgd-2bit": ["--compression", "qsgd", "--bits", "2"],
+    "topk-1%": ["--compression", "topk", "--ratio", "0.01"],
+    "topk-0.1%": ["--compression", "topk", "--ratio", "0.001"],
+    "gaussiank-0.1%": ["--compression", "topk", "--ratio", "0.001", "--selector", "gaussian"],
+    "randomk-1%": ["--compression", "randomk", "--ratio", "0.01"],
+}
+QUICK = ["none", "fp16", "qsgd-4bit", "topk-1%", "gaussiank-0.1%", "randomk-1%"]
+
+
+def run_one(name, rate, args, out_dir):
+    result_path = os.path.join(out_dir, f"{args.framework}-{args.model}-{name}-{rate}.json")
+    script = os.path.join(ROOT, "benchmarks", f"{args.framework}_synthetic_benchmark.py")
+    job = ["horovodrun", "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, script,
+           "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
+           "--num-batches-per-iter", str(args.num_batches_per_iter), "--json-out", result_path,
+           *COMPRESSORS[name]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    if args.namespaces:
+        with netlab.Namespace(rate=None if rate == "none" else rate) as ns:
+            proc = ns.run(job, capture_output=True, text=True, env=env, timeout=args.timeout)
+    else:
+        proc = subprocess.run(job, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} at {rate} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(result_path) as f:
+        result = json.load(f)
+    result.update(name=name, rate=rate)
+    return result
+
+
+def print_table(results):
+    baseline = {r["rate"]: r for r in results if r["name"] == "none"}
+    header = (f"{'rate':>8} {'compressor':<15} {'img/s':>8} {'step s':>8} {'wire MB/step':>13} "
+              f"{'bytes vs none':>13} {'speedup':>8} {'enc+dec':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        base = baseline.get(r["rate"])
+        fewer = f"{base['wire_bytes_per_step'] / r['wire_bytes_per_step']:.1f}x" if base else "-"
+        speedup = f"{r['img_sec_total'] / base['img_sec_total']:.2f}x" if base else "-"
+        codec_share = (r["encode_seconds_per_step"] + r["decode_seconds_per_step"]) / r["step_seconds"]
+        print(f"{r['rate']:>8} {r['name']:<15} {r['img_sec_total']:>8.1f} {r['step_seconds']:>8.3f} "
+              f"{r['wire_bytes_per_step'] / 1e6:>13.2f} {fewer:>13} {speedup:>8} {codec_share:>7.0%}")
+    sys.stdout.flush()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the short main job: 1gbit, 6 compressors")
+    parser.add_argument("--framework", default="pytorch", choices=["pytorch", "tensorflow"])
+    parser.add_argument("--model", default="mlp25m")
+    parser.add_argument("--compressors", default=",".join(COMPRESSORS))
+    parser.add_argument("--rates", default="1gbit", help="comma-separated tc rates, 'none' for unshaped")
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--num-batches-per-iter", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "latest"))
+    args = parser.parse_args()
+    if args.quick:
+        args.compressors, args.rates, args.num_iters = ",".join(QUICK), "1gbit", 3
+
+    reason = netlab.unavailable_reason()
+    args.namespaces = reason is None
+    rates = args.rates.split(",")
+    if not args.namespaces:
+        print(f"note: {reason}; running unshaped on the host loopback (byte counts include other traffic)")
+        rates = ["none"]
+    names = args.compressors.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    results, started = [], time.time()
+    total = len(rates) * len(names)
+    for rate in rates:
+        for name in names:
+            print(f"[{len(results) + 1}/{total}] {name} at {rate} ({time.time() - started:.0f} s so far)",
+                  flush=True)
+            results.append(run_one(name, rate, args, args.out))
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted(results[0]))
+        writer.writeheader()
+        writer.writerows(results)
+    print(f"\n{args.framework}, model {args.model}, {args.np} ranks; wire bytes are both ranks' traffic on "
+          "the namespace's loopback, whose shaped rate both directions share.")
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()

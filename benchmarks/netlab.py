@@ -1,0 +1,74 @@
+"""A private network namespace with a shaped loopback: a real slow network on one machine.
+
+Both ranks of a ``horovodrun -np 2`` job started inside the namespace talk over
+its loopback, so ``tc`` shapes their traffic and the namespace's
+``/proc/net/dev`` counts exactly their bytes. The loopback is one device: the
+shaped rate is shared by both directions.
+"""
+import os
+import shutil
+import subprocess
+import uuid
+
+# A token-bucket burst must exceed the MTU or every packet is dropped.
+LOOPBACK_MTU = 9000
+BURST = "256kb"
+
+
+def unavailable_reason():
+    """None when namespaces can be made here, else why not (for pytest.skip)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' is not installed (Debian package iproute2)"
+    probe = f"hq-probe-{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"'ip netns add' failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return None
+
+
+def loopback_bytes():
+    """Bytes sent on ``lo`` in the calling process's network namespace."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])  # transmit bytes
+    raise RuntimeError("no 'lo' in /proc/net/dev")
+
+
+class Namespace:
+    """``with Namespace(rate="1gbit") as ns: ns.run([...])``; rate None leaves the loopback unshaped."""
+
+    def __init__(self, rate=None, latency="20ms"):
+        self.name = f"hq-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.rate, self.latency = rate, latency
+
+    def _ip(self, *args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    def __enter__(self):
+        self._ip("netns", "add", self.name)
+        try:
+            self._ip("-n", self.name, "link", "set", "lo", "up")
+            if self.rate:
+                self._ip("-n", self.name, "link", "set", "lo", "mtu", str(LOOPBACK_MTU))
+                subprocess.run(["ip", "netns", "exec", self.name, "tc", "qdisc", "add", "dev", "lo", "root",
+                                "tbf", "rate", self.rate, "burst", BURST, "latency", self.latency],
+                               check=True, capture_output=True, text=True)
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        subprocess.run(["ip", "netns", "delete", self.name], capture_output=True)
+
+    def command(self, argv):
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def run(self, argv, **kwargs):
+        return subprocess.run(self.command(argv), **kwargs)
