@@ -40,7 +40,7 @@ QUICK = ["none", "fp16", "qsgd-4bit", "topk-1%", "gaussiank-0.1%", "randomk-1%"]
 def run_one(name, rate, args, out_dir):
     result_path = os.path.join(out_dir, f"{args.framework}-{args.model}-{name}-{rate}.json")
     script = os.path.join(ROOT, "benchmarks", f"{args.framework}_synthetic_benchmark.py")
-    job = ["horovodrun", "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, script,
+    job = [*netlab.HOROVODRUN, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, script,
            "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
            "--num-batches-per-iter", str(args.num_batches_per_iter), "--json-out", result_path,
            *COMPRESSORS[name]]

@@ -8,8 +8,11 @@ shaped rate is shared by both directions.
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 
+# horovodrun of this interpreter, whether or not its scripts directory is on PATH.
+HOROVODRUN = [sys.executable, "-m", "horovod.runner.launch"]
 # A token-bucket burst must exceed the MTU or every packet is dropped.
 LOOPBACK_MTU = 9000
 BURST = "256kb"

@@ -49,7 +49,8 @@ def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None):
     env[WORKER_ENV] = "1"
     env[REPORT_DIR_ENV] = report_dir
     env["PYTHONPATH"] = os.pathsep.join(p for p in [rootdir, env.get("PYTHONPATH")] if p)
-    cmd = ["horovodrun", "-np", str(num_ranks), "-H", f"localhost:{num_ranks}", "--gloo",
+    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(num_ranks),
+           "-H", f"localhost:{num_ranks}", "--gloo",
            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rN", nodeid]
     log_path = os.path.join(report_dir, "horovodrun.log")
     with open(log_path, "w") as log:

@@ -13,6 +13,5 @@ def test_fails_on_rank_one_only(hvd_torch):
 @pytest.mark.ranks(2, timeout=int(os.environ.get("HQ_SAMPLE_HANG_TIMEOUT", "30")))
 def test_hangs_in_a_collective(hvd_torch):
     import torch
-    if hvd_torch.rank() == 0:
-        # Rank 1 never joins this allreduce, so rank 0 waits forever.
-        hvd_torch.allreduce(torch.ones(3), name="never_matched")
+    # Each rank waits for a collective the other never starts: a stall Horovod only warns about.
+    hvd_torch.allreduce(torch.ones(3), name=f"only_on_rank_{hvd_torch.rank()}")
