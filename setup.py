@@ -14,7 +14,7 @@ setup(
     extras_require={
         "torch": ["torch==2.13.0"],
         "tensorflow": ["tensorflow-cpu==2.21.0", "tf-keras==2.21.0"],
-        "test": ["pytest", "pytest-timeout", "scipy"],
+        "test": ["pytest", "pytest-timeout", "scipy", "scikit-learn"],
         "bench": ["matplotlib"],
     },
 )

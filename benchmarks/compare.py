@@ -21,19 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import netlab  # noqa: E402
+from benchmarks.compressors import SPECS, benchmark_flags  # noqa: E402
 
-# name -> benchmark flags
-COMPRESSORS = {
-    "none": ["--compression", "none"],
-    "fp16": ["--compression", "fp16"],
-    "qsgd-8bit": ["--compression", "qsgd", "--bits", "8"],
-    "qsgd-4bit": ["--compression", "qsgd", "--bits", "4"],
-    "qsgd-2bit": ["--compression", "qsgd", "--bits", "2"],
-    "topk-1%": ["--compression", "topk", "--ratio", "0.01"],
-    "topk-0.1%": ["--compression", "topk", "--ratio", "0.001"],
-    "gaussiank-0.1%": ["--compression", "topk", "--ratio", "0.001", "--selector", "gaussian"],
-    "randomk-1%": ["--compression", "randomk", "--ratio", "0.01"],
-}
 QUICK = ["none", "fp16", "qsgd-4bit", "topk-1%", "gaussiank-0.1%", "randomk-1%"]
 
 
@@ -43,7 +32,7 @@ def run_one(name, rate, args, out_dir):
     job = [*netlab.HOROVODRUN, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, script,
            "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
            "--num-batches-per-iter", str(args.num_batches_per_iter), "--json-out", result_path,
-           *COMPRESSORS[name]]
+           *benchmark_flags(name)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
     if args.namespaces:
         with netlab.Namespace(rate=None if rate == "none" else rate) as ns:
@@ -79,7 +68,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the short main job: 1gbit, 6 compressors")
     parser.add_argument("--framework", default="pytorch", choices=["pytorch", "tensorflow"])
     parser.add_argument("--model", default="mlp25m")
-    parser.add_argument("--compressors", default=",".join(COMPRESSORS))
+    parser.add_argument("--compressors", default=",".join(SPECS))
     parser.add_argument("--rates", default="1gbit", help="comma-separated tc rates, 'none' for unshaped")
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)

@@ -25,7 +25,7 @@ import importlib.metadata as md
 need = {"torch": "2.13.0", "tensorflow-cpu": "2.21.0", "tf-keras": "2.21.0"}
 for name, version in need.items():
     assert md.version(name).split("+")[0] == version, name
-import numba, pytest, pytest_timeout, scipy, matplotlib, horovod_qsgd  # noqa: F401
+import numba, pytest, pytest_timeout, scipy, sklearn, matplotlib, horovod_qsgd  # noqa: F401
 PY
 then
   say "installing PyTorch 2.13.0 (CPU), TensorFlow 2.21, tf-keras, numba, test tools and horovod_qsgd"

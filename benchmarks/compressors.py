@@ -1,0 +1,35 @@
+"""The compressor configurations the benchmarks compare, by name, for either framework."""
+
+# name -> (class name in horovod_qsgd.torch / horovod_qsgd.tensorflow, constructor arguments)
+SPECS = {
+    "none": ("NoCompression", None),
+    "fp16": ("FP16", None),
+    "qsgd-8bit": ("QSGD", {"bits": 8}),
+    "qsgd-4bit": ("QSGD", {"bits": 4}),
+    "qsgd-2bit": ("QSGD", {"bits": 2}),
+    "topk-1%": ("TopK", {"ratio": 0.01}),
+    "topk-0.1%": ("TopK", {"ratio": 0.001}),
+    "gaussiank-1%": ("TopK", {"ratio": 0.01, "selector": "gaussian"}),
+    "gaussiank-0.1%": ("TopK", {"ratio": 0.001, "selector": "gaussian"}),
+    "randomk-1%": ("RandomK", {"ratio": 0.01, "error_feedback": True}),
+}
+
+_FLAG_NAMES = {"bits": "--bits", "ratio": "--ratio", "selector": "--selector"}
+_KINDS = {"NoCompression": "none", "FP16": "fp16", "QSGD": "qsgd", "TopK": "topk", "RandomK": "randomk"}
+
+
+def build(name, module, **overrides):
+    """An instance (or Horovod's compressor class) of configuration ``name`` from an adapter module."""
+    class_name, kwargs = SPECS[name]
+    cls = getattr(module, class_name)
+    return cls if kwargs is None else cls(**dict(kwargs, **overrides))
+
+
+def benchmark_flags(name):
+    """The synthetic benchmarks' command-line flags for configuration ``name``."""
+    class_name, kwargs = SPECS[name]
+    flags = ["--compression", _KINDS[class_name]]
+    for key, value in (kwargs or {}).items():
+        if key in _FLAG_NAMES:
+            flags += [_FLAG_NAMES[key], str(value)]
+    return flags
