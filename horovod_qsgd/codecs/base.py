@@ -1,0 +1,207 @@
+"""Shared machinery of the codecs: validation, dtype conversion, digest, header I/O."""
+
+import json
+import zlib
+
+import numpy as np
+
+from ..kernels import widen_f16
+from ..kernels._dual import as_device, is_cuda_array
+from .header import HEADER_NBYTES, WIRE_VERSION, PayloadError, pack_header, parse_header
+
+__all__ = ["Codec", "to_float32", "check_choice", "align4"]
+
+SUPPORTED_INPUT = "float32, float16 and bfloat16 (converted to float32 first)"
+
+
+def align4(n):
+    return (n + 3) & ~3
+
+
+def check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed values: "
+                         + ", ".join(repr(a) for a in allowed))
+    return value
+
+
+def check_int(name, value, lo, hi=None):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ValueError(f"{name}={value!r} is out of range; allowed: {rng}")
+    return int(value)
+
+
+def check_ratio(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name}={value!r} is out of range; allowed: a float in (0, 1]")
+    return float(value)
+
+
+_is_cuda = is_cuda_array
+_dev = as_device
+
+
+def to_float32(x, *, what="x"):
+    """float32 1-D view or copy of x (numpy or CUDA array).
+
+    float16 inputs are widened exactly; numpy arrays of a ``bfloat16`` dtype
+    (ml_dtypes, as used by TensorFlow and JAX) are widened exactly by a bit
+    shift.  CUDA bfloat16 cannot be passed through the CUDA array interface:
+    adapters convert it (``tensor.float()``) before calling a codec.
+    Anything else raises TypeError.
+    """
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif _is_cuda(x):
+        arr = _dev(x)
+    else:
+        raise TypeError(f"{what} must be a numpy array or a CUDA array (__cuda_array_interface__), "
+                        f"got {type(x).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(arr.shape)}; flatten it first")
+    dt = np.dtype(arr.dtype)
+    if dt == np.float32:
+        if isinstance(arr, np.ndarray):
+            return np.ascontiguousarray(arr)
+        if not arr.is_c_contiguous():
+            raise ValueError(f"{what} must be contiguous")
+        return arr
+    if dt == np.float16:
+        if isinstance(arr, np.ndarray):
+            return arr.astype(np.float32)
+        return widen_f16(arr.view(np.uint16))
+    if dt.name == "bfloat16" and isinstance(arr, np.ndarray):
+        return (np.ascontiguousarray(arr).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    raise TypeError(f"{what} has dtype {dt.name}; supported: {SUPPORTED_INPUT}")
+
+
+def _check_array(name, a, dtype, size=None, min_size=None, gpu=False):
+    if gpu:
+        if not _is_cuda(a):
+            raise TypeError(f"{name} must be a CUDA array like x, got {type(a).__name__}")
+        a = _dev(a)
+    elif not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array like x, got {type(a).__name__}")
+    if np.dtype(a.dtype) != dtype or a.ndim != 1:
+        raise TypeError(f"{name} must be a 1-D {np.dtype(dtype).name} array, got {np.dtype(a.dtype).name} "
+                        f"with shape {tuple(a.shape)}")
+    contiguous = a.flags["C_CONTIGUOUS"] if isinstance(a, np.ndarray) else a.is_c_contiguous()
+    if not contiguous:
+        raise ValueError(f"{name} must be contiguous")
+    if size is not None and a.size != size:
+        raise ValueError(f"{name} has {a.size} elements, expected {size}")
+    if min_size is not None and a.size < min_size:
+        raise ValueError(f"{name} has {a.size} bytes, the payload needs up to {min_size}")
+    return a
+
+
+def view(buf, offset, count, dtype):
+    """``count`` items of ``dtype`` at byte ``offset`` of a uint8 array (numpy or device)."""
+    nbytes = count * np.dtype(dtype).itemsize
+    return buf[offset:offset + nbytes].view(dtype)
+
+
+def write_bytes(buf, offset, data):
+    """Copy host bytes into a numpy or device uint8 array."""
+    data = np.frombuffer(bytes(data), np.uint8)
+    if data.size == 0:
+        return
+    if isinstance(buf, np.ndarray):
+        buf[offset:offset + data.size] = data
+    else:
+        buf[offset:offset + data.size].copy_to_device(data)
+
+
+def read_bytes(buf, offset, n):
+    if isinstance(buf, np.ndarray):
+        return buf[offset:offset + n].tobytes()
+    return buf[offset:offset + n].copy_to_host().tobytes()
+
+
+class Codec:
+    """Base class; subclasses define ``codec_id``, ``config()``, the layout and the kernels."""
+
+    codec_id = 0
+    payload_nbytes_is_fixed = True
+    MAX_NUMEL = 2 ** 32 - 1
+
+    def config(self):
+        raise NotImplementedError
+
+    @property
+    def digest(self):
+        """uint32 crc32 of (codec class, config, wire format version), stable across runs."""
+        text = json.dumps({"codec": type(self).__name__, "config": self.config(),
+                           "wire_version": WIRE_VERSION}, sort_keys=True, separators=(",", ":"))
+        return zlib.crc32(text.encode("utf-8")) & 0xFFFFFFFF
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+    def max_payload_nbytes(self, numel):
+        raise NotImplementedError
+
+    # -- helpers for subclasses -------------------------------------------
+
+    def _prepare_encode(self, x, out, residual, need_residual):
+        """Validate encode arguments; returns (x32, out, residual, gpu)."""
+        x = to_float32(x)
+        gpu = not isinstance(x, np.ndarray)
+        n = x.size
+        if n > self.MAX_NUMEL:
+            raise ValueError(f"x has {n} elements; {type(self).__name__} supports at most {self.MAX_NUMEL}")
+        out = _check_array("out", out, np.uint8, min_size=self.max_payload_nbytes(n), gpu=gpu)
+        if need_residual:
+            if residual is None:
+                raise ValueError(f"{type(self).__name__} uses error feedback: pass residual=, "
+                                 f"a float32 array of x.size ({n}) elements, zeros at the start")
+            residual = _check_array("residual", residual, np.float32, size=n, gpu=gpu)
+        return x, out, residual, gpu
+
+    @staticmethod
+    def _check_step_key(step, key):
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < 2 ** 64:
+            raise ValueError(f"step={step!r} must be an integer in [0, 2**64)")
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < 2 ** 32:
+            raise ValueError(f"key={key!r} must be an integer in [0, 2**32) (e.g. crc32 of the tensor name)")
+        return int(step), int(key)
+
+    def _finish(self, out, numel, nbytes_used):
+        """Zero the alignment padding and write the header; returns the total length."""
+        total = align4(nbytes_used)
+        write_bytes(out, nbytes_used, bytes(total - nbytes_used))
+        write_bytes(out, 0, pack_header(self.codec_id, numel, self.digest, total))
+        return total
+
+    def _open_payload(self, payload, out):
+        """Validate a payload against this codec and ``out``; returns (header, payload, out, gpu)."""
+        gpu = _is_cuda(out)
+        out = _check_array("out", out, np.float32, gpu=gpu)
+        if gpu and not _is_cuda(payload):
+            raise TypeError("payload must be a CUDA array when out is one")
+        payload = _check_array("payload", payload, np.uint8, gpu=gpu)
+        h = parse_header(payload)
+        name = type(self).__name__
+        if h.version != WIRE_VERSION:
+            raise PayloadError(f"wire format version mismatch: payload has {h.version}, "
+                               f"this build reads {WIRE_VERSION}")
+        if h.codec_id != self.codec_id:
+            raise PayloadError(f"codec id mismatch: payload has {h.codec_id}, {name} is {self.codec_id}")
+        if h.numel != out.size:
+            raise PayloadError(f"numel mismatch: payload encodes {h.numel} elements, out has {out.size}")
+        if h.digest != self.digest:
+            raise PayloadError(f"config digest mismatch: payload has {h.digest:#010x}, {self!r} "
+                               f"has {self.digest:#010x} (the ranks use different codec settings)")
+        if payload.size < h.nbytes:
+            raise PayloadError(f"truncated payload: header says {h.nbytes} bytes, got {payload.size}")
+        if payload.size > h.nbytes:
+            raise PayloadError(f"payload has {payload.size} bytes but its header says {h.nbytes}: "
+                               f"pass exactly one payload (split concatenations with parse_header)")
+        if self.payload_nbytes_is_fixed and h.nbytes != self.max_payload_nbytes(h.numel):
+            raise PayloadError(f"payload length {h.nbytes} does not match the {self.max_payload_nbytes(h.numel)} "
+                               f"bytes of {name} for {h.numel} elements")
+        return h, payload, out, gpu

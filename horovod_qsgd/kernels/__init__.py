@@ -1,0 +1,32 @@
+"""Compression kernels shared by every framework adapter.
+
+Each routine's per-element / per-group / per-bucket / per-chunk *core* is
+written once as a plain Python function and compiled twice, with
+``numba.njit`` for the CPU and ``numba.cuda.jit(device=True)`` for CUDA (see
+:mod:`._dual`).  The functions exported here dispatch on the array type:
+numpy arrays run on the CPU, objects with ``__cuda_array_interface__`` on
+CUDA.  Kernels take float32 data and never import torch or TensorFlow.
+
+Modules:
+
+* :mod:`.rng` - counter-based random numbers (seed, step, key, index);
+* :mod:`.half` - float32 <-> fp16 conversions as arithmetic cores;
+* :mod:`.qsgd` - QSGD quantise + fixed-width pack, unpack + accumulate;
+* :mod:`.elias` - Elias-gamma coded QSGD, parallel over buckets;
+* :mod:`.select` - top-k (exact radix select, Gaussian-k, sampled), random-k;
+* :mod:`.api` - the array-level entry points below.
+"""
+
+from ._dual import threading_layer
+from .api import (acklam_ppf, elias_decode_accumulate, elias_encode, exact_threshold,
+                  qsgd_decode_accumulate, qsgd_encode, randomk_gather, randomk_indices,
+                  randomk_scatter_accumulate, sparse_accumulate, topk_select, widen_f16)
+from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
+
+__all__ = [
+    "acklam_ppf", "elias_decode_accumulate", "elias_encode", "exact_threshold",
+    "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
+    "randomk_scatter_accumulate", "sparse_accumulate", "topk_select", "widen_f16",
+    "stream_base", "threading_layer",
+    "PURPOSE_RANDOMK", "PURPOSE_ROUNDING", "PURPOSE_SAMPLE",
+]

@@ -1,0 +1,276 @@
+"""Write a kernel core once, compile it for the CPU and for CUDA.
+
+A *core* is a plain Python function that does the work of one element group,
+bucket or chunk.  :func:`core` compiles it with ``numba.njit`` right away and
+registers it, so that :func:`cuda_twin` can later compile the *same source*
+with ``numba.cuda.jit(device=True)``.  Cores call other cores by their module
+global name; for the CUDA compilation the function is rebuilt with a copy of
+its globals in which every registered core is replaced by its CUDA twin (and
+``cuda`` is bound to ``numba.cuda``), so one source serves both targets.
+
+CPU launchers are ordinary ``njit(parallel=True)`` functions that loop with
+``prange`` over groups/buckets/chunks and call the cores.  CUDA launchers are
+plain Python kernel functions wrapped by :func:`cuda_kernel`; they launch one
+thread per group/bucket/chunk and call the same cores.
+
+Arithmetic rules for cores (so that the CPU, CUDA and the CUDA simulator,
+which runs the core as plain Python on numpy scalars, give the same bits):
+
+* every float constant is a ``np.float32``/``np.float64`` module global, every
+  int that meets a float is converted explicitly (numba turns
+  ``float32 * int64`` into float64, numpy keeps float32);
+* uint64 arithmetic only between uint64 values (uint64 op int64 is float64 in
+  both numba and numpy 2);
+* a product that feeds an addition goes through :func:`fmul32`/:func:`fmul64`,
+  which on a real GPU are ``__fmul_rn``/``__dmul_rn`` so NVVM cannot contract
+  them into an FMA (the CPU never contracts without fastmath).
+"""
+
+import hashlib
+import os
+import threading
+import types
+
+import numba
+import numpy as np
+
+__all__ = [
+    "core", "cuda_twin", "cuda_kernel", "is_cuda_array", "as_device", "on_cuda",
+    "cpu_launch", "fmul32", "fmul64", "launch_config",
+]
+
+# ------------------------------------------------------------ JIT cache --
+# njit(cache=True) stamps a cached function with the hash of *its own* source
+# file, but our launchers inline cores from other files: editing a core would
+# leave stale machine code in the cache.  Our locators stamp every cached
+# kernel with the hash of all kernel sources together.
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _kernel_sources_hash():
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(_HERE)):
+        if name.endswith(".py"):
+            h.update(name.encode())
+            with open(os.path.join(_HERE, name), "rb") as f:
+                h.update(f.read())
+    return h.digest()
+
+
+def _install_cache_locators():
+    from numba.core import caching
+
+    stamp = _kernel_sources_hash()
+
+    class _Mixin:
+        def get_source_stamp(self):
+            return stamp
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if os.path.dirname(os.path.abspath(py_file)) != _HERE:
+                return None
+            return super().from_function(py_func, py_file)
+
+    def find(*names):
+        for name in names:
+            if hasattr(caching, name):
+                return getattr(caching, name)
+        return None
+
+    in_tree = find("InTreeCacheLocator", "_InTreeCacheLocator")
+    user_wide = find("UserWideCacheLocator", "_UserWideCacheLocator")
+    impl = find("CacheImpl", "_CacheImpl")
+    if None in (in_tree, user_wide, impl):  # unknown numba: keep its own caching
+        return
+
+    class InTree(_Mixin, in_tree):
+        pass
+
+    class UserWide(_Mixin, user_wide):
+        pass
+
+    impl._locator_classes = [InTree, UserWide] + [
+        c for c in impl._locator_classes if getattr(c, "__module__", None) != __name__]
+
+
+_install_cache_locators()
+
+_REGISTRY = {}  # id(cpu dispatcher) -> [cpu dispatcher, pyfunc, cuda_impl, cuda twin]
+
+
+def core(fn=None, *, cuda_impl=None, inline=False):
+    """Decorator: compile ``fn`` with njit now, keep it for a CUDA twin later.
+
+    ``cuda_impl`` (optional) is a zero-argument callable returning a CUDA
+    device function to use instead of compiling ``fn`` on a real GPU (not in
+    the simulator, which always runs ``fn`` itself).  ``inline=True`` makes
+    numba inline the CPU version into its callers at the IR level (for small
+    cores called per group in hot loops, which LLVM would otherwise call).
+    """
+    def wrap(f):
+        cpu = numba.njit(cache=True, inline="always" if inline else "never")(f)
+        _REGISTRY[id(cpu)] = [cpu, f, cuda_impl, None]
+        return cpu
+    return wrap(fn) if fn is not None else wrap
+
+
+def _cuda():
+    from numba import cuda  # imported lazily: costs time and is rarely needed
+    return cuda
+
+
+def _simulated():
+    return bool(numba.config.ENABLE_CUDASIM)
+
+
+def _retarget(fn):
+    """Copy of ``fn`` whose global cores resolve to their CUDA twins."""
+    g = dict(fn.__globals__)
+    for name in fn.__code__.co_names:
+        val = g.get(name)
+        if val is not None and id(val) in _REGISTRY and _REGISTRY[id(val)][0] is val:
+            g[name] = cuda_twin(val)
+    g["cuda"] = _cuda()
+    return types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def cuda_twin(cpu_dispatcher):
+    """The CUDA device-function twin of a core (compiled on first use)."""
+    entry = _REGISTRY[id(cpu_dispatcher)]
+    if entry[3] is None:
+        cpu, fn, cuda_impl, _ = entry
+        if cuda_impl is not None and not _simulated():
+            entry[3] = cuda_impl()
+        else:
+            entry[3] = _cuda().jit(device=True)(_retarget(fn))
+    return entry[3]
+
+
+class cuda_kernel:
+    """Lazily compiled CUDA kernel from a plain Python function.
+
+    ``k[n](*args)`` launches ``n`` threads (``launch_config(n)`` blocks of 128).
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._kernel = None
+
+    def __getitem__(self, nthreads):
+        if self._kernel is None:
+            self._kernel = _cuda().jit(_retarget(self.fn))
+        grid, block = launch_config(nthreads)
+        return self._kernel[grid, block]
+
+
+def launch_config(nthreads, block=128):
+    return max(1, (int(nthreads) + block - 1) // block), block
+
+
+# ---------------------------------------------------------------- dispatch --
+
+def _device_array_types():
+    if _simulated():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return (FakeCUDAArray,)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    return (DeviceNDArray,)
+
+
+def is_cuda_array(a):
+    """True for numba device arrays and objects with ``__cuda_array_interface__``."""
+    if isinstance(a, np.ndarray) or a is None:
+        return False
+    if hasattr(a, "__cuda_array_interface__"):
+        return True
+    return _simulated() and isinstance(a, _device_array_types())
+
+
+def as_device(a):
+    """numba device array for a CUDA array (zero copy)."""
+    if isinstance(a, _device_array_types()):
+        return a
+    return _cuda().as_cuda_array(a)
+
+
+def on_cuda(*arrays):
+    """True if the (non-None) arrays are CUDA arrays, False if numpy arrays.
+
+    Raises TypeError on a mix of the two or on anything else.
+    """
+    kinds = set()
+    for a in arrays:
+        if a is None:
+            continue
+        if isinstance(a, np.ndarray):
+            kinds.add("cpu")
+        elif is_cuda_array(a):
+            kinds.add("cuda")
+        else:
+            raise TypeError(
+                f"expected a numpy array or a CUDA array (__cuda_array_interface__), got {type(a).__name__}")
+    if len(kinds) > 1:
+        raise TypeError("all arrays must be on the same device kind: got numpy and CUDA arrays mixed")
+    return kinds == {"cuda"}
+
+
+# --------------------------------------------------------------- threading --
+# numba's "workqueue" threading layer aborts the process when parallel
+# kernels are launched from several Python threads at once.  The "omp" and
+# "tbb" layers are thread safe.  numba picks the first available of
+# tbb, omp, workqueue; if it ended up on workqueue we serialise our parallel
+# launches with a lock (see cpu_launch).
+
+_LOCK = threading.Lock()
+_LAYER = None
+
+
+@numba.njit(parallel=True, cache=True)
+def _probe(a):
+    for i in numba.prange(a.size):
+        a[i] = i
+
+
+def threading_layer():
+    """The numba threading layer in use (starts numba's pool if needed)."""
+    global _LAYER
+    if _LAYER is None:
+        with _LOCK:
+            if _LAYER is None:
+                _probe(np.empty(4, np.int64))
+                _LAYER = numba.threading_layer()
+    return _LAYER
+
+
+def cpu_launch(fn, *args):
+    """Call a parallel CPU launcher, serialised only where numba needs it."""
+    if threading_layer() == "workqueue":
+        with _LOCK:
+            return fn(*args)
+    return fn(*args)
+
+
+# ------------------------------------------------------- no-FMA products --
+
+def _fmul32_cuda():
+    from numba.cuda import libdevice
+    return libdevice.fmul_rn
+
+
+def _fmul64_cuda():
+    from numba.cuda import libdevice
+    return libdevice.dmul_rn
+
+
+@core(cuda_impl=_fmul32_cuda, inline=True)
+def fmul32(a, b):
+    """float32 product that is never fused with a following addition."""
+    return a * b
+
+
+@core(cuda_impl=_fmul64_cuda, inline=True)
+def fmul64(a, b):
+    """float64 product that is never fused with a following addition."""
+    return a * b

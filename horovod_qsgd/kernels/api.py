@@ -1,0 +1,453 @@
+"""Array-level entry points: dispatch on the array type to CPU or CUDA.
+
+numpy arrays run the ``njit(parallel=True)`` launchers; objects with
+``__cuda_array_interface__`` (numba device arrays, torch CUDA tensors) run the
+CUDA kernels.  The arrays passed here are already typed views of a payload
+(the codecs in :mod:`horovod_qsgd.codecs` cut them); nothing here knows about
+headers.  Arguments are assumed valid (the codecs validate them).
+"""
+
+import math
+
+import numpy as np
+
+from . import elias as _el
+from . import qsgd as _q
+from . import select as _sel
+from ._dual import as_device, cpu_launch, on_cuda
+
+__all__ = [
+    "qsgd_encode", "qsgd_decode_accumulate", "elias_encode", "elias_decode_accumulate",
+    "topk_select", "sparse_accumulate", "exact_threshold",
+    "randomk_indices", "randomk_gather", "randomk_scatter_accumulate", "acklam_ppf",
+    "widen_f16",
+]
+
+_TARGET_CHUNK = 1 << 16  # elements per CPU work item for the QSGD launchers
+
+
+def _cuda():
+    from numba import cuda
+    return cuda
+
+
+def _dev(a):
+    """numba device array for a CUDA array-interface object (zero copy)."""
+    return None if a is None else as_device(a)
+
+
+def _empty(shape, dtype, gpu):
+    return _cuda().device_array(shape, dtype) if gpu else np.empty(shape, dtype)
+
+
+def _zeros(shape, dtype, gpu):
+    return _cuda().to_device(np.zeros(shape, dtype)) if gpu else np.zeros(shape, dtype)
+
+
+def _host(a, gpu):
+    return a.copy_to_host() if gpu else a
+
+
+def _bits(a):
+    return a.view(np.uint32)
+
+
+def _chunk_for(bucket):
+    unit = bucket * 8 // math.gcd(bucket, 8)
+    return unit * max(1, _TARGET_CHUNK // unit)
+
+
+# ------------------------------------------------------------------- QSGD --
+
+def _scale_arrays(scales, nb, half, gpu):
+    """(stored float32 scales, fp16 bits) arrays for the launchers."""
+    if half:
+        return _empty(max(nb, 1), np.float32, gpu), scales
+    return scales, _empty(1, np.uint16, gpu)
+
+
+def qsgd_encode(x, scales, codes, *, bucket_size, bits, use_l2, half, stochastic, base):
+    """Quantise x (float32) into scales (float32, or uint16 fp16 bits) and codes (uint8)."""
+    gpu = on_cuda(x, scales, codes)
+    n = x.size
+    nb = (n + bucket_size - 1) // bucket_size
+    s = (1 << (bits - 1)) - 1
+    if n == 0:
+        return
+    if not gpu:
+        scale32, scale16 = _scale_arrays(scales, nb, half, False)
+        cpu_launch(_q.encode_fixed_cpu, x, _bits(x), bucket_size, use_l2, half, s, bits, stochastic,
+                   base, scale32, scale16, codes, _chunk_for(bucket_size))
+        return
+    x, scales, codes = _dev(x), _dev(scales), _dev(codes)
+    scale32, scale16 = _scale_arrays(scales, nb, half, True)
+    _q.scale_kernel[nb](x, _bits(x), nb, bucket_size, use_l2, half, scale32, scale16)
+    tmp = _empty(n, np.uint8, True)
+    _q.code_kernel[n](x, bucket_size, scale32, s, stochastic, base, tmp)
+    _q.pack_kernel[(n + 7) // 8](tmp, bits, codes)
+
+
+def _stored_scales(scales, half, gpu):
+    if not half:
+        return scales
+    out = _empty(scales.size, np.float32, gpu)
+    if gpu:
+        _q.f16_scale_kernel[scales.size](scales, out)
+    else:
+        cpu_launch(_q.scales_from_f16_cpu, scales, out)
+    return out
+
+
+def qsgd_decode_accumulate(scales, codes, out, *, bucket_size, bits, half):
+    """out += decoded fixed-width QSGD codes."""
+    gpu = on_cuda(scales, codes, out)
+    n = out.size
+    if n == 0:
+        return
+    s = (1 << (bits - 1)) - 1
+    if gpu:
+        scales, codes, out = _dev(scales), _dev(codes), _dev(out)
+    scale32 = _stored_scales(scales, half, gpu)
+    if gpu:
+        _q.decode_kernel[(n + 7) // 8](codes, bucket_size, scale32, s, bits, out)
+    else:
+        chunk = bucket_size * max(1, _TARGET_CHUNK // bucket_size)
+        cpu_launch(_q.decode_fixed_cpu, codes, bucket_size, scale32, s, bits, out, chunk)
+
+
+def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, stochastic, base):
+    """Elias-coded QSGD; writes scales, ends (uint32 cumulative byte ends), stream.
+
+    Returns the number of stream bytes used (``ends[-1]``).
+    """
+    gpu = on_cuda(x, scales, ends, stream)
+    n = x.size
+    nb = ends.size
+    if n == 0:
+        return 0
+    s = (1 << (bits - 1)) - 1
+    if gpu:
+        x, scales, ends, stream = _dev(x), _dev(scales), _dev(ends), _dev(stream)
+    scale32, scale16 = _scale_arrays(scales, nb, half, gpu)
+    nbytes = _empty(nb, np.int64, gpu)
+    if gpu:
+        _el.sizes_kernel[nb](x, _bits(x), bucket_size, use_l2, half, s, stochastic, base,
+                             scale32, scale16, nbytes)
+    else:
+        cpu_launch(_el.sizes_cpu, x, _bits(x), bucket_size, use_l2, half, s, stochastic, base,
+                   scale32, scale16, nbytes)
+    cum = np.cumsum(_host(nbytes, gpu))  # prefix sum on the host (nb values)
+    total = int(cum[-1])
+    if total > stream.size or total >= 2 ** 32:
+        raise ValueError(f"Elias stream needs {total} bytes, only {stream.size} available")
+    if gpu:
+        ends.copy_to_device(cum.astype(np.uint32))
+        _el.write_kernel[nb](x, bucket_size, s, stochastic, base, scale32, ends, stream)
+    else:
+        ends[:] = cum
+        cpu_launch(_el.write_cpu, x, bucket_size, s, stochastic, base, scale32, ends, stream)
+    return total
+
+
+def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, half):
+    """out += decoded Elias stream; ValueError naming the first corrupt bucket."""
+    gpu = on_cuda(scales, ends, stream, out)
+    if out.size == 0:
+        return
+    s = (1 << (bits - 1)) - 1
+    nb = ends.size
+    if gpu:
+        scales, ends, stream, out = _dev(scales), _dev(ends), _dev(stream), _dev(out)
+    ends_h = _host(ends, gpu)
+    if np.any(np.diff(ends_h.astype(np.int64)) < 0) or int(ends_h[-1]) > stream.size:
+        raise ValueError("Elias bucket offsets are not increasing or run past the stream")
+    scale32 = _stored_scales(scales, half, gpu)
+    status = _zeros(nb, np.int32, gpu)
+    if gpu:
+        _el.decode_kernel[nb](stream, ends, bucket_size, scale32, s, out, status)
+    else:
+        cpu_launch(_el.decode_cpu, stream, ends, bucket_size, scale32, s, out, status)
+    bad = np.flatnonzero(_host(status, gpu))
+    if bad.size:
+        raise ValueError(f"corrupt Elias stream in bucket {int(bad[0])} (and {bad.size - 1} more)")
+
+
+# ------------------------------------------------------------------ top-k --
+
+_EXACT_CHUNK = 1 << 18
+_DIGITS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the radix passes
+
+
+def _radix_select(x, r, bits, ef, k, gpu, chunk=_EXACT_CHUNK):
+    """Exact k-th largest key of ``bits & 0x7fffffff`` by 3 histogram passes.
+
+    Returns (thresh, gt, eq) with per-chunk counts of keys > thresh and == thresh.
+    The first pass also does the error-feedback accumulation when ``ef``.
+    """
+    n = bits.size
+    nch = (n + chunk - 1) // chunk
+    prefix, prefix_shift, kk = 0, 31, k
+    gt = np.zeros(nch, np.int64)
+    rows_all = []
+    for shift, width in _DIGITS:
+        nbins = 1 << width
+        rows = _zeros((nch, nbins), np.int32, gpu)
+        if gpu:
+            _sel.hist_kernel[nch](x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
+        else:
+            cpu_launch(_sel.hist_cpu, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
+        ef = False
+        rows = _host(rows, gpu).astype(np.int64)
+        total = rows.sum(axis=0)
+        above = np.cumsum(total[::-1])  # above[t] = count in bins >= nbins-1-t
+        t = int(np.searchsorted(above, kk))  # first t with above[t] >= kk
+        d = nbins - 1 - t
+        kk -= int(above[t] - total[d])
+        gt += rows[:, d + 1:].sum(axis=1)
+        rows_all.append(rows)
+        prefix = (prefix << width) | d
+        prefix_shift = shift
+    eq = rows_all[-1][:, prefix & ((1 << _DIGITS[-1][1]) - 1)]
+    return prefix, gt, eq
+
+
+def exact_threshold(values, k):
+    """k-th largest |value| (float32) of a float32 array, by radix select."""
+    gpu = on_cuda(values)
+    if gpu:
+        values = _dev(values)
+    thresh, _, _ = _radix_select(values, values, _bits(values), False, k, gpu)
+    return np.array([thresh], np.uint32).view(np.float32)[0]
+
+
+def acklam_ppf(p):
+    """Inverse standard normal CDF (Acklam's rational approximation, |rel err| < 1.2e-9)."""
+    a = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+         1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00)
+    b = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+         6.680131188771972e+01, -1.328068155288572e+01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+         -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+         3.754408661907416e+00)
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    plow = 0.02425
+    if p < plow:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+               ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if p > 1 - plow:
+        q = math.sqrt(-2 * math.log(1 - p))
+        return -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+                ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    q = p - 0.5
+    rr = q * q
+    return (((((a[0] * rr + a[1]) * rr + a[2]) * rr + a[3]) * rr + a[4]) * rr + a[5]) * q / \
+           (((((b[0] * rr + b[1]) * rr + b[2]) * rr + b[3]) * rr + b[4]) * rr + 1)
+
+
+def _count(src, t, gpu):
+    nch = (src.size + _sel.CHUNK - 1) // _sel.CHUNK
+    counts = _empty(nch, np.int64, gpu)
+    if gpu:
+        _sel.count_kernel[nch](src, t, counts)
+    else:
+        cpu_launch(_sel.count_cpu, src, t, counts)
+    return _host(counts, gpu)
+
+
+def _refine(src, t, k, gpu, max_refinements=3):
+    """Per-chunk counts at threshold t after at most 3 refinements of t."""
+    counts = _count(src, np.float32(t), gpu)
+    for _ in range(max_refinements):
+        total = int(counts.sum())
+        if 3 * total < 2 * k:
+            t = t / 2
+        elif 3 * total > 4 * k:
+            t = t * 1.5
+        else:
+            break
+        counts = _count(src, np.float32(t), gpu)
+    return np.float32(t), counts
+
+
+def _exclusive(c):
+    out = np.zeros_like(c)
+    np.cumsum(c[:-1], out=out[1:])
+    return out
+
+
+def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
+                sample_base=None, sample_size=0):
+    """Select entries of acc = x (+ residual) into idx (int32) / values; returns the count.
+
+    ``idx.size`` is the capacity; emitted entries come first in index order;
+    the caller pads the rest.  ``values`` is float32, or uint16 fp16 bits
+    when ``half``.  With ``error_feedback`` the residual is updated in place.
+    """
+    gpu = on_cuda(x, residual, idx, values)
+    n = x.size
+    cap = idx.size
+    if n == 0 or cap == 0:
+        return 0
+    if gpu:
+        x, residual, idx, values = _dev(x), _dev(residual), _dev(idx), _dev(values)
+    ef = bool(error_feedback)
+    r = residual if ef else x
+    val32, val16 = (_empty(1, np.float32, gpu), values) if half else (values, _empty(1, np.uint16, gpu))
+    src = r  # acc lives in the residual after the first pass (or is x)
+
+    def exact():
+        thresh, gt, eq = _radix_select(x, r, _bits(src), ef, k, gpu)
+        need_eq = k - int(gt.sum())
+        eq_take = np.clip(need_eq - _exclusive(eq), 0, eq)
+        starts = _exclusive(gt + eq_take)
+        nch = starts.size
+        if gpu:
+            c = _cuda()
+            _sel.write_exact_kernel[nch](src, _bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
+                                         idx, val32, val16, half, ef, _EXACT_CHUNK)
+        else:
+            cpu_launch(_sel.write_exact_cpu, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
+                       half, ef, _EXACT_CHUNK)
+        return min(k, cap)
+
+    if selector == "exact":
+        return exact()
+    nch = (n + _sel.CHUNK - 1) // _sel.CHUNK
+    if selector == "gaussian":
+        sums = _empty((nch, 2), np.float64, gpu)
+        if gpu:
+            _sel.moments_kernel[nch](x, r, ef, sums)
+        else:
+            cpu_launch(_sel.moments_cpu, x, r, ef, sums)
+        s1, s2 = 0.0, 0.0
+        for a, b in _host(sums, gpu):  # fixed order on every device
+            s1 += float(a)
+            s2 += float(b)
+        mu = s1 / n
+        sigma = math.sqrt(max(s2 / n - mu * mu, 0.0)) if math.isfinite(s2) else float("nan")
+        if not (math.isfinite(mu) and math.isfinite(sigma)):  # NaN/inf: select exactly
+            return _fallback_exact(x, r, idx, val32, val16, half, error_feedback, k, gpu)
+        p = 1.0 - k / (2.0 * n)
+        t = abs(mu) + sigma * (acklam_ppf(p) if p < 1.0 else 0.0)
+    elif selector == "sample":
+        m = sample_size
+        sample = _empty(m, np.float32, gpu)
+        if gpu:
+            _sel.gather_sample_kernel[m](x, r, ef, sample_base, sample)
+        else:
+            cpu_launch(_sel.gather_sample_cpu, x, r, ef, sample_base, sample)
+        kk = max(1, (k * m + n // 2) // n)
+        t = float(exact_threshold(sample, kk))
+        if ef:
+            if gpu:
+                _sel.ef_accumulate_kernel[nch](x, r)
+            else:
+                cpu_launch(_sel.ef_accumulate_cpu, x, r)
+        if not math.isfinite(t):
+            return _fallback_exact(x, r, idx, val32, val16, half, error_feedback, k, gpu)
+    else:
+        raise ValueError(f"unknown selector {selector!r}")
+    t32, counts = _refine(src, t, k, gpu)
+    starts = _exclusive(counts)
+    if gpu:
+        _sel.write_thresh_kernel[nch](src, t32, _cuda().to_device(starts), cap, idx, val32, val16, half, ef)
+    else:
+        cpu_launch(_sel.write_thresh_cpu, src, t32, starts, cap, idx, val32, val16, half, ef)
+    return min(int(counts.sum()), cap)
+
+
+def _fallback_exact(x, r, idx, val32, val16, half, ef, k, gpu):
+    """Exact selection on an already accumulated ``r`` (non-finite statistics)."""
+    src = r if ef else x
+    thresh, gt, eq = _radix_select(src, src, _bits(src), False, k, gpu)
+    need_eq = k - int(gt.sum())
+    eq_take = np.clip(need_eq - _exclusive(eq), 0, eq)
+    starts = _exclusive(gt + eq_take)
+    if gpu:
+        c = _cuda()
+        _sel.write_exact_kernel[starts.size](src, _bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
+                                             idx, val32, val16, half, bool(ef), _EXACT_CHUNK)
+    else:
+        cpu_launch(_sel.write_exact_cpu, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
+                   half, bool(ef), _EXACT_CHUNK)
+    return min(k, idx.size)
+
+
+def sparse_accumulate(idx, values, out, *, half):
+    """out[idx[j]] += values[j] for valid entries (idx == -1 is padding).
+
+    Returns the number of entries whose index is neither -1 nor in range.
+    """
+    gpu = on_cuda(idx, values, out)
+    if idx.size == 0:
+        return 0
+    if gpu:
+        idx, values, out = _dev(idx), _dev(values), _dev(out)
+    val32, val16 = (_empty(1, np.float32, gpu), values) if half else (values, _empty(1, np.uint16, gpu))
+    if gpu:
+        bad = _zeros(1, np.int64, gpu)
+        _sel.scatter_kernel[idx.size](idx, val32, val16, half, out, bad)
+        return int(bad.copy_to_host()[0])
+    return int(cpu_launch(_sel.scatter_cpu, idx, val32, val16, half, out, 1 << 14))
+
+
+# --------------------------------------------------------------- random-k --
+
+def randomk_indices(n, k, base, *, gpu=False):
+    """The k stratified indices (int64, increasing) of stream ``base``."""
+    idx = _empty(k, np.int64, gpu)
+    if k:
+        if gpu:
+            _sel.randomk_index_kernel[k](n, base, idx)
+        else:
+            cpu_launch(_sel.randomk_index_cpu, n, base, idx)
+    return idx
+
+
+def randomk_gather(x, residual, values, *, base, error_feedback, half, factor):
+    """values[j] = sent value of stratum j (float32; fp16-rounded when half)."""
+    gpu = on_cuda(x, residual, values)
+    if values.size == 0:
+        return
+    if gpu:
+        x, residual, values = _dev(x), _dev(residual), _dev(values)
+    ef = bool(error_feedback)
+    r = residual if ef else x
+    f = np.float32(factor)
+    if gpu:
+        if ef:
+            _sel.ef_accumulate_kernel[(x.size + _sel.CHUNK - 1) // _sel.CHUNK](x, r)
+        _sel.randomk_gather_kernel[values.size](x, r, ef, half, f, base, values)
+    else:
+        if ef:
+            cpu_launch(_sel.ef_accumulate_cpu, x, r)
+        cpu_launch(_sel.randomk_gather_cpu, x, r, ef, half, f, base, values)
+
+
+def randomk_scatter_accumulate(values, out, *, base):
+    """out[index_j] += values[j] (float32 values)."""
+    gpu = on_cuda(values, out)
+    if values.size == 0:
+        return
+    if gpu:
+        values, out = _dev(values), _dev(out)
+        _sel.randomk_scatter_kernel[values.size](values, base, out)
+    else:
+        cpu_launch(_sel.randomk_scatter_cpu, values, base, out)
+
+
+def widen_f16(src_u16):
+    """float32 copy of an array of IEEE fp16 bit patterns (uint16), exact."""
+    gpu = on_cuda(src_u16)
+    if gpu:
+        src_u16 = _dev(src_u16)
+    out = _empty(src_u16.size, np.float32, gpu)
+    if src_u16.size:
+        if gpu:
+            _q.f16_scale_kernel[src_u16.size](src_u16, out)
+        else:
+            cpu_launch(_q.scales_from_f16_cpu, src_u16, out)
+    return out

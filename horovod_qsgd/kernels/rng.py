@@ -1,0 +1,90 @@
+"""Counter-based random numbers: the same bits on every device and rank.
+
+A stream is identified by ``(seed, step, key, purpose)``; its base word is
+computed on the host by :func:`stream_base` (pure Python integers).  Element
+``i`` of the stream is ``mix64(base + (i + 1) * GOLDEN)`` where ``mix64`` is
+the splitmix64 finaliser.  :func:`uniform` takes the top 24 bits of that word
+as a float32 in [0, 1) (an exact multiple of 2**-24).
+
+``key`` is a uint32 the adapters derive from a stable tensor name (crc32 of
+the name); ``purpose`` separates the streams that one codec uses for
+different things (rounding, sampling, random-k strata).
+"""
+
+import numpy as np
+
+from ._dual import core
+
+__all__ = ["stream_base", "mix64", "uniform", "random_u32", "mix64_py", "uniform_py",
+           "PURPOSE_ROUNDING", "PURPOSE_SAMPLE", "PURPOSE_RANDOMK"]
+
+PURPOSE_ROUNDING = 1
+PURPOSE_SAMPLE = 2
+PURPOSE_RANDOMK = 3
+
+_MASK = (1 << 64) - 1
+_GOLDEN_INT = 0x9E3779B97F4A7C15
+_M1_INT = 0xBF58476D1CE4E5B9
+_M2_INT = 0x94D049BB133111EB
+
+_GOLDEN = np.uint64(_GOLDEN_INT)
+_M1 = np.uint64(_M1_INT)
+_M2 = np.uint64(_M2_INT)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+_S32 = np.uint64(32)
+_S40 = np.uint64(40)
+_ONE = np.uint64(1)
+_INV24 = np.float32(2.0 ** -24)
+
+
+def mix64_py(z):
+    """splitmix64 finaliser on Python ints (reference implementation)."""
+    z &= _MASK
+    z = ((z ^ (z >> 30)) * _M1_INT) & _MASK
+    z = ((z ^ (z >> 27)) * _M2_INT) & _MASK
+    return z ^ (z >> 31)
+
+
+def _check_u(name, v, bits):
+    v = int(v)
+    if v < 0 or v >= (1 << bits):
+        raise ValueError(f"{name} must be an integer in [0, 2**{bits}), got {v}")
+    return v
+
+
+def stream_base(seed, step, key, purpose):
+    """uint64 base word of the stream (seed, step, key, purpose)."""
+    seed = _check_u("seed", seed, 64)
+    step = _check_u("step", step, 64)
+    key = _check_u("key", key, 32)
+    h = mix64_py(seed + _GOLDEN_INT)
+    h = mix64_py(h ^ step)
+    h = mix64_py(h ^ ((key << 8) | int(purpose)))
+    return np.uint64(h)
+
+
+def uniform_py(base, i):
+    """Reference for :func:`uniform` on Python ints."""
+    h = mix64_py(int(base) + (i + 1) * _GOLDEN_INT)
+    return (h >> 40) * 2.0 ** -24
+
+
+@core(inline=True)
+def mix64(z):
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+@core(inline=True)
+def random_u32(base, i):
+    """32 random bits (as uint64) of element ``i`` (int) of the stream."""
+    return mix64(base + (np.uint64(i) + _ONE) * _GOLDEN) >> _S32
+
+
+@core(inline=True)
+def uniform(base, i):
+    """float32 uniform in [0, 1) of element ``i`` (int) of the stream."""
+    return np.float32(mix64(base + (np.uint64(i) + _ONE) * _GOLDEN) >> _S40) * _INV24

@@ -1,0 +1,418 @@
+"""Sparsification cores: top-k selection (exact, Gaussian-k, sampled), random-k.
+
+Selection works on ``acc = x + residual`` (error feedback) or on ``x``.
+With error feedback the first pass over the data writes ``acc`` into the
+residual array in place; the compaction pass then sets
+``residual[i] = acc[i] - sent[i]`` for the entries it emits, where ``sent`` is
+the value as transmitted (float32, or float16 rounded to nearest even), so
+``sent + residual_new == x + residual_old`` in float32 (exact: the fp16
+rounding error of ``acc`` is representable, Sterbenz).
+
+All chunked passes use a fixed chunk size (``CHUNK`` elements) on every
+device, so the float64 moment sums of the Gaussian selector, and hence the
+selected sets, are the same on the CPU and on CUDA.  Emitted entries are
+always in increasing index order.
+
+Magnitudes are compared as the uint31 bit patterns ``bits(acc) & 0x7fffffff``
+(monotone in |acc| for non-negative floats): NaN ranks above inf, so a NaN
+in the gradient is selected (and sent) first instead of being hidden.
+"""
+
+import math
+
+import numba
+import numpy as np
+
+from ._dual import core, cuda_kernel, fmul64
+from .half import f16_to_f32, f32_to_f16_rne
+from .rng import random_u32
+
+__all__ = ["CHUNK", "stratum_index"]
+
+CHUNK = 1 << 16
+_ABS_MASK = np.uint32(0x7FFFFFFF)
+_ZERO64 = np.float64(0.0)
+_S32 = np.uint64(32)
+
+
+# ------------------------------------------------------------------ cores --
+
+@core
+def ef_accumulate(xs, rs):
+    """rs[j] = xs[j] + rs[j] (the error-feedback accumulator, in place)."""
+    for j in range(xs.size):
+        rs[j] = xs[j] + rs[j]
+
+
+@core
+def hist_chunk(bits, prefix_shift, prefix, shift, mask, row):
+    """row[digit] += 1 for keys whose bits above ``prefix_shift`` equal ``prefix``."""
+    for j in range(bits.size):
+        k = bits[j] & _ABS_MASK
+        if (k >> np.uint32(prefix_shift)) == prefix:
+            row[(k >> np.uint32(shift)) & np.uint32(mask)] += 1
+
+
+@core
+def moments_chunk(xs):
+    """(sum, sum of squares) in float64, 8 interleaved lanes in fixed order."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _ZERO64
+    q0 = q1 = q2 = q3 = q4 = q5 = q6 = q7 = _ZERO64
+    nfull = xs.size // 8
+    for t in range(nfull):
+        v0 = np.float64(xs[8 * t])
+        v1 = np.float64(xs[8 * t + 1])
+        v2 = np.float64(xs[8 * t + 2])
+        v3 = np.float64(xs[8 * t + 3])
+        v4 = np.float64(xs[8 * t + 4])
+        v5 = np.float64(xs[8 * t + 5])
+        v6 = np.float64(xs[8 * t + 6])
+        v7 = np.float64(xs[8 * t + 7])
+        a0 += v0
+        a1 += v1
+        a2 += v2
+        a3 += v3
+        a4 += v4
+        a5 += v5
+        a6 += v6
+        a7 += v7
+        q0 += fmul64(v0, v0)
+        q1 += fmul64(v1, v1)
+        q2 += fmul64(v2, v2)
+        q3 += fmul64(v3, v3)
+        q4 += fmul64(v4, v4)
+        q5 += fmul64(v5, v5)
+        q6 += fmul64(v6, v6)
+        q7 += fmul64(v7, v7)
+    for j in range(nfull * 8, xs.size):
+        v = np.float64(xs[j])
+        a0 += v
+        q0 += fmul64(v, v)
+    s1 = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    s2 = ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
+    return s1, s2
+
+
+@core
+def count_chunk(xs, t):
+    """Number of j with not (|xs[j]| < t) (NaN counts as selected)."""
+    c = 0
+    for j in range(xs.size):
+        c += 0 if abs(xs[j]) < t else 1
+    return c
+
+
+@core(inline=True)
+def emit(src, j, i, pos, idx, val32, val16, half, ef):
+    """Write entry ``pos`` = (i, src[j]); with ``ef`` leave the residual in src[j]."""
+    a = src[j]
+    idx[pos] = i
+    if half:
+        h = f32_to_f16_rne(a)
+        val16[pos] = h
+        sent = f16_to_f32(h)
+    else:
+        val32[pos] = a
+        sent = a
+    if ef:
+        src[j] = a - sent
+
+
+@core
+def write_exact_chunk(src, bits, i0, thresh, eq_take, start, idx, val32, val16, half, ef):
+    """Emit keys > thresh and the first eq_take keys == thresh, in index order."""
+    pos = start
+    eq = 0
+    for j in range(bits.size):
+        k = bits[j] & _ABS_MASK
+        if k > thresh or (k == thresh and eq < eq_take):
+            if k == thresh:
+                eq += 1
+            emit(src, j, i0 + j, pos, idx, val32, val16, half, ef)
+            pos += 1
+
+
+@core
+def write_thresh_chunk(src, i0, t, start, cap, idx, val32, val16, half, ef):
+    """Emit entries with not (|a| < t) while pos < cap, in index order."""
+    pos = start
+    for j in range(src.size):
+        if not (abs(src[j]) < t):
+            if pos < cap:
+                emit(src, j, i0 + j, pos, idx, val32, val16, half, ef)
+            pos += 1
+
+
+@core(inline=True)
+def value_of(val32, val16, half, j):
+    if half:
+        return f16_to_f32(int(val16[j]))
+    return val32[j]
+
+
+@core(inline=True)
+def scatter_entry(idx, val32, val16, half, j, out):
+    """out[idx[j]] += value j; returns 1 for an index that is neither valid nor -1."""
+    i = int(idx[j])
+    if i < 0 or i >= out.size:
+        return 0 if i == -1 else 1
+    out[i] = out[i] + value_of(val32, val16, half, j)
+    return 0
+
+
+@core(inline=True)
+def stratum_index(n, k, j, base):
+    """Index drawn uniformly in stratum j of k equal strata of range(n).
+
+    Stratum j is [floor(j*n/k), floor((j+1)*n/k)); the offset is
+    floor(u32 * size / 2**32) with 32 random bits (exact integer math).
+    """
+    un = np.uint64(n)
+    uk = np.uint64(k)
+    uj = np.uint64(j)
+    lo = (uj * un) // uk
+    hi = ((uj + np.uint64(1)) * un) // uk
+    off = (random_u32(base, j) * (hi - lo)) >> _S32
+    return int(lo + off)
+
+
+@core
+def gather_sample(x, r, ef, n, m, j, base, out):
+    """out[j] = |acc| at the j-th stratified sample index."""
+    i = stratum_index(n, m, j, base)
+    a = x[i] + r[i] if ef else x[i]
+    out[j] = abs(a)
+
+
+@core
+def randomk_gather(x, r, ef, half, factor, n, k, j, base, vals):
+    """vals[j] = value sent for stratum j; with ef, r holds acc and keeps acc - sent."""
+    i = stratum_index(n, k, j, base)
+    a = r[i] if ef else x[i]
+    a = a * factor
+    if half:
+        h = f32_to_f16_rne(a)
+        vals[j] = f16_to_f32(h)
+    else:
+        vals[j] = a
+    if ef:
+        r[i] = a - vals[j]
+
+
+@core
+def randomk_scatter(vals, n, k, j, base, out):
+    i = stratum_index(n, k, j, base)
+    out[i] = out[i] + vals[j]
+
+
+@core
+def randomk_index(n, k, j, base, idx):
+    idx[j] = stratum_index(n, k, j, base)
+
+
+@core
+def hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows):
+    """Histogram of chunk c (with the error-feedback accumulation when ef)."""
+    lo = c * chunk
+    hi = min(bits.size, lo + chunk)
+    if ef:
+        ef_accumulate(x[lo:hi], r[lo:hi])
+    hist_chunk(bits[lo:hi], prefix_shift, prefix, shift, mask, rows[c])
+
+
+@core
+def moments_item(x, r, ef, c, sums):
+    lo = c * CHUNK
+    hi = min(x.size, lo + CHUNK)
+    if ef:
+        ef_accumulate(x[lo:hi], r[lo:hi])
+        s1, s2 = moments_chunk(r[lo:hi])
+    else:
+        s1, s2 = moments_chunk(x[lo:hi])
+    sums[c, 0] = s1
+    sums[c, 1] = s2
+
+
+@core
+def write_exact_item(src, bits, c, chunk, thresh, eq_take, starts, idx, val32, val16, half, ef):
+    lo = c * chunk
+    hi = min(src.size, lo + chunk)
+    write_exact_chunk(src[lo:hi], bits[lo:hi], lo, thresh, eq_take[c], starts[c],
+                      idx, val32, val16, half, ef)
+
+
+@core
+def write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef):
+    lo = c * CHUNK
+    hi = min(src.size, lo + CHUNK)
+    write_thresh_chunk(src[lo:hi], lo, t, starts[c], cap, idx, val32, val16, half, ef)
+
+
+@core
+def ef_accumulate_item(x, r, c):
+    lo = c * CHUNK
+    hi = min(x.size, lo + CHUNK)
+    ef_accumulate(x[lo:hi], r[lo:hi])
+
+
+# ------------------------------------------------------------ CPU launchers --
+
+@numba.njit(parallel=True, cache=True)
+def ef_accumulate_cpu(x, r):
+    for c in numba.prange((x.size + CHUNK - 1) // CHUNK):
+        ef_accumulate_item(x, r, c)
+
+
+@numba.njit(parallel=True, cache=True)
+def hist_cpu(x, r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
+    for c in numba.prange(rows.shape[0]):
+        hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
+
+
+@numba.njit(parallel=True, cache=True)
+def moments_cpu(x, r, ef, sums):
+    for c in numba.prange(sums.shape[0]):
+        moments_item(x, r, ef, c, sums)
+
+
+@numba.njit(parallel=True, cache=True)
+def count_cpu(src, t, counts):
+    n = src.size
+    for c in numba.prange(counts.size):
+        lo = c * CHUNK
+        counts[c] = count_chunk(src[lo:min(n, lo + CHUNK)], t)
+
+
+@numba.njit(parallel=True, cache=True)
+def write_exact_cpu(src, bits, thresh, eq_take, starts, idx, val32, val16, half, ef, chunk):
+    for c in numba.prange(starts.size):
+        write_exact_item(src, bits, c, chunk, thresh, eq_take, starts, idx, val32, val16, half, ef)
+
+
+@numba.njit(parallel=True, cache=True)
+def write_thresh_cpu(src, t, starts, cap, idx, val32, val16, half, ef):
+    for c in numba.prange(starts.size):
+        write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef)
+
+
+@numba.njit(parallel=True, cache=True)
+def scatter_cpu(idx, val32, val16, half, out, chunk):
+    m = idx.size
+    nch = (m + chunk - 1) // chunk
+    bad = np.zeros(nch, np.int64)
+    for c in numba.prange(nch):
+        for j in range(c * chunk, min(m, (c + 1) * chunk)):
+            bad[c] += scatter_entry(idx, val32, val16, half, j, out)
+    return bad.sum()
+
+
+@numba.njit(parallel=True, cache=True)
+def gather_sample_cpu(x, r, ef, base, out):
+    n = x.size
+    m = out.size
+    for j in numba.prange(m):
+        gather_sample(x, r, ef, n, m, j, base, out)
+
+
+@numba.njit(parallel=True, cache=True)
+def randomk_gather_cpu(x, r, ef, half, factor, base, vals):
+    n = x.size
+    k = vals.size
+    for j in numba.prange(k):
+        randomk_gather(x, r, ef, half, factor, n, k, j, base, vals)
+
+
+@numba.njit(parallel=True, cache=True)
+def randomk_scatter_cpu(vals, base, out):
+    n = out.size
+    k = vals.size
+    for j in numba.prange(k):
+        randomk_scatter(vals, n, k, j, base, out)
+
+
+@numba.njit(parallel=True, cache=True)
+def randomk_index_cpu(n, base, idx):
+    k = idx.size
+    for j in numba.prange(k):
+        randomk_index(n, k, j, base, idx)
+
+
+# ----------------------------------------------------------- CUDA kernels --
+
+@cuda_kernel
+def ef_accumulate_kernel(x, r):
+    c = cuda.grid(1)  # noqa: F821
+    if c * CHUNK < x.size:
+        ef_accumulate_item(x, r, c)
+
+
+@cuda_kernel
+def hist_kernel(x, r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
+    c = cuda.grid(1)  # noqa: F821
+    if c < rows.shape[0]:
+        hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
+
+
+@cuda_kernel
+def moments_kernel(x, r, ef, sums):
+    c = cuda.grid(1)  # noqa: F821
+    if c < sums.shape[0]:
+        moments_item(x, r, ef, c, sums)
+
+
+@cuda_kernel
+def count_kernel(src, t, counts):
+    c = cuda.grid(1)  # noqa: F821
+    if c < counts.size:
+        lo = c * CHUNK
+        counts[c] = count_chunk(src[lo:min(src.size, lo + CHUNK)], t)
+
+
+@cuda_kernel
+def write_exact_kernel(src, bits, thresh, eq_take, starts, idx, val32, val16, half, ef, chunk):
+    c = cuda.grid(1)  # noqa: F821
+    if c < starts.size:
+        write_exact_item(src, bits, c, chunk, thresh, eq_take, starts, idx, val32, val16, half, ef)
+
+
+@cuda_kernel
+def write_thresh_kernel(src, t, starts, cap, idx, val32, val16, half, ef):
+    c = cuda.grid(1)  # noqa: F821
+    if c < starts.size:
+        write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef)
+
+
+@cuda_kernel
+def scatter_kernel(idx, val32, val16, half, out, bad):
+    j = cuda.grid(1)  # noqa: F821
+    if j < idx.size:
+        if scatter_entry(idx, val32, val16, half, j, out):
+            cuda.atomic.add(bad, 0, 1)  # noqa: F821
+
+
+@cuda_kernel
+def gather_sample_kernel(x, r, ef, base, out):
+    j = cuda.grid(1)  # noqa: F821
+    if j < out.size:
+        gather_sample(x, r, ef, x.size, out.size, j, base, out)
+
+
+@cuda_kernel
+def randomk_gather_kernel(x, r, ef, half, factor, base, vals):
+    j = cuda.grid(1)  # noqa: F821
+    if j < vals.size:
+        randomk_gather(x, r, ef, half, factor, x.size, vals.size, j, base, vals)
+
+
+@cuda_kernel
+def randomk_scatter_kernel(vals, base, out):
+    j = cuda.grid(1)  # noqa: F821
+    if j < vals.size:
+        randomk_scatter(vals, out.size, vals.size, j, base, out)
+
+
+@cuda_kernel
+def randomk_index_kernel(n, base, idx):
+    j = cuda.grid(1)  # noqa: F821
+    if j < idx.size:
+        randomk_index(n, idx.size, j, base, idx)
