@@ -133,10 +133,16 @@ class Codec:
 
     @property
     def digest(self):
-        """uint32 crc32 of (codec class, config, wire format version), stable across runs."""
-        text = json.dumps({"codec": type(self).__name__, "config": self.config(),
-                           "wire_version": WIRE_VERSION}, sort_keys=True, separators=(",", ":"))
-        return zlib.crc32(text.encode("utf-8")) & 0xFFFFFFFF
+        """uint32 crc32 of (codec class, config, wire format version), stable across runs.
+
+        Computed once: codecs are immutable after construction.
+        """
+        d = self.__dict__.get("_digest")
+        if d is None:
+            text = json.dumps({"codec": type(self).__name__, "config": self.config(),
+                               "wire_version": WIRE_VERSION}, sort_keys=True, separators=(",", ":"))
+            d = self.__dict__["_digest"] = zlib.crc32(text.encode("utf-8")) & 0xFFFFFFFF
+        return d
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())

@@ -36,7 +36,7 @@ import numpy as np
 
 __all__ = [
     "core", "cuda_twin", "cuda_kernel", "is_cuda_array", "as_device", "on_cuda",
-    "cpu_launch", "fmul32", "fmul64", "launch_config",
+    "cpu_launcher", "cpu_launch", "fmul32", "fmul64", "launch_config", "SERIAL_BELOW",
 ]
 
 # ------------------------------------------------------------ JIT cache --
@@ -244,12 +244,41 @@ def threading_layer():
     return _LAYER
 
 
-def cpu_launch(fn, *args):
-    """Call a parallel CPU launcher, serialised only where numba needs it."""
+SERIAL_BELOW = 1 << 16  # work items (elements) below which a launch runs serially
+
+
+class cpu_launcher:
+    """A CPU launcher compiled twice from one source: ``prange`` parallel and serial.
+
+    Waking numba's thread pool costs tens to hundreds of microseconds, far
+    more than the work on a small tensor; :func:`cpu_launch` runs the serial
+    twin (``prange`` is a plain ``range`` there) below ``SERIAL_BELOW``
+    elements.  Each twin is compiled on first use (and cached on disk).
+    """
+
+    def __init__(self, fn):
+        self.py_func = fn
+        self.parallel = numba.njit(parallel=True, cache=True)(fn)
+        self.serial = numba.njit(cache=True)(fn)
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args):
+        return self.parallel(*args)
+
+
+def cpu_launch(launcher, work, *args):
+    """Run a :class:`cpu_launcher` on ``work`` elements' worth of data.
+
+    Parallel launches are serialised with a lock only on numba's
+    ``workqueue`` threading layer (which is not thread safe).
+    """
+    if work < SERIAL_BELOW:
+        return launcher.serial(*args)
     if threading_layer() == "workqueue":
         with _LOCK:
-            return fn(*args)
-    return fn(*args)
+            return launcher.parallel(*args)
+    return launcher.parallel(*args)
 
 
 # ------------------------------------------------------- no-FMA products --

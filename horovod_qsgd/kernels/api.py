@@ -76,7 +76,7 @@ def qsgd_encode(x, scales, codes, *, bucket_size, bits, use_l2, half, stochastic
         return
     if not gpu:
         scale32, scale16 = _scale_arrays(scales, nb, half, False)
-        cpu_launch(_q.encode_fixed_cpu, x, _bits(x), bucket_size, use_l2, half, s, bits, stochastic,
+        cpu_launch(_q.encode_fixed_cpu, n, x, _bits(x), bucket_size, use_l2, half, s, bits, stochastic,
                    base, scale32, scale16, codes, _chunk_for(bucket_size))
         return
     x, scales, codes = _dev(x), _dev(scales), _dev(codes)
@@ -94,7 +94,7 @@ def _stored_scales(scales, half, gpu):
     if gpu:
         _q.f16_scale_kernel[scales.size](scales, out)
     else:
-        cpu_launch(_q.scales_from_f16_cpu, scales, out)
+        cpu_launch(_q.scales_from_f16_cpu, scales.size, scales, out)
     return out
 
 
@@ -112,7 +112,7 @@ def qsgd_decode_accumulate(scales, codes, out, *, bucket_size, bits, half):
         _q.decode_kernel[(n + 7) // 8](codes, bucket_size, scale32, s, bits, out)
     else:
         chunk = bucket_size * max(1, _TARGET_CHUNK // bucket_size)
-        cpu_launch(_q.decode_fixed_cpu, codes, bucket_size, scale32, s, bits, out, chunk)
+        cpu_launch(_q.decode_fixed_cpu, n, codes, bucket_size, scale32, s, bits, out, chunk)
 
 
 def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, stochastic, base):
@@ -134,7 +134,7 @@ def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, st
         _el.sizes_kernel[nb](x, _bits(x), bucket_size, use_l2, half, s, stochastic, base,
                              scale32, scale16, nbytes)
     else:
-        cpu_launch(_el.sizes_cpu, x, _bits(x), bucket_size, use_l2, half, s, stochastic, base,
+        cpu_launch(_el.sizes_cpu, n, x, _bits(x), bucket_size, use_l2, half, s, stochastic, base,
                    scale32, scale16, nbytes)
     cum = np.cumsum(_host(nbytes, gpu))  # prefix sum on the host (nb values)
     total = int(cum[-1])
@@ -145,7 +145,7 @@ def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, st
         _el.write_kernel[nb](x, bucket_size, s, stochastic, base, scale32, ends, stream)
     else:
         ends[:] = cum
-        cpu_launch(_el.write_cpu, x, bucket_size, s, stochastic, base, scale32, ends, stream)
+        cpu_launch(_el.write_cpu, n, x, bucket_size, s, stochastic, base, scale32, ends, stream)
     return total
 
 
@@ -166,7 +166,7 @@ def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, hal
     if gpu:
         _el.decode_kernel[nb](stream, ends, bucket_size, scale32, s, out, status)
     else:
-        cpu_launch(_el.decode_cpu, stream, ends, bucket_size, scale32, s, out, status)
+        cpu_launch(_el.decode_cpu, out.size, stream, ends, bucket_size, scale32, s, out, status)
     bad = np.flatnonzero(_host(status, gpu))
     if bad.size:
         raise ValueError(f"corrupt Elias stream in bucket {int(bad[0])} (and {bad.size - 1} more)")
@@ -195,7 +195,7 @@ def _radix_select(x, r, bits, ef, k, gpu, chunk=_EXACT_CHUNK):
         if gpu:
             _sel.hist_kernel[nch](x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
         else:
-            cpu_launch(_sel.hist_cpu, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
+            cpu_launch(_sel.hist_cpu, n, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
         ef = False
         rows = _host(rows, gpu).astype(np.int64)
         total = rows.sum(axis=0)
@@ -253,7 +253,7 @@ def _count(src, t, gpu):
     if gpu:
         _sel.count_kernel[nch](src, t, counts)
     else:
-        cpu_launch(_sel.count_cpu, src, t, counts)
+        cpu_launch(_sel.count_cpu, src.size, src, t, counts)
     return _host(counts, gpu)
 
 
@@ -309,7 +309,7 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
             _sel.write_exact_kernel[nch](src, _bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
                                          idx, val32, val16, half, ef, _EXACT_CHUNK)
         else:
-            cpu_launch(_sel.write_exact_cpu, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
+            cpu_launch(_sel.write_exact_cpu, src.size, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
                        half, ef, _EXACT_CHUNK)
         return min(k, cap)
 
@@ -321,7 +321,7 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
         if gpu:
             _sel.moments_kernel[nch](x, r, ef, sums)
         else:
-            cpu_launch(_sel.moments_cpu, x, r, ef, sums)
+            cpu_launch(_sel.moments_cpu, n, x, r, ef, sums)
         s1, s2 = 0.0, 0.0
         for a, b in _host(sums, gpu):  # fixed order on every device
             s1 += float(a)
@@ -338,14 +338,14 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
         if gpu:
             _sel.gather_sample_kernel[m](x, r, ef, sample_base, sample)
         else:
-            cpu_launch(_sel.gather_sample_cpu, x, r, ef, sample_base, sample)
+            cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, sample_base, sample)
         kk = max(1, (k * m + n // 2) // n)
         t = float(exact_threshold(sample, kk))
         if ef:
             if gpu:
                 _sel.ef_accumulate_kernel[nch](x, r)
             else:
-                cpu_launch(_sel.ef_accumulate_cpu, x, r)
+                cpu_launch(_sel.ef_accumulate_cpu, x.size, x, r)
         if not math.isfinite(t):
             return _fallback_exact(x, r, idx, val32, val16, half, error_feedback, k, gpu)
     else:
@@ -355,7 +355,7 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
     if gpu:
         _sel.write_thresh_kernel[nch](src, t32, _cuda().to_device(starts), cap, idx, val32, val16, half, ef)
     else:
-        cpu_launch(_sel.write_thresh_cpu, src, t32, starts, cap, idx, val32, val16, half, ef)
+        cpu_launch(_sel.write_thresh_cpu, n, src, t32, starts, cap, idx, val32, val16, half, ef)
     return min(int(counts.sum()), cap)
 
 
@@ -371,7 +371,7 @@ def _fallback_exact(x, r, idx, val32, val16, half, ef, k, gpu):
         _sel.write_exact_kernel[starts.size](src, _bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
                                              idx, val32, val16, half, bool(ef), _EXACT_CHUNK)
     else:
-        cpu_launch(_sel.write_exact_cpu, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
+        cpu_launch(_sel.write_exact_cpu, src.size, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
                    half, bool(ef), _EXACT_CHUNK)
     return min(k, idx.size)
 
@@ -391,7 +391,7 @@ def sparse_accumulate(idx, values, out, *, half):
         bad = _zeros(1, np.int64, gpu)
         _sel.scatter_kernel[idx.size](idx, val32, val16, half, out, bad)
         return int(bad.copy_to_host()[0])
-    return int(cpu_launch(_sel.scatter_cpu, idx, val32, val16, half, out, 1 << 14))
+    return int(cpu_launch(_sel.scatter_cpu, idx.size, idx, val32, val16, half, out, 1 << 14))
 
 
 # --------------------------------------------------------------- random-k --
@@ -403,7 +403,7 @@ def randomk_indices(n, k, base, *, gpu=False):
         if gpu:
             _sel.randomk_index_kernel[k](n, base, idx)
         else:
-            cpu_launch(_sel.randomk_index_cpu, n, base, idx)
+            cpu_launch(_sel.randomk_index_cpu, k, n, base, idx)
     return idx
 
 
@@ -423,8 +423,8 @@ def randomk_gather(x, residual, values, *, base, error_feedback, half, factor):
         _sel.randomk_gather_kernel[values.size](x, r, ef, half, f, base, values)
     else:
         if ef:
-            cpu_launch(_sel.ef_accumulate_cpu, x, r)
-        cpu_launch(_sel.randomk_gather_cpu, x, r, ef, half, f, base, values)
+            cpu_launch(_sel.ef_accumulate_cpu, x.size, x, r)
+        cpu_launch(_sel.randomk_gather_cpu, values.size, x, r, ef, half, f, base, values)
 
 
 def randomk_scatter_accumulate(values, out, *, base):
@@ -436,7 +436,7 @@ def randomk_scatter_accumulate(values, out, *, base):
         values, out = _dev(values), _dev(out)
         _sel.randomk_scatter_kernel[values.size](values, base, out)
     else:
-        cpu_launch(_sel.randomk_scatter_cpu, values, base, out)
+        cpu_launch(_sel.randomk_scatter_cpu, values.size, values, base, out)
 
 
 def widen_f16(src_u16):
@@ -449,5 +449,5 @@ def widen_f16(src_u16):
         if gpu:
             _q.f16_scale_kernel[src_u16.size](src_u16, out)
         else:
-            cpu_launch(_q.scales_from_f16_cpu, src_u16, out)
+            cpu_launch(_q.scales_from_f16_cpu, src_u16.size, src_u16, out)
     return out

@@ -31,7 +31,7 @@ A bucket with a NaN or inf scale decodes to NaN on all its coordinates
 import numba
 import numpy as np
 
-from ._dual import core, cuda_kernel, fmul32
+from ._dual import core, cpu_launcher, cuda_kernel, fmul32
 from .qsgd import scale_ok, signed_level, store_scale
 
 __all__ = ["max_bucket_bits", "bucket_nbits", "bucket_write", "bucket_decode",
@@ -196,19 +196,19 @@ def decode_item(stream, ends, b, bucket, scale32, s, out, status):
 
 # ------------------------------------------------------------ CPU launchers --
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def sizes_cpu(x, xbits, bucket, use_l2, half, s, stochastic, base, scale32, scale16, nbytes):
     for b in numba.prange(nbytes.size):
         sizes_item(x, xbits, b, bucket, use_l2, half, s, stochastic, base, scale32, scale16, nbytes)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def write_cpu(x, bucket, s, stochastic, base, scale32, ends, stream):
     for b in numba.prange(ends.size):
         write_item(x, b, bucket, s, stochastic, base, scale32, ends, stream)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def decode_cpu(stream, ends, bucket, scale32, s, out, status):
     for b in numba.prange(ends.size):
         decode_item(stream, ends, b, bucket, scale32, s, out, status)

@@ -39,7 +39,7 @@ import math
 import numba
 import numpy as np
 
-from ._dual import core, cuda_kernel, fmul32, fmul64
+from ._dual import core, cpu_launcher, cuda_kernel, fmul32, fmul64
 from .half import bits_to_f32, f16_to_f32, f32_to_f16_up
 from .rng import uniform
 
@@ -237,7 +237,7 @@ def scale_from_f16(scale16, scale32, b):
 
 # ------------------------------------------------------------ CPU launchers --
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def encode_fixed_cpu(x, xbits, bucket, use_l2, half, s, bits, stochastic, base,
                      scale32, scale16, codes, chunk):
     """Scales, codes and packing fused per chunk.
@@ -259,7 +259,7 @@ def encode_fixed_cpu(x, xbits, bucket, use_l2, half, s, bits, stochastic, base,
         pack_span(tmp, bits, codes[(lo // 8) * bits:(lo * bits + (hi - lo) * bits + 7) // 8])
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def decode_fixed_cpu(codes, bucket, scale32, s, bits, out, chunk):
     """out += decoded; ``chunk`` (elements) is a multiple of ``bucket``."""
     n = out.size
@@ -272,7 +272,7 @@ def decode_fixed_cpu(codes, bucket, scale32, s, bits, out, chunk):
             decode_span(codes, b0, out[b0:min(n, b0 + bucket)], scale32[b], s, bits)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def scales_from_f16_cpu(scale16, scale32):
     for b in numba.prange(scale16.size):
         scale_from_f16(scale16, scale32, b)

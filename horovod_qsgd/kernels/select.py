@@ -23,7 +23,7 @@ import math
 import numba
 import numpy as np
 
-from ._dual import core, cuda_kernel, fmul64
+from ._dual import core, cpu_launcher, cuda_kernel, fmul64
 from .half import f16_to_f32, f32_to_f16_rne
 from .rng import random_u32
 
@@ -257,25 +257,25 @@ def ef_accumulate_item(x, r, c):
 
 # ------------------------------------------------------------ CPU launchers --
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def ef_accumulate_cpu(x, r):
     for c in numba.prange((x.size + CHUNK - 1) // CHUNK):
         ef_accumulate_item(x, r, c)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def hist_cpu(x, r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
     for c in numba.prange(rows.shape[0]):
         hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def moments_cpu(x, r, ef, sums):
     for c in numba.prange(sums.shape[0]):
         moments_item(x, r, ef, c, sums)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def count_cpu(src, t, counts):
     n = src.size
     for c in numba.prange(counts.size):
@@ -283,19 +283,19 @@ def count_cpu(src, t, counts):
         counts[c] = count_chunk(src[lo:min(n, lo + CHUNK)], t)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def write_exact_cpu(src, bits, thresh, eq_take, starts, idx, val32, val16, half, ef, chunk):
     for c in numba.prange(starts.size):
         write_exact_item(src, bits, c, chunk, thresh, eq_take, starts, idx, val32, val16, half, ef)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def write_thresh_cpu(src, t, starts, cap, idx, val32, val16, half, ef):
     for c in numba.prange(starts.size):
         write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def scatter_cpu(idx, val32, val16, half, out, chunk):
     m = idx.size
     nch = (m + chunk - 1) // chunk
@@ -306,7 +306,7 @@ def scatter_cpu(idx, val32, val16, half, out, chunk):
     return bad.sum()
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def gather_sample_cpu(x, r, ef, base, out):
     n = x.size
     m = out.size
@@ -314,7 +314,7 @@ def gather_sample_cpu(x, r, ef, base, out):
         gather_sample(x, r, ef, n, m, j, base, out)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def randomk_gather_cpu(x, r, ef, half, factor, base, vals):
     n = x.size
     k = vals.size
@@ -322,7 +322,7 @@ def randomk_gather_cpu(x, r, ef, half, factor, base, vals):
         randomk_gather(x, r, ef, half, factor, n, k, j, base, vals)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def randomk_scatter_cpu(vals, base, out):
     n = out.size
     k = vals.size
@@ -330,7 +330,7 @@ def randomk_scatter_cpu(vals, base, out):
         randomk_scatter(vals, n, k, j, base, out)
 
 
-@numba.njit(parallel=True, cache=True)
+@cpu_launcher
 def randomk_index_cpu(n, base, idx):
     k = idx.size
     for j in numba.prange(k):
