@@ -1,0 +1,1 @@
+"""Framework-neutral pieces shared by the torch and tensorflow adapters."""

@@ -1,0 +1,35 @@
+"""Compression statistics a user can log, in the spirit of PowerSGD's compression_stats()."""
+import threading
+
+
+class CompressionStats:
+    """Counters since the last reset. Thread-safe: torch hooks and TF ops call from several threads."""
+
+    FIELDS = ("tensors_compressed", "tensors_passed_through", "bytes_uncompressed", "bytes_sent",
+              "encode_seconds", "decode_seconds")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **increments):
+        with self._lock:
+            for key, value in increments.items():
+                self._counts[key] += value
+
+    def snapshot(self, reset=False):
+        """Returns the counters and the compression ratio; ``reset`` zeroes them afterwards.
+
+        ``bytes_uncompressed`` is what a plain allreduce of the same gradients
+        would have contributed from this rank (the tensors' own dtype);
+        ``bytes_sent`` is what this rank contributed: payloads, placeholders
+        and passed-through tensors. Encode/decode seconds are host wall time
+        (on GPUs they include the kernel launches' synchronisation).
+        """
+        with self._lock:
+            stats = dict(self._counts)
+            if reset:
+                self._counts = dict.fromkeys(self.FIELDS, 0)
+        sent = stats["bytes_sent"]
+        stats["compression_ratio"] = stats["bytes_uncompressed"] / sent if sent else float("nan")
+        return stats

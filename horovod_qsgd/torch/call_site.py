@@ -1,0 +1,93 @@
+"""Which collective is Horovod running when it calls ``compress``?
+
+Horovod's ``Compression`` interface passes only the tensor. Our compressors
+start their own named collective and need three more facts, all of which are
+local variables of the Horovod function that called ``compress``:
+
+* a name that is equal on every rank (collectives are matched by name; the
+  optimizer submits unused parameters in set order, which differs by rank),
+* the reduction op (Adasum cannot be served),
+* the process set.
+
+``find_call_site`` reads them from the calling frames of the stock
+``hvd.DistributedOptimizer`` (named parameters, grouped or not) and of
+``hvd.allreduce`` / ``hvd.grouped_allreduce`` called with ``name=``.
+"""
+import sys
+from dataclasses import dataclass
+
+import horovod.torch as hvd
+import torch
+
+from horovod_qsgd.common.errors import UnsupportedCollectiveError
+
+_MPI_OPS = "horovod.torch.mpi_ops"
+
+
+@dataclass(frozen=True)
+class CallSite:
+    name: object  # str, or None for hvd.allreduce called without name=
+    op: object
+    process_set: object
+
+
+def _from_optimizer(owner, param):
+    name = owner._parameter_names.get(param)
+    if name is None:
+        return None
+    return CallSite(name, owner.op, owner.process_set)
+
+
+def _from_mpi_ops(code_name, local_vars, element):
+    name = local_vars.get("name")
+    op = local_vars.get("op")
+    if op is None:
+        op = hvd.Average if local_vars.get("average", True) in (True, None) else hvd.Sum
+    if code_name == "grouped_allreduce" and name is not None:
+        tensors = local_vars["tensors"]
+        index = next(i for i, t in enumerate(tensors) if t is element)
+        name = f"{name}.{index}"
+    return CallSite(name, op, local_vars.get("process_set", hvd.global_process_set))
+
+
+def find_call_site(tensor):
+    """Returns the CallSite of the collective that is compressing ``tensor``."""
+    frame = sys._getframe(2)
+    element = None  # the parameter or list element a comprehension is compressing
+    while frame is not None:
+        local_vars = frame.f_locals
+        code_name = frame.f_code.co_name
+        owner = local_vars.get("self")
+        candidate = local_vars.get("p", local_vars.get("t"))
+        if element is None and isinstance(candidate, torch.Tensor):
+            element = candidate
+        if owner is not None and isinstance(getattr(owner, "_parameter_names", None), dict):
+            site = _from_optimizer(owner, element)
+            if site is not None:
+                return site
+        if frame.f_globals.get("__name__") == _MPI_OPS:
+            if code_name in ("allreduce", "grouped_allreduce"):
+                return _from_mpi_ops(code_name, local_vars, element if element is not None else tensor)
+            if code_name in ("reducescatter", "grouped_reducescatter"):
+                raise UnsupportedCollectiveError(
+                    f"horovod_qsgd: hvd.{code_name} cannot carry compressed payloads: a reduce-scatter "
+                    "needs summable tensors. Use compression=hvd.Compression.none or fp16 there.")
+        frame = frame.f_back
+    raise RuntimeError(
+        "horovod_qsgd: compress() was called outside hvd.DistributedOptimizer, hvd.allreduce and "
+        "hvd.grouped_allreduce, so there is no name to exchange the payload under. Call it through "
+        "one of those (with name= for hvd.allreduce).")
+
+
+def check_site(site):
+    """Raises unless a payload can be exchanged for this call: it needs a name and a summing op."""
+    if site.name is None:
+        raise ValueError(
+            "horovod_qsgd: hvd.allreduce(..., compression=...) needs name= for tensors that are "
+            "compressed: the payload is exchanged under a name derived from it, and names must be "
+            "equal on every rank.")
+    if site.op == hvd.Adasum:
+        raise UnsupportedCollectiveError(
+            f"horovod_qsgd: tensor {site.name!r}: op=hvd.Adasum cannot be combined with payload "
+            "compression (Adasum needs the full gradients). Use op=hvd.Average or hvd.Sum, or "
+            "compression=hvd.Compression.none with Adasum.")

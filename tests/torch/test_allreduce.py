@@ -1,0 +1,67 @@
+"""hvd.allreduce / grouped_allreduce with compression=, pass-through rules, dtypes and statistics."""
+import pytest
+
+
+@pytest.mark.ranks(2)
+def test_integer_small_and_large_tensors(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    compressor = QSGD(bits=8, min_numel=1000)
+    ints = hvd.allreduce(torch.arange(5000) * (hvd.rank() + 1), name="ints", op=hvd.Sum,
+                         compression=compressor)
+    assert torch.equal(ints, torch.arange(5000) * 3)  # non-float: exact ordinary allreduce
+    small = hvd.allreduce(torch.full((999,), 0.5 + hvd.rank()), name="small", op=hvd.Sum,
+                          compression=compressor)
+    assert torch.equal(small, torch.full((999,), 2.0))  # below min_numel: exact
+    stats = compressor.compression_stats(reset=True)
+    assert stats["tensors_passed_through"] == 2 and stats["tensors_compressed"] == 0
+
+    # A constant tensor quantizes exactly at any level count (every value equals the bucket max).
+    big = hvd.allreduce(torch.full((1000, 3), 0.25), name="big", op=hvd.Average, compression=compressor)
+    assert big.shape == (1000, 3) and big.dtype == torch.float32
+    assert torch.equal(big, torch.full((1000, 3), 0.25))
+    stats = compressor.compression_stats()
+    assert stats["tensors_compressed"] == 1
+    # 3000 coordinates: 16-byte header + 6 fp32 scales + 3000 bytes of 8-bit codes, plus the placeholder.
+    assert stats["bytes_sent"] == 16 + 6 * 4 + 3000 + 4
+    assert stats["bytes_uncompressed"] == 12000
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_gradients(hvd_torch, dtype):
+    import torch
+    from horovod_qsgd.torch import QSGD
+    dtype = getattr(torch, dtype)
+    x = torch.full((4096,), 0.5, dtype=dtype)
+    out = hvd_torch.allreduce(x, name="half", op=hvd_torch.Sum, compression=QSGD(bits=4, min_numel=0))
+    assert out.dtype == dtype and torch.equal(out, torch.full((4096,), 1.0, dtype=dtype))
+
+
+@pytest.mark.ranks(3)
+def test_grouped_allreduce_names_each_member(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    tensors = [torch.zeros(20000), torch.zeros(30000)]
+    tensors[0][7] = hvd.rank() + 1.0
+    tensors[1][11] = 2.0
+    out = hvd.grouped_allreduce(tensors, name="grp", op=hvd.Sum, compression=TopK(ratio=0.001))
+    assert out[0][7].item() == 6.0 and out[0].count_nonzero().item() == 1
+    assert out[1][11].item() == 6.0 and out[1].count_nonzero().item() == 1
+
+
+@pytest.mark.ranks(2)
+def test_random_k_sums_the_same_coordinates(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import RandomK
+    hvd = hvd_torch
+    compressor = RandomK(ratio=0.01)
+    x = torch.arange(50000, dtype=torch.float32) * (hvd.rank() + 1)
+    out = hvd.allreduce(x, name="rk", op=hvd.Sum, compression=compressor)
+    picked = out.nonzero().reshape(-1)
+    assert picked.numel() == 500 or (picked.numel() == 499 and out[0] == 0)
+    assert torch.equal(out[picked], picked.float() * 3)
+    stats = compressor.compression_stats()
+    assert stats["bytes_sent"] == 500 * 4 and stats["bytes_uncompressed"] == 200000
