@@ -1,0 +1,563 @@
+"""Compressors for Horovod's TensorFlow ``compression=`` argument that really send fewer bytes.
+
+Horovod calls ``compress(grad)``, allreduces what comes back, and calls
+``decompress(result, ctx)`` (in ``hvd.DistributedGradientTape``,
+``hvd.DistributedOptimizer``, Horovod's Keras ``DistributedOptimizer`` and
+``hvd.allreduce``). :class:`QSGD` and :class:`TopK` work exactly like their
+PyTorch twins in :mod:`horovod_qsgd.torch`:
+
+1. ``compress`` encodes the gradient with the shared codec (one
+   ``tf.numpy_function`` call into the numba kernels), starts an
+   ``hvd.allgather`` of the uint8 payload under a name derived from the
+   variable's name, and returns a one-element placeholder holding 1 for
+   Horovod to allreduce with its own op, prescale and postscale.
+2. ``decompress`` takes every rank's payload from the allgather, checks the
+   headers against its own, decodes them in rank order into one fp32 sum and
+   multiplies it by ``placeholder / num_ranks`` (sum or average, whatever the
+   caller asked Horovod for).
+
+:class:`RandomK` returns the k values every rank selects with a shared seed
+and lets Horovod's allreduce sum them.
+
+Everything that changes from step to step lives in ``tf.Variable`` objects
+(per gradient: an int64 step counter for the counter-based RNG and, with error
+feedback, an fp32 residual), so a compressor works eagerly and inside
+``tf.function`` (traced once) and is saved and restored by
+``tf.train.Checkpoint(compressor=...)``. Tensors below ``min_numel`` elements
+and non-float tensors go through Horovod's allreduce unchanged; Horovod
+allgathers ``tf.IndexedSlices`` itself without calling the compressor.
+"""
+import json
+import re
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+
+import horovod.tensorflow as hvd
+from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec
+from horovod_qsgd.common.errors import CompressionMismatchError, UnsupportedCollectiveError
+from horovod_qsgd.common.exchange import payload_spans, reduction_scale
+from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, rank_key, tensor_key
+from horovod_qsgd.common.stats import CompressionStats
+from horovod_qsgd.tensorflow.call_site import find_call_site
+from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
+
+STATE_FORMAT = 1
+_PASS_THROUGH = None  # Horovod's own compressors use None as "nothing to undo" too
+_PLACEHOLDER_DTYPES = (tf.float16, tf.float32, tf.float64)
+
+
+def _op_name(name):
+    """A TensorFlow op name made from a stable tensor name (graph mode scopes it further)."""
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
+
+
+def _new_variable(initial_value, name, dtype):
+    """A variable created outside any graph being traced.
+
+    A compressor meets a new gradient when a function is (re)traced, possibly
+    not on its first trace, where ``tf.Variable`` refuses to create
+    variables; each state variable is created once per gradient name, so
+    lifting it out with ``init_scope`` and constructing it directly is safe.
+    """
+    with tf.init_scope():
+        return ResourceVariable(initial_value, name=_op_name(name), dtype=dtype, trainable=False)
+
+
+class _Step:
+    """One compress call: where it came from, the state name, the counter and the fp32 input."""
+    __slots__ = ("site", "name", "numel", "variable", "value", "flat")
+
+    def __init__(self, site, name, numel, variable, value, flat):
+        self.site, self.name, self.numel = site, name, numel
+        self.variable, self.value, self.flat = variable, value, flat
+
+
+class _Context:
+    """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
+    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step")
+
+    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None):
+        self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
+        self.gathered, self.step = gathered, step
+
+
+class _CompressorBase(tf.Module):
+    """Settings handshake, per-gradient state variables, checkpoints and statistics."""
+
+    uses_residual = False
+
+    def __init__(self, codec, min_numel):
+        super().__init__(name=type(self).__name__)
+        if min_numel < 0:
+            raise ValueError(f"horovod_qsgd: min_numel must be >= 0, got {min_numel}")
+        self.codec = codec
+        self.min_numel = int(min_numel)
+        # Tracked by tf.train.Checkpoint: state name -> variable.
+        self._steps = {}
+        self._residuals = {}
+        self._settings = _new_variable(self._settings_json(), "horovod_qsgd_settings", tf.string)
+        self._runtime = _Runtime()
+
+    # -- identity ---------------------------------------------------------------------------
+    # Horovod caches its allreduce function keyed by the compressor: identity is the right key
+    # (two compressors have separate state). Hashing is also the one moment our code runs while
+    # Horovod's Keras DistributedOptimizer wraps an optimizer, so a Keras 3 optimizer, which that
+    # wrapper would silently leave un-allreduced, is refused here.
+    def __hash__(self):
+        refuse_keras3_horovod_optimizer()
+        return id(self) >> 4
+
+    def __eq__(self, other):
+        return self is other
+
+    # -- settings ---------------------------------------------------------------------------
+    def settings(self):
+        return dict(self.codec.config(), min_numel=self.min_numel)
+
+    def _settings_json(self):
+        return json.dumps({"compressor": type(self).__name__, "format": STATE_FORMAT,
+                           "settings": self.settings()}, sort_keys=True, default=str)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
+        return f"{type(self).__name__}({args})"
+
+    def _passes_through(self, tensor):
+        return (not tensor.dtype.is_floating or tensor.shape.num_elements() is None
+                or tensor.shape.num_elements() < self.min_numel)
+
+    def _check_site(self, site, tensor):
+        if site.name is None:
+            raise ValueError(
+                "horovod_qsgd: hvd.allreduce(..., compression=...) called eagerly needs name= for tensors "
+                "that are compressed: the payload is exchanged under a name derived from it, and names "
+                "must be equal on every rank. (Inside tf.function, DistributedGradientTape and "
+                "DistributedOptimizer the name comes from the variable or the graph.)")
+        if site.op is not None and site.op == hvd.Adasum:
+            raise UnsupportedCollectiveError(
+                f"horovod_qsgd: tensor {site.name!r}: op=hvd.Adasum cannot be combined with payload "
+                "compression (Adasum needs the full gradients). Use op=hvd.Average or hvd.Sum, or "
+                "compression=hvd.Compression.none with Adasum.")
+
+    def _handshake(self, process_set):
+        """Once per process set, eagerly (also while a function is traced): all ranks compare settings."""
+        key = process_set.process_set_id
+        if key in self._runtime.verified_process_sets or not process_set.included():
+            return
+        with tf.init_scope():
+            self._check_restored_settings()
+            record = np.frombuffer(settings_record(type(self).__name__, self.settings()), dtype=np.uint8)
+            lengths = hvd.allgather(tf.constant([record.size], dtype=tf.int64),
+                                    name=f"{HANDSHAKE_NAME}.lengths", process_set=process_set)
+            records = hvd.allgather(tf.constant(record), name=f"{HANDSHAKE_NAME}.records",
+                                    process_set=process_set).numpy()
+            chunks, offset = [], 0
+            for length in lengths.numpy().tolist():
+                chunks.append(records[offset:offset + length].tobytes())
+                offset += length
+            check_settings(chunks)
+        self._runtime.verified_process_sets.add(key)
+
+    def _check_restored_settings(self):
+        restored = self._settings.numpy().decode("utf-8")
+        if restored != self._settings_json():
+            raise ValueError(f"horovod_qsgd: the checkpoint was written by {restored}, this compressor is "
+                             f"{self._settings_json()}; build it with the same arguments.")
+
+    # -- per-gradient state -------------------------------------------------------------------
+    def _state_name(self, site):
+        """The name state and collectives are keyed by: the variable's name, made unique per variable."""
+        if site.variable is None:
+            return site.name
+        runtime = self._runtime
+        with runtime.lock:
+            ref = site.variable.ref() if hasattr(site.variable, "ref") else id(site.variable)
+            name = runtime.name_of_variable.get(ref)
+            if name is None:
+                name, count = site.name, 1
+                while name in runtime.variable_of_name:
+                    count += 1
+                    name = f"{site.name}#{count}"
+                runtime.name_of_variable[ref] = name
+                runtime.variable_of_name[name] = ref
+                runtime.keep_alive.append(site.variable)
+            return name
+
+    def _step_variable(self, name):
+        with self._runtime.lock:
+            var = self._steps.get(name)
+            if var is None:
+                var = self._steps[name] = _new_variable(np.int64(0), f"{name}/step", tf.int64)
+        return var
+
+    def _residual_variable(self, name, numel):
+        with self._runtime.lock:
+            var = self._residuals.get(name)
+            if var is None:
+                var = self._residuals[name] = _new_variable(np.zeros(numel, np.float32),
+                                                            f"{name}/residual", tf.float32)
+        if var.shape.num_elements() != numel:
+            raise CompressionMismatchError(
+                f"horovod_qsgd: tensor {name!r} has {numel} elements but its error-feedback residual has "
+                f"{var.shape.num_elements()}; a checkpoint from another model was restored, or two "
+                "tensors share a name.")
+        return var
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self):
+        """Step counters and residuals by tensor name (numpy), plus the settings they belong to.
+
+        ``tf.train.Checkpoint(compressor=c)`` saves and restores the same
+        variables; this is for code that checkpoints with numpy/pickle.
+        Residuals differ between ranks: save each rank's state.
+        """
+        tensors = {name: {"step": int(var.numpy()), "residual": None} for name, var in self._steps.items()}
+        for name, var in self._residuals.items():
+            tensors.setdefault(name, {"step": 0})["residual"] = var.numpy().copy()
+        return {"format": STATE_FORMAT, "compressor": type(self).__name__, "settings": self.settings(),
+                "tensors": tensors}
+
+    def load_state_dict(self, state):
+        if state.get("format") != STATE_FORMAT or state.get("compressor") != type(self).__name__:
+            raise ValueError(f"horovod_qsgd: cannot load a {state.get('compressor')!r} state (format "
+                             f"{state.get('format')}) into {type(self).__name__} (format {STATE_FORMAT}).")
+        if state["settings"] != self.settings():
+            raise ValueError(f"horovod_qsgd: the state was written with settings {state['settings']}, "
+                             f"this compressor has {self.settings()}; build it with the same arguments.")
+        for name, entry in state["tensors"].items():
+            self._step_variable(name).assign(entry["step"])
+            if entry.get("residual") is not None:
+                residual = np.asarray(entry["residual"], dtype=np.float32)
+                self._residual_variable(name, residual.size).assign(residual)
+
+    # -- statistics -------------------------------------------------------------------------
+    def compression_stats(self, reset=False):
+        """Counters since the last reset: tensors, bytes before and after, encode/decode seconds.
+
+        Counted when the ops run (not when they are traced). Log it once per
+        step with ``reset=True`` to get per-step numbers.
+        """
+        stats = self._runtime.stats.snapshot(reset)
+        for counter in self._runtime.pass_through_counters:
+            stats = counter.add_to(stats, reset)
+        sent = stats["bytes_sent"]
+        stats["compression_ratio"] = stats["bytes_uncompressed"] / sent if sent else float("nan")
+        return stats
+
+    def _pass_through(self, tensor):
+        nbytes = tensor.shape.num_elements() * tensor.dtype.size if tensor.shape.is_fully_defined() else 0
+        if tf.executing_eagerly():
+            self._runtime.stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
+        else:
+            # One counter per traced call site: a variable of its own keeps the gradient's cond branch
+            # free of ordering constraints against other gradients (a shared counter would serialize
+            # Horovod's allreduces and defeat its tensor fusion).
+            counter = _PassThroughCounter(nbytes)
+            self._runtime.pass_through_counters.append(counter)
+            counter.variable.assign_add(1)
+        return tensor, _PASS_THROUGH
+
+    def _begin(self, tensor):
+        """The step being compressed (site, name, numel, step counter), or None to pass ``tensor`` through."""
+        site, name = self._prepare(tensor)
+        if name is None:
+            return None
+        step_var = self._step_variable(name)
+        return _Step(site, name, tensor.shape.num_elements(), step_var, step_var.read_value(), _flat_fp32(tensor))
+
+    def _on_host(self, step, fn, out_dtype, op_name):
+        """``fn(x, step, residual) -> array`` as one host op; advances the step counter and the residual.
+
+        The residual variable's value is copied before the codec updates it
+        in place, and the updated copy is assigned back: a variable's buffer
+        is never written behind TensorFlow's back.
+        """
+        if self.uses_residual:
+            residual_var = self._residual_variable(step.name, step.numel)
+
+            def call(x, step_value, residual):
+                residual = residual.copy()
+                return fn(x, int(step_value), residual), residual
+
+            out, new_residual = tf.numpy_function(call, [step.flat, step.value, residual_var.read_value()],
+                                                  [out_dtype, tf.float32], stateful=False, name=op_name)
+            new_residual.set_shape([step.numel])
+            residual_var.assign(new_residual)
+        else:
+            out = tf.numpy_function(lambda x, step_value: fn(x, int(step_value), None), [step.flat, step.value],
+                                    out_dtype, stateful=False, name=op_name)
+        out.set_shape([None])
+        step.variable.assign_add(1)
+        return out
+
+    def _prepare(self, tensor):
+        site = find_call_site(tensor, None, hvd.global_process_set)
+        self._handshake(site.process_set)
+        if self._passes_through(tensor):
+            return site, None
+        self._check_site(site, tensor)
+        return site, self._state_name(site)
+
+
+class _Runtime:
+    """Per-process bookkeeping that is not checkpointed (hidden from tf.Module's tracking)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.stats = CompressionStats()
+        self.verified_process_sets = set()
+        self.name_of_variable = {}
+        self.variable_of_name = {}
+        self.keep_alive = []
+        self.pass_through_counters = []
+
+
+class _PassThroughCounter:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+        self.variable = _new_variable(np.int64(0), "horovod_qsgd_pass_through", tf.int64)
+        self.baseline = 0
+
+    def add_to(self, stats, reset):
+        count = int(self.variable.numpy())
+        calls = count - self.baseline
+        if reset:
+            self.baseline = count
+        stats = dict(stats)
+        stats["tensors_passed_through"] += calls
+        stats["bytes_uncompressed"] += calls * self.nbytes
+        stats["bytes_sent"] += calls * self.nbytes
+        return stats
+
+
+def _flat_fp32(tensor):
+    flat = tf.reshape(tensor, [-1])
+    return flat if flat.dtype == tf.float32 else tf.cast(flat, tf.float32)
+
+
+class PayloadCompressor(_CompressorBase):
+    """Sends each gradient as an allgathered payload; base of :class:`QSGD` and :class:`TopK`."""
+
+    @tf.autograph.experimental.do_not_convert
+    def compress(self, tensor):
+        step = self._begin(tensor)
+        if step is None:
+            return self._pass_through(tensor)
+        codec, stats = self.codec, self._runtime.stats
+        capacity = codec.max_payload_nbytes(step.numel)
+        key = rank_key(step.name, step.site.process_set.rank() if step.site.process_set.included() else 0)
+        placeholder_dtype = tensor.dtype if tensor.dtype in _PLACEHOLDER_DTYPES else tf.float32
+        uncompressed, placeholder_nbytes = step.numel * tensor.dtype.size, placeholder_dtype.size
+
+        def encode(x, step_value, residual):
+            start = time.perf_counter()
+            out = np.empty(capacity, dtype=np.uint8)
+            nbytes = codec.encode(x, out, step=step_value, key=key, residual=residual)
+            stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
+                      bytes_uncompressed=uncompressed, bytes_sent=nbytes + placeholder_nbytes)
+            return out[:nbytes]
+
+        payload = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
+        gathered = hvd.allgather(payload, name=_op_name(PAYLOAD_PREFIX + step.name),
+                                 process_set=step.site.process_set)
+        placeholder = tf.ones([1], dtype=placeholder_dtype)
+        return placeholder, _Context(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
+                                     gathered=gathered)
+
+    @tf.autograph.experimental.do_not_convert
+    def decompress(self, tensor, ctx):
+        if ctx is _PASS_THROUGH:
+            return tensor
+        codec, stats = self.codec, self._runtime.stats
+        numel = ctx.shape.num_elements()
+        name, num_ranks = ctx.name, ctx.num_ranks
+
+        def decode(gathered, placeholder):
+            start = time.perf_counter()
+
+            def read_bytes(offset, length):
+                return gathered[offset:offset + length].tobytes()
+
+            spans = payload_spans(read_bytes, gathered.size, num_ranks, codec, numel, name)
+            total = np.zeros(numel, dtype=np.float32)
+            for begin, end in spans:
+                codec.decode_accumulate(gathered[begin:end], total)
+            scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
+            if scale != 1.0:
+                total *= np.float32(scale)
+            stats.add(decode_seconds=time.perf_counter() - start)
+            return total
+
+        total = tf.numpy_function(decode, [ctx.gathered, tensor], tf.float32, stateful=False,
+                                  name="horovod_qsgd_decode")
+        result = tf.reshape(total, ctx.shape)
+        return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
+
+
+class QSGD(PayloadCompressor):
+    r"""QSGD: stochastic, unbiased quantization to a few bits per coordinate (Alistarh et al., arXiv 1610.02132).
+
+    The flattened gradient is cut into buckets of ``bucket_size`` values. A
+    bucket :math:`v` with scale :math:`\|v\|` (``norm="max"``: the largest
+    magnitude, as in the paper's experiments; ``"l2"``: the paper's theory)
+    sends, for each coordinate, its sign and a level
+    :math:`\ell_i \in \{0..s\}` with :math:`s = 2^{bits-1}-1`, where
+    :math:`|v_i|/\|v\| \cdot s` is rounded up with probability equal to its
+    fractional part, so :math:`E[Q(v)] = v`. Every rank decodes every rank's
+    payload and averages (or sums). The payload bytes are those of
+    ``horovod_qsgd.torch.QSGD`` for the same input, step and key.
+
+    Args:
+        bits: wire bits per coordinate, 2..8 (2: ternary, 4: s=7, 8: s=127).
+            Fewer bits, fewer bytes and more variance.
+        bucket_size: coordinates per scale (default 512, the paper's). Larger
+            buckets cost fewer scale bytes but add variance.
+        norm: ``"max"`` (default; lower variance in practice) or ``"l2"``.
+        encoding: ``"fixed"`` (bit-packed, default) or ``"elias"`` (the paper's
+            Elias-coded sparse form; pays off with few levels, ``norm="l2"``
+            and large buckets).
+        scale_dtype: ``"float32"`` (default) or ``"float16"`` per-bucket scales.
+        rounding: ``"stochastic"`` (unbiased, default) or ``"nearest"``
+            (deterministic and biased).
+        min_numel: tensors with fewer elements go through the ordinary
+            allreduce unquantized (default 10000, as in the paper).
+        seed: seed of the counter-based RNG (rounding depends on seed, step,
+            variable name, rank and element index).
+
+    State: one int64 step counter per compressed gradient (a ``tf.Variable``;
+    checkpoint the compressor with ``tf.train.Checkpoint`` to resume
+    bit-exactly).
+
+    Cost on the wire per rank and step: ``bits + 32/bucket_size`` bits per
+    coordinate plus a 16-byte header; 4 bits with bucket 512 is 4.0625 bits,
+    7.88x fewer than fp32. An allgather delivers every rank's payload to
+    every rank, so received bytes grow with the number of ranks, unlike a
+    ring allreduce: the saving is largest for few ranks and slow links.
+    Compute: one encode of the local gradient and one decode per rank, on the
+    host (``tf.numpy_function``), each a fraction of a memcpy of the gradient.
+    """
+
+    def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
+                 rounding="stochastic", min_numel=10000, seed=0):
+        super().__init__(QSGDCodec(bits=bits, bucket_size=bucket_size, norm=norm, encoding=encoding,
+                                   scale_dtype=scale_dtype, rounding=rounding, seed=seed), min_numel)
+
+
+class TopK(PayloadCompressor):
+    r"""Top-k sparsification with error feedback (Shi et al., arXiv 1911.08772; Lin et al., DGC).
+
+    Each step the residual :math:`r` (what earlier steps did not send) is
+    added to the gradient, the ``k = max(1, floor(ratio * n))`` largest
+    magnitudes of the sum are sent as (int32 index, value) pairs and the rest
+    stays in the residual: ``sent + r_new == grad + r_old`` exactly.
+
+    Args:
+        ratio: fraction of coordinates sent (default 0.01).
+        selector: ``"exact"`` (exactly the k largest, default), ``"gaussian"``
+            (Gaussian-k: a threshold from mean and standard deviation, at most
+            3 refinements; much faster, k is approximate) or ``"sample"``
+            (DGC: a threshold from a random sample).
+        error_feedback: keep what was not sent (default True). Without it
+            top-k is biased and usually converges worse.
+        value_dtype: ``"float32"`` (default) or ``"float16"`` values.
+        sample_ratio: fraction of coordinates the ``"sample"`` selector reads.
+        min_numel: smaller tensors are allreduced unchanged (default 10000).
+        seed: seed for the ``"sample"`` selector.
+
+    State: per compressed gradient an int64 step counter and, with error
+    feedback, an fp32 residual of the gradient's size (``tf.Variable``\ s,
+    saved by ``tf.train.Checkpoint``; residuals differ between ranks, so every
+    rank saves its own checkpoint).
+
+    Cost on the wire per rank and step: a fixed capacity of entries (k for
+    exact, somewhat more for the approximate selectors) times 8 bytes (6 with
+    fp16 values) plus a 16-byte header: at ratio 0.01, 0.08 bytes per
+    coordinate instead of 4. Memory: one fp32 copy of every compressed
+    gradient for the residual.
+    """
+
+    def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
+                 sample_ratio=0.01, min_numel=10000, seed=0):
+        super().__init__(TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype,
+                                   error_feedback=error_feedback, seed=seed, sample_ratio=sample_ratio),
+                         min_numel)
+        self.uses_residual = bool(error_feedback)
+
+
+class RandomK(_CompressorBase):
+    r"""Random-k sparsification with a shared seed.
+
+    Every rank draws the same ``k = max(1, floor(ratio * n))`` coordinates
+    from (seed, step, variable name), one uniformly inside each of k equal
+    strata, so Horovod's own allreduce sums the selected values directly:
+    the wire carries k values instead of n, and no indices.
+
+    Args:
+        ratio: fraction of coordinates sent (default 0.01).
+        error_feedback: keep unsent coordinates in a residual (default False).
+        rescale: multiply sent values by n/k so the estimate is unbiased
+            (default False; increases variance by n/k).
+        value_dtype: ``"float32"`` (default) or ``"float16"``. With
+            ``groups=``, Horovod's grouped allreduce needs one dtype per
+            group: keep ``"float32"`` there unless all gradients are fp16.
+        min_numel: smaller tensors are allreduced unchanged (default 10000).
+        seed: the shared seed; must be equal on all ranks (checked).
+
+    State: per compressed gradient an int64 step counter (and a residual with
+    error feedback), in ``tf.Variable``\ s.
+    """
+
+    def __init__(self, ratio=0.01, error_feedback=False, rescale=False, value_dtype="float32",
+                 min_numel=10000, seed=0):
+        super().__init__(RandomKCodec(ratio=ratio, seed=seed, value_dtype=value_dtype,
+                                      error_feedback=error_feedback, rescale=rescale), min_numel)
+        self.uses_residual = bool(error_feedback)
+        self._value_dtype = tf.as_dtype(value_dtype)
+
+    @tf.autograph.experimental.do_not_convert
+    def compress(self, tensor):
+        step = self._begin(tensor)
+        if step is None:
+            return self._pass_through(tensor)
+        codec, stats = self.codec, self._runtime.stats
+        key, value_dtype = tensor_key(step.name), self._value_dtype.as_numpy_dtype
+        uncompressed = step.numel * tensor.dtype.size
+
+        def gather(x, step_value, residual):
+            start = time.perf_counter()
+            # Already rounded to value_dtype by the codec: the cast to fp16 is exact.
+            values = codec.gather(x, step=step_value, key=key, residual=residual).astype(value_dtype, copy=False)
+            stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
+                      bytes_uncompressed=uncompressed, bytes_sent=values.nbytes)
+            return values
+
+        values = self._on_host(step, gather, self._value_dtype, "horovod_qsgd_gather")
+        return values, _Context(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
+                                step=step.value)
+
+    @tf.autograph.experimental.do_not_convert
+    def decompress(self, tensor, ctx):
+        if ctx is _PASS_THROUGH:
+            return tensor
+        codec, stats = self.codec, self._runtime.stats
+        numel, key = ctx.shape.num_elements(), tensor_key(ctx.name)
+
+        def scatter(values, step_value):
+            start = time.perf_counter()
+            total = np.zeros(numel, dtype=np.float32)
+            codec.scatter_accumulate(np.ascontiguousarray(values, dtype=np.float32), total,
+                                     step=int(step_value), key=key)
+            stats.add(decode_seconds=time.perf_counter() - start)
+            return total
+
+        total = tf.numpy_function(scatter, [tensor, ctx.step], tf.float32, stateful=False,
+                                  name="horovod_qsgd_scatter")
+        result = tf.reshape(total, ctx.shape)
+        return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
+
+

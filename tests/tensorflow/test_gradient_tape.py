@@ -1,0 +1,120 @@
+"""hvd.DistributedGradientTape with our compressors, eager and in tf.function, on 2 and 3 real ranks.
+
+What each rank receives is compared bitwise with tests/tensorflow/reference.py:
+every rank encodes its own local gradient with a fresh codec, the raw
+payloads go through a plain hvd.allgather and are decoded in rank order.
+"""
+import numpy as np
+import pytest
+
+from tests.tensorflow.reference import Reference, make
+
+RANKS_2_AND_3 = [pytest.param(2, marks=pytest.mark.ranks(2, timeout=240)),
+                 pytest.param(3, marks=pytest.mark.ranks(3, timeout=300))]
+
+
+def make_variables(tf, dtype="float32"):
+    rng = np.random.default_rng(0)
+    return [tf.Variable((rng.standard_normal((64, 300)) * 0.1).astype(dtype), name="wide"),   # 19200: compressed
+            tf.Variable(np.zeros(300, dtype), name="bias"),                                    # 300: passed through
+            tf.Variable((rng.standard_normal((300, 40)) * 0.1).astype(dtype), name="head")]    # 12000: compressed
+
+
+def batch(rank, step, dtype="float32"):
+    rng = np.random.default_rng(1000 * rank + step)
+    return rng.standard_normal((32, 64)).astype(dtype), rng.integers(0, 40, 32).astype(np.int32)
+
+
+def loss_fn(tf, variables, x, y):
+    wide, bias, head = variables
+    logits = tf.nn.relu(x @ wide + bias) @ head
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.cast(logits, tf.float32)))
+
+
+def tape_step(hvd, tf, compressor, variables, **tape_kwargs):
+    """A step function returning (local gradients, received gradients); the update uses the received."""
+
+    def step(x, y):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = loss_fn(tf, variables, x, y)
+        local = tape.gradient(loss, variables)
+        distributed = hvd.DistributedGradientTape(tape, compression=compressor, **tape_kwargs)
+        received = distributed.gradient(loss, variables)
+        for v, g in zip(variables, received):
+            v.assign_sub(tf.cast(0.1, v.dtype) * g)
+        return local, received
+
+    return step
+
+
+def run_and_compare(hvd, kind, mode, steps=3, op="average", predivide=1.0, dtype="float32", **tape_kwargs):
+    import tensorflow as tf
+    variables = make_variables(tf, dtype)
+    compressor = make(kind)
+    hvd_op = hvd.Sum if op == "sum" else hvd.Average
+    prescale, postscale = (1.0 / predivide, predivide) if op == "average" else (1.0, 1.0)
+    reference = Reference(hvd, kind, op=op, prescale=prescale, postscale=postscale)
+    step = tape_step(hvd, tf, compressor, variables, op=hvd_op, gradient_predivide_factor=predivide,
+                     **tape_kwargs)
+    if mode == "function":
+        step = tf.function(step)
+    for s in range(steps):
+        x, y = batch(hvd.rank(), s, dtype)
+        local, received = step(tf.constant(x), tf.constant(y))
+        for v, g_local, g_received in zip(variables, local, received):
+            name = v.name.split(":")[0]
+            reference.check(name, g_local.numpy(), g_received.numpy(), f"{kind} {mode} step {s} {name}")
+    stats = compressor.compression_stats()
+    assert stats["tensors_compressed"] == 2 * steps, stats
+    assert stats["tensors_passed_through"] == steps, stats
+    assert stats["bytes_sent"] < stats["bytes_uncompressed"], stats
+    assert {name: int(v.numpy()) for name, v in compressor._steps.items()} == {"wide": steps, "head": steps}
+    return compressor
+
+
+@pytest.mark.parametrize("num_ranks", RANKS_2_AND_3)
+def test_received_gradient_is_average_of_decoded_payloads(hvd_tf, num_ranks):
+    assert hvd_tf.size() == num_ranks
+    for kind in ("qsgd4", "topk", "randomk-ef"):
+        for mode in ("eager", "function"):
+            run_and_compare(hvd_tf, kind, mode)
+
+
+@pytest.mark.ranks(2, timeout=240)
+def test_sum_predivide_groups_and_fp16(hvd_tf):
+    hvd = hvd_tf
+    run_and_compare(hvd, "qsgd2-l2", "function", op="sum")
+    run_and_compare(hvd, "topk-gaussian", "eager", op="average", predivide=2.0)
+    run_and_compare(hvd, "randomk-ef", "function", op="sum")
+    run_and_compare(hvd, "qsgd4", "function", groups=2)
+    run_and_compare(hvd, "topk", "eager", groups=1)
+    # fp16 variables: encoded from the exact fp32 upcast, received as fp16.
+    run_and_compare(hvd, "qsgd8", "function", dtype="float16")
+
+
+@pytest.mark.ranks(2, timeout=180)
+def test_plain_allreduce_and_grouped_allreduce_with_names(hvd_tf):
+    import tensorflow as tf
+    hvd = hvd_tf
+    compressor = make("qsgd4")
+    reference = Reference(hvd, "qsgd4", op="sum")
+    rng = np.random.default_rng(hvd.rank())
+    for step in range(2):
+        a = rng.standard_normal(20000).astype(np.float32)
+        b = rng.standard_normal((150, 100)).astype(np.float32)
+        got = hvd.allreduce(tf.constant(a), name="layer.a", op=hvd.Sum, compression=compressor)
+        reference.check("layer.a", a, got.numpy(), f"allreduce step {step}")
+        got = hvd.grouped_allreduce([tf.constant(b), tf.constant(a[:100])], name="group", op=hvd.Sum,
+                                    compression=compressor)
+        reference.check("group.0", b, got[0].numpy(), f"grouped step {step}")
+        reference.check("group.1", a[:100], got[1].numpy(), f"grouped small {step}")
+
+        @tf.function
+        def in_graph(x):
+            return hvd.allreduce(x, op=hvd.Sum, compression=compressor, name="in_graph")
+
+        got = in_graph(tf.constant(a))
+        reference.check("in_graph", a, got.numpy(), f"graph-mode allreduce {step}")
+    # Integer tensors are never compressed.
+    ints = hvd.allreduce(tf.fill([20000], hvd.rank() + 1), op=hvd.Sum, compression=compressor, name="ints")
+    assert int(ints.numpy()[0]) == 3
