@@ -44,12 +44,15 @@ class TopKCodec(Codec):
             * ``"gaussian"``: Gaussian-k (Shi et al., arXiv:1911.08772): the
               threshold ``|mu| + sigma * Phi^-1(1 - k/(2n))`` from the mean
               and standard deviation of acc, refined at most 3 times (halved
-              if fewer than 2k/3 pass, times 1.5 if more than 4k/3).  About
+              if fewer than 2k/3 pass, times 1.5 if more than 4k/3; bisecting
+              once the band is bracketed; if no threshold lands in the band
+              the one whose count is closest to k is used).  About
               k entries (in [2k/3, 4k/3] for roughly Gaussian gradients);
               fewer passes than exact.
             * ``"sample"``: DGC's sampled threshold: the exact top
-              ``k * m / n`` of ``m = max(4096, sample_ratio * n)`` stratified
-              samples of |acc| gives the threshold, refined like gaussian.
+              ``k * m / n`` of ``m = max(4096, sample_ratio * n, 64 n / k)``
+              stratified samples of |acc| gives the threshold, refined like
+              gaussian.
 
         value_dtype (str): ``"float32"`` (default) or ``"float16"`` (values
             rounded to nearest fp16; the rounding error stays in the
@@ -105,7 +108,16 @@ class TopKCodec(Codec):
         return min(int(numel), (4 * k + 2) // 3)
 
     def sample_size(self, numel):
-        return min(int(numel), max(SAMPLE_MIN, int(math.ceil(self.sample_ratio * numel))))
+        """m = min(n, max(4096, ceil(sample_ratio * n), 64 n / k)).
+
+        The last term keeps at least ~64 sampled entries above the sampled
+        threshold, so its quantile is not dominated by noise on small tensors.
+        """
+        n = int(numel)
+        k = self.k(n)
+        if k == 0:
+            return 0
+        return min(n, max(SAMPLE_MIN, int(math.ceil(self.sample_ratio * n)), (64 * n + k - 1) // k))
 
     def max_payload_nbytes(self, numel):
         cap = self.capacity(numel)

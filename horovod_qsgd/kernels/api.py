@@ -258,18 +258,38 @@ def _count(src, t, gpu):
 
 
 def _refine(src, t, k, gpu, max_refinements=3):
-    """Per-chunk counts at threshold t after at most 3 refinements of t."""
+    """(threshold, per-chunk counts) after at most 3 refinements of t.
+
+    A refinement halves t when fewer than 2k/3 entries pass and multiplies
+    it by 1.5 when more than 4k/3 pass (Shi et al.); once both a too-low and
+    a too-high threshold have been seen it bisects between them instead, so
+    the steps cannot overshoot back and forth across the band.  If no
+    threshold lands in the band, the one whose count is closest to k (in
+    ratio) is used.
+    """
+    def badness(total):
+        return math.inf if total == 0 else abs(math.log(total / k))
+
+    lo = hi = None  # thresholds known to pass too many / too few
     counts = _count(src, np.float32(t), gpu)
+    best = (badness(int(counts.sum())), t, counts)
     for _ in range(max_refinements):
         total = int(counts.sum())
         if 3 * total < 2 * k:
-            t = t / 2
+            hi = t
+            t = t / 2 if lo is None else (lo + t) / 2
         elif 3 * total > 4 * k:
-            t = t * 1.5
+            lo = t
+            t = t * 1.5 if hi is None else (hi + t) / 2
         else:
-            break
+            return np.float32(t), counts
         counts = _count(src, np.float32(t), gpu)
-    return np.float32(t), counts
+        total = int(counts.sum())
+        if 2 * k <= 3 * total <= 4 * k:
+            return np.float32(t), counts
+        if badness(total) < best[0]:
+            best = (badness(total), t, counts)
+    return np.float32(best[1]), best[2]
 
 
 def _exclusive(c):

@@ -1,0 +1,92 @@
+"""Run the CUDA code paths in numba's CUDA simulator and compare with the CPU.
+
+Started by test_kernel_cudasim.py in a subprocess with NUMBA_ENABLE_CUDASIM=1
+(the variable must be set before numba is imported).  Exits 0 when every
+CUDA payload, residual and decoded output is bit-identical to the CPU path
+and to the checked-in test vectors; prints the mismatches and exits 1
+otherwise.
+"""
+
+import os
+import sys
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+warnings.simplefilter("ignore", RuntimeWarning)  # uint64 wraparound in the simulated hash
+
+from numba import cuda  # noqa: E402
+
+from horovod_qsgd import kernels as K  # noqa: E402
+from horovod_qsgd.codecs import TopKCodec  # noqa: E402
+from horovod_qsgd.testdata import load_vectors, make_codec  # noqa: E402
+
+failures = []
+
+
+def same(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def check(name, ok):
+    if not ok:
+        failures.append(name)
+        print("MISMATCH", name, flush=True)
+
+
+def run_case(name, codec, x, step, key, residual, want_payload=None, want_residual=None):
+    m = codec.max_payload_nbytes(x.size)
+    # CPU
+    b_cpu = np.zeros(m, np.uint8)
+    r_cpu = None if residual is None else residual.copy()
+    n_cpu = codec.encode(x, b_cpu, step=step, key=key, residual=r_cpu)
+    # CUDA (simulated)
+    d_out = cuda.to_device(np.zeros(m, np.uint8))
+    d_res = None if residual is None else cuda.to_device(residual.copy())
+    n_gpu = codec.encode(cuda.to_device(x), d_out, step=step, key=key, residual=d_res)
+    b_gpu = d_out.copy_to_host()
+    check(f"{name}: payload CUDA == CPU", n_cpu == n_gpu and same(b_cpu[:n_cpu], b_gpu[:n_gpu]))
+    if want_payload is not None:
+        check(f"{name}: payload CUDA == test vector", same(b_gpu[:n_gpu], want_payload))
+    if residual is not None:
+        check(f"{name}: residual CUDA == CPU", same(r_cpu, d_res.copy_to_host()))
+        if want_residual is not None:
+            check(f"{name}: residual CUDA == test vector", same(d_res.copy_to_host(), want_residual))
+    o_cpu = np.full(x.size, 0.25, np.float32)
+    codec.decode_accumulate(b_cpu[:n_cpu], o_cpu)
+    d_o = cuda.to_device(np.full(x.size, 0.25, np.float32))
+    codec.decode_accumulate(d_out[:n_gpu], d_o)
+    check(f"{name}: decode CUDA == CPU", same(o_cpu, d_o.copy_to_host()))
+
+
+def main():
+    cases = load_vectors()
+    for c in cases:
+        run_case(c["name"], make_codec(c["codec"], c["config"]), c["x"], c["step"], c["key"], c["residual"],
+                 c["payload"], c["residual_out"])
+    rng = np.random.default_rng(0)
+    # exact top-k with ties and a NaN, on the CUDA selection path
+    x = (rng.integers(0, 4, 700) * rng.choice([-1, 1], 700)).astype(np.float32)
+    x[123] = np.nan
+    run_case("topk_exact_ties", TopKCodec(ratio=0.05, error_feedback=False), x, 0, 0, None)
+    run_case("topk_gaussian_ef_fp16", TopKCodec(ratio=0.05, selector="gaussian", value_dtype="float16"),
+             rng.standard_normal(900).astype(np.float32), 3, 4, rng.standard_normal(900).astype(np.float32))
+    # kernel-level: random-k indices, fp16 widening
+    base = K.stream_base(1, 2, 3, K.PURPOSE_RANDOMK)
+    check("randomk indices CUDA == CPU",
+          same(K.randomk_indices(1000, 37, base), K.randomk_indices(1000, 37, base, gpu=True).copy_to_host()))
+    h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
+    check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
+    total = len(cases) + 4
+    if failures:
+        print(f"{len(failures)} mismatches")
+        return 1
+    print(f"OK: {total} CUDA-simulator checks bit-identical to the CPU path and the test vectors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
