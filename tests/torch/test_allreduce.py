@@ -65,3 +65,26 @@ def test_random_k_sums_the_same_coordinates(hvd_torch):
     assert torch.equal(out[picked], picked.float() * 3)
     stats = compressor.compression_stats()
     assert stats["bytes_sent"] == 500 * 4 and stats["bytes_uncompressed"] == 200000
+
+
+@pytest.mark.ranks(3)
+def test_process_set_excludes_the_third_rank():
+    import horovod.torch as hvd
+    import torch
+    from horovod_qsgd.torch import QSGD
+    pair = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[pair])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)  # 20000 weights: compressed
+    compressor = QSGD(bits=8)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=compressor,
+                                   op=hvd.Sum, process_set=pair)
+    model.weight.grad = torch.full((100, 200), 0.5)
+    model.bias.grad = torch.full((100,), 0.5)
+    if hvd.rank() == 2:
+        return  # not in the process set: must not be waited for
+    opt.synchronize()
+    assert torch.equal(model.weight.grad, torch.full((100, 200), 1.0))  # summed over 2 ranks, not 3
+    assert torch.equal(model.bias.grad, torch.full((100,), 1.0))
+    assert compressor.compression_stats()["tensors_compressed"] == 1
