@@ -39,8 +39,11 @@ class TopKCodec(Codec):
         selector (str): how the k entries are found.
 
             * ``"exact"`` (default): exactly the k largest |acc|, ties broken
-              by lower index (radix select on the float bits: 3 histogram
-              passes + 1 compaction pass).
+              by lower index.  A sampled lower bound on the threshold picks
+              ~1.6k candidates in two passes over the data, then a radix
+              select on the float bits of the candidates finds the exact set
+              (3 histogram passes + compaction over all of acc if the bound
+              misses, or for small tensors).
             * ``"gaussian"``: Gaussian-k (Shi et al., arXiv:1911.08772): the
               threshold ``|mu| + sigma * Phi^-1(1 - k/(2n))`` from the mean
               and standard deviation of acc, refined at most 3 times (halved

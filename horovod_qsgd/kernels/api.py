@@ -191,13 +191,13 @@ def _radix_select(x, r, bits, ef, k, gpu, chunk=_EXACT_CHUNK):
     rows_all = []
     for shift, width in _DIGITS:
         nbins = 1 << width
-        rows = _zeros((nch, nbins), np.int32, gpu)
+        rows = _zeros((nch, 4 * nbins), np.int32, gpu)  # 4 sub-histograms per chunk
         if gpu:
             _sel.hist_kernel[nch](x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
         else:
             cpu_launch(_sel.hist_cpu, n, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
         ef = False
-        rows = _host(rows, gpu).astype(np.int64)
+        rows = _host(rows, gpu).astype(np.int64).reshape(nch, 4, nbins).sum(axis=1)
         total = rows.sum(axis=0)
         above = np.cumsum(total[::-1])  # above[t] = count in bins >= nbins-1-t
         t = int(np.searchsorted(above, kk))  # first t with above[t] >= kk
@@ -247,13 +247,15 @@ def acklam_ppf(p):
            (((((b[0] * rr + b[1]) * rr + b[2]) * rr + b[3]) * rr + b[4]) * rr + 1)
 
 
-def _count(src, t, gpu):
+def _count(src, t, gpu, x=None, ef=False):
+    """Per-chunk counts of not (|src| < t); with ef, first src = x + src in place."""
     nch = (src.size + _sel.CHUNK - 1) // _sel.CHUNK
     counts = _empty(nch, np.int64, gpu)
+    x = src if x is None else x
     if gpu:
-        _sel.count_kernel[nch](src, t, counts)
+        _sel.count_kernel[nch](x, src, ef, t, counts)
     else:
-        cpu_launch(_sel.count_cpu, src.size, src, t, counts)
+        cpu_launch(_sel.count_cpu, src.size, x, src, ef, t, counts)
     return _host(counts, gpu)
 
 
@@ -318,23 +320,8 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
     val32, val16 = (_empty(1, np.float32, gpu), values) if half else (values, _empty(1, np.uint16, gpu))
     src = r  # acc lives in the residual after the first pass (or is x)
 
-    def exact():
-        thresh, gt, eq = _radix_select(x, r, _bits(src), ef, k, gpu)
-        need_eq = k - int(gt.sum())
-        eq_take = np.clip(need_eq - _exclusive(eq), 0, eq)
-        starts = _exclusive(gt + eq_take)
-        nch = starts.size
-        if gpu:
-            c = _cuda()
-            _sel.write_exact_kernel[nch](src, _bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
-                                         idx, val32, val16, half, ef, _EXACT_CHUNK)
-        else:
-            cpu_launch(_sel.write_exact_cpu, src.size, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
-                       half, ef, _EXACT_CHUNK)
-        return min(k, cap)
-
     if selector == "exact":
-        return exact()
+        return _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, sample_base)
     nch = (n + _sel.CHUNK - 1) // _sel.CHUNK
     if selector == "gaussian":
         sums = _empty((nch, 2), np.float64, gpu)
@@ -349,7 +336,7 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
         mu = s1 / n
         sigma = math.sqrt(max(s2 / n - mu * mu, 0.0)) if math.isfinite(s2) else float("nan")
         if not (math.isfinite(mu) and math.isfinite(sigma)):  # NaN/inf: select exactly
-            return _fallback_exact(x, r, idx, val32, val16, half, error_feedback, k, gpu)
+            return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
         p = 1.0 - k / (2.0 * n)
         t = abs(mu) + sigma * (acklam_ppf(p) if p < 1.0 else 0.0)
     elif selector == "sample":
@@ -367,7 +354,7 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
             else:
                 cpu_launch(_sel.ef_accumulate_cpu, x.size, x, r)
         if not math.isfinite(t):
-            return _fallback_exact(x, r, idx, val32, val16, half, error_feedback, k, gpu)
+            return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
     else:
         raise ValueError(f"unknown selector {selector!r}")
     t32, counts = _refine(src, t, k, gpu)
@@ -379,21 +366,76 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
     return min(int(counts.sum()), cap)
 
 
-def _fallback_exact(x, r, idx, val32, val16, half, ef, k, gpu):
-    """Exact selection on an already accumulated ``r`` (non-finite statistics)."""
-    src = r if ef else x
-    thresh, gt, eq = _radix_select(src, src, _bits(src), False, k, gpu)
-    need_eq = k - int(gt.sum())
-    eq_take = np.clip(need_eq - _exclusive(eq), 0, eq)
+def _exact_full(x, r, ef_pending, idx, val32, val16, half, ef, k, gpu):
+    """Exact top-k by 3 radix histogram passes over all of acc, then compaction.
+
+    ``r`` holds acc (or is x); ``ef_pending``: the first pass still has to
+    form acc = x + r in place.  ``ef``: leave acc - sent in r.
+    """
+    src = r
+    thresh, gt, eq = _radix_select(x, r, _bits(src), ef_pending, k, gpu)
+    eq_take = np.clip(k - int(gt.sum()) - _exclusive(eq), 0, eq)
     starts = _exclusive(gt + eq_take)
     if gpu:
         c = _cuda()
         _sel.write_exact_kernel[starts.size](src, _bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
-                                             idx, val32, val16, half, bool(ef), _EXACT_CHUNK)
+                                             idx, val32, val16, half, ef, _EXACT_CHUNK)
     else:
         cpu_launch(_sel.write_exact_cpu, src.size, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
-                   half, bool(ef), _EXACT_CHUNK)
+                   half, ef, _EXACT_CHUNK)
     return min(k, idx.size)
+
+
+def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
+    """Exact top-k: a sampled lower bound on the threshold filters candidates.
+
+    The j-th largest of m stratified samples of |acc| (j = kk + 4 sqrt(kk) + 4
+    for kk = k m / n expected sample hits) is below the true k-th largest
+    value except with probability ~1e-5; one pass counts the entries at or
+    above it (forming acc = x + r on the way), one pass compacts their
+    indices, and the exact radix select then runs on those ~1.6k candidates
+    only.  The result is exactly the top k with ties to the lower index; if
+    the bound was too high or too loose, the full radix select runs instead.
+    """
+    n = x.size
+    m = min(n, max(_sel_sample_min(), -(-64 * n // k)))
+    if 4 * m >= n:  # small tensor: sampling saves nothing
+        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
+    sample = _empty(m, np.float32, gpu)
+    if gpu:
+        _sel.gather_sample_kernel[m](x, r, ef, base, sample)
+    else:
+        cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, base, sample)
+    kk = k * m / n
+    j = min(m, int(math.ceil(kk + 4 * math.sqrt(kk) + 4)))
+    t_low = exact_threshold(sample, j)
+    if not np.isfinite(t_low):
+        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
+    counts = _count(r, t_low, gpu, x=x, ef=ef)  # acc now lives in r
+    total = int(counts.sum())
+    if total < k or total > n // 4:
+        return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
+    starts = _exclusive(counts)
+    cand = _empty(total, np.int64, gpu)
+    cvals = _empty(total, np.float32, gpu)
+    if gpu:
+        c = _cuda()
+        _sel.compact_kernel[starts.size](r, t_low, c.to_device(starts), cand)
+        _sel.gather_abs_kernel[total](r, cand, cvals)
+    else:
+        cpu_launch(_sel.compact_cpu, n, r, t_low, starts, cand)
+        cpu_launch(_sel.gather_abs_cpu, total, r, cand, cvals)
+    thresh, gt, eq = _radix_select(cvals, cvals, _bits(cvals), False, k, gpu, chunk=total)
+    eq_take = k - int(gt.sum())
+    if gpu:
+        _sel.emit_candidates_kernel[1](r, cand, _bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
+    else:
+        _sel.emit_candidates(r, cand, _bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
+    return min(k, idx.size)
+
+
+def _sel_sample_min():
+    return 4096
 
 
 def sparse_accumulate(idx, values, out, *, half):

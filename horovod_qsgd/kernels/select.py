@@ -46,11 +46,27 @@ def ef_accumulate(xs, rs):
 
 @core
 def hist_chunk(bits, prefix_shift, prefix, shift, mask, row):
-    """row[digit] += 1 for keys whose bits above ``prefix_shift`` equal ``prefix``."""
-    for j in range(bits.size):
+    """Histogram of the digit ``(key >> shift) & mask`` of keys whose bits
+    above ``prefix_shift`` equal ``prefix``.
+
+    ``row`` holds 4 sub-histograms of ``mask + 1`` bins (element j counts in
+    sub-histogram j % 4): runs of equal digits then do not serialise on one
+    counter.  The caller adds the 4 up.
+    """
+    nbins = mask + 1
+    ps = np.uint32(prefix_shift)
+    sh = np.uint32(shift)
+    um = np.uint32(mask)
+    m4 = bits.size // 4
+    for q in range(m4):
+        for u in range(4):
+            k = bits[4 * q + u] & _ABS_MASK
+            if (k >> ps) == prefix:
+                row[u * nbins + ((k >> sh) & um)] += 1
+    for j in range(4 * m4, bits.size):
         k = bits[j] & _ABS_MASK
-        if (k >> np.uint32(prefix_shift)) == prefix:
-            row[(k >> np.uint32(shift)) & np.uint32(mask)] += 1
+        if (k >> ps) == prefix:
+            row[(k >> sh) & um] += 1
 
 
 @core
@@ -118,29 +134,95 @@ def emit(src, j, i, pos, idx, val32, val16, half, ef):
         src[j] = a - sent
 
 
+_BLK = 32  # block of the vectorised "any entry here?" pre-check of the write passes
+
+
+@core(inline=True)
+def block_has_key_at_least(bits, b0, thresh):
+    hit = False
+    for j in range(_BLK):
+        hit |= (bits[b0 + j] & _ABS_MASK) >= thresh
+    return hit
+
+
+@core(inline=True)
+def block_has_abs_at_least(src, b0, t):
+    hit = False
+    for j in range(_BLK):
+        hit |= not (abs(src[b0 + j]) < t)
+    return hit
+
+
 @core
 def write_exact_chunk(src, bits, i0, thresh, eq_take, start, idx, val32, val16, half, ef):
-    """Emit keys > thresh and the first eq_take keys == thresh, in index order."""
+    """Emit keys > thresh and the first eq_take keys == thresh, in index order.
+
+    Blocks of 32 are skipped after a branch-free check that nothing in them
+    reaches the threshold (almost all of them for small k/n).
+    """
     pos = start
     eq = 0
-    for j in range(bits.size):
-        k = bits[j] & _ABS_MASK
-        if k > thresh or (k == thresh and eq < eq_take):
-            if k == thresh:
-                eq += 1
-            emit(src, j, i0 + j, pos, idx, val32, val16, half, ef)
-            pos += 1
+    m = bits.size
+    for b0 in range(0, m, _BLK):
+        if b0 + _BLK <= m and not block_has_key_at_least(bits, b0, thresh):
+            continue
+        for j in range(b0, min(m, b0 + _BLK)):
+            k = bits[j] & _ABS_MASK
+            if k > thresh or (k == thresh and eq < eq_take):
+                if k == thresh:
+                    eq += 1
+                emit(src, j, i0 + j, pos, idx, val32, val16, half, ef)
+                pos += 1
 
 
 @core
 def write_thresh_chunk(src, i0, t, start, cap, idx, val32, val16, half, ef):
-    """Emit entries with not (|a| < t) while pos < cap, in index order."""
+    """Emit entries with not (|a| < t) while pos < cap, in index order (blocks as above)."""
     pos = start
-    for j in range(src.size):
-        if not (abs(src[j]) < t):
-            if pos < cap:
-                emit(src, j, i0 + j, pos, idx, val32, val16, half, ef)
+    m = src.size
+    for b0 in range(0, m, _BLK):
+        if b0 + _BLK <= m and not block_has_abs_at_least(src, b0, t):
+            continue
+        for j in range(b0, min(m, b0 + _BLK)):
+            if not (abs(src[j]) < t):
+                if pos < cap:
+                    emit(src, j, i0 + j, pos, idx, val32, val16, half, ef)
+                pos += 1
+
+
+@core
+def compact_chunk(src, i0, t, start, cand):
+    """cand[start + ...] = indices i0 + j with not (|src[j]| < t), in order."""
+    pos = start
+    m = src.size
+    for b0 in range(0, m, _BLK):
+        if b0 + _BLK <= m and not block_has_abs_at_least(src, b0, t):
+            continue
+        for j in range(b0, min(m, b0 + _BLK)):
+            if not (abs(src[j]) < t):
+                cand[pos] = i0 + j
+                pos += 1
+
+
+@core
+def gather_abs(src, cand, j, out):
+    out[j] = abs(src[cand[j]])
+
+
+@core
+def emit_candidates(src, cand, cbits, thresh, eq_take, idx, val32, val16, half, ef):
+    """Emit candidates with key > thresh and the first eq_take == thresh (index order)."""
+    pos = 0
+    eq = 0
+    for j in range(cand.size):
+        k = cbits[j] & _ABS_MASK
+        if k > thresh or (k == thresh and eq < eq_take):
+            if k == thresh:
+                eq += 1
+            i = cand[j]
+            emit(src, i, i, pos, idx, val32, val16, half, ef)
             pos += 1
+    return pos
 
 
 @core(inline=True)
@@ -249,6 +331,24 @@ def write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef):
 
 
 @core
+def count_item(x, r, ef, c, t, counts):
+    """Count of chunk c at threshold t (after the error-feedback accumulation if ef)."""
+    lo = c * CHUNK
+    hi = min(x.size, lo + CHUNK)
+    if ef:
+        ef_accumulate(x[lo:hi], r[lo:hi])
+        counts[c] = count_chunk(r[lo:hi], t)
+    else:
+        counts[c] = count_chunk(x[lo:hi], t)
+
+
+@core
+def compact_item(src, c, t, starts, cand):
+    lo = c * CHUNK
+    compact_chunk(src[lo:min(src.size, lo + CHUNK)], lo, t, starts[c], cand)
+
+
+@core
 def ef_accumulate_item(x, r, c):
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
@@ -276,11 +376,21 @@ def moments_cpu(x, r, ef, sums):
 
 
 @cpu_launcher
-def count_cpu(src, t, counts):
-    n = src.size
+def count_cpu(x, r, ef, t, counts):
     for c in numba.prange(counts.size):
-        lo = c * CHUNK
-        counts[c] = count_chunk(src[lo:min(n, lo + CHUNK)], t)
+        count_item(x, r, ef, c, t, counts)
+
+
+@cpu_launcher
+def compact_cpu(src, t, starts, cand):
+    for c in numba.prange(starts.size):
+        compact_item(src, c, t, starts, cand)
+
+
+@cpu_launcher
+def gather_abs_cpu(src, cand, out):
+    for j in numba.prange(cand.size):
+        gather_abs(src, cand, j, out)
 
 
 @cpu_launcher
@@ -361,11 +471,30 @@ def moments_kernel(x, r, ef, sums):
 
 
 @cuda_kernel
-def count_kernel(src, t, counts):
+def count_kernel(x, r, ef, t, counts):
     c = cuda.grid(1)  # noqa: F821
     if c < counts.size:
-        lo = c * CHUNK
-        counts[c] = count_chunk(src[lo:min(src.size, lo + CHUNK)], t)
+        count_item(x, r, ef, c, t, counts)
+
+
+@cuda_kernel
+def compact_kernel(src, t, starts, cand):
+    c = cuda.grid(1)  # noqa: F821
+    if c < starts.size:
+        compact_item(src, c, t, starts, cand)
+
+
+@cuda_kernel
+def gather_abs_kernel(src, cand, out):
+    j = cuda.grid(1)  # noqa: F821
+    if j < cand.size:
+        gather_abs(src, cand, j, out)
+
+
+@cuda_kernel
+def emit_candidates_kernel(src, cand, cbits, thresh, eq_take, idx, val32, val16, half, ef):
+    if cuda.grid(1) == 0:  # noqa: F821 (one thread: k entries, sequential by design)
+        emit_candidates(src, cand, cbits, thresh, eq_take, idx, val32, val16, half, ef)
 
 
 @cuda_kernel

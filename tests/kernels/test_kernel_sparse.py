@@ -186,3 +186,26 @@ def test_randomk_error_feedback_conserves():
 def test_randomk_rejects_rescale_with_error_feedback():
     with pytest.raises(ValueError, match="rescale"):
         RandomKCodec(error_feedback=True, rescale=True)
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "float16"])
+def test_exact_sampled_path_and_its_fallback(monkeypatch, value_dtype):
+    """Large n takes the sampled-candidate path; a wrong bound falls back, same result."""
+    from horovod_qsgd.kernels import api
+    n = 400_000
+    rng = np.random.default_rng(21)
+    x = (rng.integers(0, 50, n) * rng.choice([-1, 1], n)).astype(np.float32)  # many ties
+    codec = TopKCodec(ratio=0.003, value_dtype=value_dtype)
+    r0 = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    acc = x + r0
+    results = []
+    for force_fallback in (False, True):
+        if force_fallback:
+            monkeypatch.setattr(api, "exact_threshold", lambda v, j: np.float32(1e30))
+        r = r0.copy()
+        p = encode(codec, x, residual=r)
+        idx, _ = _entries(codec, p, n)
+        assert np.array_equal(idx, _reference_topk(acc, codec.k(n)))
+        assert bits_equal(decode(codec, p, n) + r, acc)
+        results.append((p, r))
+    assert np.array_equal(results[0][0], results[1][0]) and bits_equal(results[0][1], results[1][1])
