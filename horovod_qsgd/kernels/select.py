@@ -176,8 +176,11 @@ def write_exact_chunk(src, bits, i0, thresh, eq_take, start, idx, val32, val16, 
 
 
 @core
-def write_thresh_chunk(src, i0, t, start, cap, idx, val32, val16, half, ef):
-    """Emit entries with not (|a| < t) while pos < cap, in index order (blocks as above)."""
+def write_thresh_chunk(src, i0, t, start, cap, idx, val32, val16, half, ef, only_index):
+    """Emit entries with not (|a| < t) while pos < cap, in index order (blocks as above).
+
+    ``only_index``: just store the indices (candidate compaction), no values.
+    """
     pos = start
     m = src.size
     for b0 in range(0, m, _BLK):
@@ -185,22 +188,10 @@ def write_thresh_chunk(src, i0, t, start, cap, idx, val32, val16, half, ef):
             continue
         for j in range(b0, min(m, b0 + _BLK)):
             if not (abs(src[j]) < t):
-                if pos < cap:
+                if only_index:
+                    idx[pos] = i0 + j
+                elif pos < cap:
                     emit(src, j, i0 + j, pos, idx, val32, val16, half, ef)
-                pos += 1
-
-
-@core
-def compact_chunk(src, i0, t, start, cand):
-    """cand[start + ...] = indices i0 + j with not (|src[j]| < t), in order."""
-    pos = start
-    m = src.size
-    for b0 in range(0, m, _BLK):
-        if b0 + _BLK <= m and not block_has_abs_at_least(src, b0, t):
-            continue
-        for j in range(b0, min(m, b0 + _BLK)):
-            if not (abs(src[j]) < t):
-                cand[pos] = i0 + j
                 pos += 1
 
 
@@ -327,7 +318,7 @@ def write_exact_item(src, bits, c, chunk, thresh, eq_take, starts, idx, val32, v
 def write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef):
     lo = c * CHUNK
     hi = min(src.size, lo + CHUNK)
-    write_thresh_chunk(src[lo:hi], lo, t, starts[c], cap, idx, val32, val16, half, ef)
+    write_thresh_chunk(src[lo:hi], lo, t, starts[c], cap, idx, val32, val16, half, ef, False)
 
 
 @core
@@ -345,7 +336,8 @@ def count_item(x, r, ef, c, t, counts):
 @core
 def compact_item(src, c, t, starts, cand):
     lo = c * CHUNK
-    compact_chunk(src[lo:min(src.size, lo + CHUNK)], lo, t, starts[c], cand)
+    write_thresh_chunk(src[lo:min(src.size, lo + CHUNK)], lo, t, starts[c], cand.size, cand,
+                       src, cand, False, False, True)
 
 
 @core

@@ -74,13 +74,17 @@ def main():
     run_case("topk_exact_ties", TopKCodec(ratio=0.05, error_feedback=False), x, 0, 0, None)
     run_case("topk_gaussian_ef_fp16", TopKCodec(ratio=0.05, selector="gaussian", value_dtype="float16"),
              rng.standard_normal(900).astype(np.float32), 3, 4, rng.standard_normal(900).astype(np.float32))
+    # exact top-k on the sampled-candidate path (n > 4 * sample size)
+    n = 20_000
+    run_case("topk_exact_sampled_ef_fp16", TopKCodec(ratio=0.05, value_dtype="float16"),
+             rng.standard_normal(n).astype(np.float32), 5, 6, rng.standard_normal(n).astype(np.float32))
     # kernel-level: random-k indices, fp16 widening
     base = K.stream_base(1, 2, 3, K.PURPOSE_RANDOMK)
     check("randomk indices CUDA == CPU",
           same(K.randomk_indices(1000, 37, base), K.randomk_indices(1000, 37, base, gpu=True).copy_to_host()))
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
-    total = len(cases) + 4
+    total = len(cases) + 5
     if failures:
         print(f"{len(failures)} mismatches")
         return 1
