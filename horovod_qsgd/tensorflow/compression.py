@@ -27,6 +27,7 @@ feedback, an fp32 residual), so a compressor works eagerly and inside
 and non-float tensors go through Horovod's allreduce unchanged; Horovod
 allgathers ``tf.IndexedSlices`` itself without calling the compressor.
 """
+import functools
 import json
 import re
 import threading
@@ -66,6 +67,39 @@ def _new_variable(initial_value, name, dtype):
     """
     with tf.init_scope():
         return ResourceVariable(initial_value, name=_op_name(name), dtype=dtype, trainable=False)
+
+
+_TRACEABLE_TYPES = {}
+
+
+def _traceable(error):
+    """``error`` as an instance of a subclass that survives autograph with its type.
+
+    While Horovod's functions are traced, autograph re-raises an exception
+    from inside them only as its own type if that type's ``__init__`` is
+    ``Exception.__init__`` (otherwise it becomes a ``StagingError``). The
+    subclass keeps the name, message and ``isinstance`` of the original.
+    """
+    base = type(error)
+    cls = _TRACEABLE_TYPES.get(base)
+    if cls is None:
+        cls = _TRACEABLE_TYPES[base] = type(base.__name__, (base,), {"__init__": Exception.__init__,
+                                                                     "__module__": base.__module__})
+    return cls(*error.args).with_traceback(error.__traceback__)
+
+
+def _adapter_method(method):
+    """compress/decompress: never converted by autograph, and our errors keep their type when traced."""
+    @functools.wraps(method)
+    def wrapper(self, *args):
+        try:
+            return method(self, *args)
+        except (CompressionMismatchError, UnsupportedCollectiveError) as error:
+            if type(error) in _TRACEABLE_TYPES.values():
+                raise
+            raise _traceable(error) from error.__cause__
+
+    return tf.autograph.experimental.do_not_convert(wrapper)
 
 
 class _Step:
@@ -271,27 +305,13 @@ class _CompressorBase(tf.Module):
         return _Step(site, name, tensor.shape.num_elements(), step_var, step_var.read_value(), _flat_fp32(tensor))
 
     def _on_host(self, step, fn, out_dtype, op_name):
-        """``fn(x, step, residual) -> array`` as one host op; advances the step counter and the residual.
-
-        The residual variable's value is copied before the codec updates it
-        in place, and the updated copy is assigned back: a variable's buffer
-        is never written behind TensorFlow's back.
-        """
-        if self.uses_residual:
-            residual_var = self._residual_variable(step.name, step.numel)
-
-            def call(x, step_value, residual):
-                residual = residual.copy()
-                return fn(x, int(step_value), residual), residual
-
-            out, new_residual = tf.numpy_function(call, [step.flat, step.value, residual_var.read_value()],
-                                                  [out_dtype, tf.float32], stateful=False, name=op_name)
-            new_residual.set_shape([step.numel])
+        """Runs ``fn`` through :func:`host_op`; advances the step counter and the residual variable."""
+        residual_var = self._residual_variable(step.name, step.numel) if self.uses_residual else None
+        out, new_residual = host_op(fn, step.flat, step.value,
+                                    None if residual_var is None else residual_var.read_value(),
+                                    out_dtype, op_name)
+        if residual_var is not None:
             residual_var.assign(new_residual)
-        else:
-            out = tf.numpy_function(lambda x, step_value: fn(x, int(step_value), None), [step.flat, step.value],
-                                    out_dtype, stateful=False, name=op_name)
-        out.set_shape([None])
         step.variable.assign_add(1)
         return out
 
@@ -340,28 +360,78 @@ def _flat_fp32(tensor):
     return flat if flat.dtype == tf.float32 else tf.cast(flat, tf.float32)
 
 
+def host_op(fn, flat, step, residual, out_dtype, op_name):
+    """``fn(x, step, residual) -> array`` as one stateless host op; returns (out, new residual or None).
+
+    ``x`` is the flat fp32 gradient, ``step`` a Python int and ``residual``
+    None or a private fp32 copy of the residual that ``fn`` may update in
+    place; the updated copy comes back as the second output, so a variable's
+    buffer is never written behind TensorFlow's back. Stateless, so that
+    TensorFlow does not order it against other gradients' ops.
+    """
+    if residual is not None:
+        def call(x, step_value, residual_value):
+            residual_value = residual_value.copy()
+            return fn(x, int(step_value), residual_value), residual_value
+
+        out, new_residual = tf.numpy_function(call, [flat, step, residual], [out_dtype, tf.float32],
+                                              stateful=False, name=op_name)
+        new_residual.set_shape(flat.shape)
+    else:
+        out = tf.numpy_function(lambda x, step_value: fn(x, int(step_value), None), [flat, step], out_dtype,
+                                stateful=False, name=op_name)
+        new_residual = None
+    out.set_shape([None])
+    return out, new_residual
+
+
+def payload_encoder(codec, key, numel, on_encoded=None):
+    """The host function that encodes one gradient into a payload: what :func:`host_op` runs for QSGD/TopK."""
+    capacity = codec.max_payload_nbytes(numel)
+
+    def encode(x, step, residual):
+        start = time.perf_counter()
+        # Zeroed, not empty: the codec leaves alignment gaps between sections unwritten, and the bytes
+        # on the wire must not depend on what the allocator returned.
+        out = np.zeros(capacity, dtype=np.uint8)
+        nbytes = codec.encode(x, out, step=step, key=key, residual=residual)
+        if on_encoded is not None:
+            on_encoded(nbytes, time.perf_counter() - start)
+        return out[:nbytes]
+
+    return encode
+
+
+def values_gatherer(codec, key, on_gathered=None):
+    """The host function that selects RandomK's values: what :func:`host_op` runs for RandomK."""
+    def gather(x, step, residual):
+        start = time.perf_counter()
+        values = codec.gather(x, step=step, key=key, residual=residual)
+        if on_gathered is not None:
+            on_gathered(values.nbytes, time.perf_counter() - start)
+        return values
+
+    return gather
+
+
 class PayloadCompressor(_CompressorBase):
     """Sends each gradient as an allgathered payload; base of :class:`QSGD` and :class:`TopK`."""
 
-    @tf.autograph.experimental.do_not_convert
+    @_adapter_method
     def compress(self, tensor):
         step = self._begin(tensor)
         if step is None:
             return self._pass_through(tensor)
-        codec, stats = self.codec, self._runtime.stats
-        capacity = codec.max_payload_nbytes(step.numel)
+        stats = self._runtime.stats
         key = rank_key(step.name, step.site.process_set.rank() if step.site.process_set.included() else 0)
         placeholder_dtype = tensor.dtype if tensor.dtype in _PLACEHOLDER_DTYPES else tf.float32
         uncompressed, placeholder_nbytes = step.numel * tensor.dtype.size, placeholder_dtype.size
 
-        def encode(x, step_value, residual):
-            start = time.perf_counter()
-            out = np.empty(capacity, dtype=np.uint8)
-            nbytes = codec.encode(x, out, step=step_value, key=key, residual=residual)
-            stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
-                      bytes_uncompressed=uncompressed, bytes_sent=nbytes + placeholder_nbytes)
-            return out[:nbytes]
+        def on_encoded(nbytes, seconds):
+            stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
+                      bytes_sent=nbytes + placeholder_nbytes)
 
+        encode = payload_encoder(self.codec, key, step.numel, on_encoded)
         payload = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
         gathered = hvd.allgather(payload, name=_op_name(PAYLOAD_PREFIX + step.name),
                                  process_set=step.site.process_set)
@@ -369,7 +439,7 @@ class PayloadCompressor(_CompressorBase):
         return placeholder, _Context(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
                                      gathered=gathered)
 
-    @tf.autograph.experimental.do_not_convert
+    @_adapter_method
     def decompress(self, tensor, ctx):
         if ctx is _PASS_THROUGH:
             return tensor
@@ -502,9 +572,9 @@ class RandomK(_CompressorBase):
         error_feedback: keep unsent coordinates in a residual (default False).
         rescale: multiply sent values by n/k so the estimate is unbiased
             (default False; increases variance by n/k).
-        value_dtype: ``"float32"`` (default) or ``"float16"``. With
-            ``groups=``, Horovod's grouped allreduce needs one dtype per
-            group: keep ``"float32"`` there unless all gradients are fp16.
+        value_dtype: ``"float32"`` (default) or ``"float16"`` (values rounded
+            to fp16 before they are sent; they still travel as fp32, as in
+            the PyTorch adapter).
         min_numel: smaller tensors are allreduced unchanged (default 10000).
         seed: the shared seed; must be equal on all ranks (checked).
 
@@ -517,30 +587,27 @@ class RandomK(_CompressorBase):
         super().__init__(RandomKCodec(ratio=ratio, seed=seed, value_dtype=value_dtype,
                                       error_feedback=error_feedback, rescale=rescale), min_numel)
         self.uses_residual = bool(error_feedback)
-        self._value_dtype = tf.as_dtype(value_dtype)
 
-    @tf.autograph.experimental.do_not_convert
+    @_adapter_method
     def compress(self, tensor):
         step = self._begin(tensor)
         if step is None:
             return self._pass_through(tensor)
-        codec, stats = self.codec, self._runtime.stats
-        key, value_dtype = tensor_key(step.name), self._value_dtype.as_numpy_dtype
+        stats = self._runtime.stats
         uncompressed = step.numel * tensor.dtype.size
 
-        def gather(x, step_value, residual):
-            start = time.perf_counter()
-            # Already rounded to value_dtype by the codec: the cast to fp16 is exact.
-            values = codec.gather(x, step=step_value, key=key, residual=residual).astype(value_dtype, copy=False)
-            stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
-                      bytes_uncompressed=uncompressed, bytes_sent=values.nbytes)
-            return values
+        def on_gathered(nbytes, seconds):
+            stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
+                      bytes_sent=nbytes)
 
-        values = self._on_host(step, gather, self._value_dtype, "horovod_qsgd_gather")
+        # The codec returns fp32 values (fp16-rounded with value_dtype="float16") and they are sent as
+        # fp32, exactly as horovod_qsgd.torch.RandomK sends them: the same bytes in both frameworks.
+        gather = values_gatherer(self.codec, tensor_key(step.name), on_gathered)
+        values = self._on_host(step, gather, tf.float32, "horovod_qsgd_gather")
         return values, _Context(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
                                 step=step.value)
 
-    @tf.autograph.experimental.do_not_convert
+    @_adapter_method
     def decompress(self, tensor, ctx):
         if ctx is _PASS_THROUGH:
             return tensor

@@ -1,0 +1,66 @@
+"""Rank mismatches and unsupported uses raise named errors on every rank, within the harness timeout."""
+import numpy as np
+import pytest
+
+
+def _tape_gradients(hvd, tf, compressor, shape, function):
+    var = tf.Variable(tf.ones(shape), name="layer_weight")
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(var * var)
+        return hvd.DistributedGradientTape(tape, compression=compressor).gradient(loss, [var])
+
+    return (tf.function(step) if function else step)()
+
+
+@pytest.mark.ranks(2, timeout=150)
+def test_mismatched_settings_and_shapes_fail_on_every_rank(hvd_tf):
+    import tensorflow as tf
+    from horovod_qsgd.common.errors import CompressionMismatchError
+    from horovod_qsgd.tensorflow import QSGD
+    hvd = hvd_tf
+    rank = hvd.rank()
+
+    # Different settings: the one-time handshake names the setting and both values, eagerly and in
+    # tf.function (where it runs while the function is traced).
+    for function in (False, True):
+        with pytest.raises(CompressionMismatchError) as info:
+            _tape_gradients(hvd, tf, QSGD(bits=4 if rank == 0 else 8), [200, 100], function)
+        message = str(info.value)
+        assert "settings.bits" in message and "rank 0=4" in message and "rank 1=8" in message, message
+
+    # Same settings, different shapes: the payload headers disagree; decoding fails on both ranks
+    # with the tensor's name (TensorFlow wraps the error raised inside the host op).
+    with pytest.raises((CompressionMismatchError, tf.errors.OpError)) as info:
+        _tape_gradients(hvd, tf, QSGD(bits=4), [200, 100] if rank == 0 else [240, 100], True)
+    message = str(info.value)
+    assert "CompressionMismatchError" in message or isinstance(info.value, CompressionMismatchError), message
+    assert "'layer_weight'" in message and "elements" in message, message
+
+
+@pytest.mark.ranks(2, timeout=150)
+def test_unsupported_uses_are_refused(hvd_tf):
+    import tensorflow as tf
+    from horovod_qsgd.common.errors import UnsupportedCollectiveError
+    from horovod_qsgd.tensorflow import QSGD, TopK
+    hvd = hvd_tf
+    compressor = QSGD()
+    big = tf.ones([20000])
+
+    with pytest.raises(UnsupportedCollectiveError, match="Adasum"):
+        hvd.allreduce(big, name="g", op=hvd.Adasum, compression=compressor)
+    with pytest.raises(UnsupportedCollectiveError, match="reduce-scatter"):
+        hvd.reducescatter(big, compression=compressor, name="rs")
+    # Eagerly, a compressed tensor needs a name; small tensors pass through without one.
+    small = hvd.allreduce(tf.ones([10]), compression=compressor, op=hvd.Sum)
+    np.testing.assert_array_equal(small.numpy(), np.full(10, 2.0, np.float32))
+    with pytest.raises(ValueError, match="needs name="):
+        hvd.allreduce(big, compression=compressor)
+    # Invalid arguments name the argument.
+    with pytest.raises(ValueError, match="bits"):
+        QSGD(bits=9)
+    with pytest.raises(ValueError, match="selector"):
+        TopK(selector="fastest")
+    with pytest.raises(ValueError, match="min_numel"):
+        QSGD(min_numel=-1)
