@@ -15,6 +15,26 @@ Modules:
 * :mod:`.elias` - Elias-gamma coded QSGD, parallel over buckets;
 * :mod:`.select` - top-k (exact radix select, Gaussian-k, sampled), random-k;
 * :mod:`.api` - the array-level entry points below.
+
+CPU execution.  Every CPU launcher exists twice (:class:`._dual.cpu_launcher`):
+a ``prange`` parallel build for large arrays and a serial build below
+``SERIAL_BELOW`` (65536) elements, because waking numba's thread pool costs
+more than encoding a small tensor.  Both release the GIL.  Compiled code is
+cached on disk (``cache=True``); the cache entries are stamped with a hash of
+*all* kernel sources, because launchers inline cores from other files.
+
+Threading.  numba's ``workqueue`` layer aborts the process when parallel
+kernels are launched from several threads at once (TensorFlow runs ops
+concurrently, torch hooks run on autograd threads).  numba picks the first
+available of tbb, omp, workqueue; here (no tbb wheel installed) that is
+``omp`` (GNU OpenMP), which is thread safe.  If a process ends up on
+``workqueue`` anyway (e.g. ``NUMBA_THREADING_LAYER=workqueue``), parallel
+launches are serialised with a lock; tests/kernels/test_kernel_threads.py
+checks both.  Installing ``tbb`` (``pip install tbb``) is also fine.
+
+Device parts that stay on the host: prefix sums over per-bucket or
+per-chunk counts (a few thousand values, copied to the host on CUDA) and the
+choice of radix digits; all per-element work runs in the kernels.
 """
 
 from ._dual import threading_layer

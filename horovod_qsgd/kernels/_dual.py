@@ -250,16 +250,18 @@ SERIAL_BELOW = 1 << 16  # work items (elements) below which a launch runs serial
 class cpu_launcher:
     """A CPU launcher compiled twice from one source: ``prange`` parallel and serial.
 
-    Waking numba's thread pool costs tens to hundreds of microseconds, far
-    more than the work on a small tensor; :func:`cpu_launch` runs the serial
+    Both twins release the GIL.  Waking numba's thread pool costs tens to
+    hundreds of microseconds, far more than the work on a small tensor; :func:`cpu_launch` runs the serial
     twin (``prange`` is a plain ``range`` there) below ``SERIAL_BELOW``
     elements.  Each twin is compiled on first use (and cached on disk).
     """
 
     def __init__(self, fn):
         self.py_func = fn
-        self.parallel = numba.njit(parallel=True, cache=True)(fn)
-        self.serial = numba.njit(cache=True)(fn)
+        # nogil: other Python threads (TensorFlow ops, torch hooks) keep
+        # running while a kernel computes
+        self.parallel = numba.njit(parallel=True, cache=True, nogil=True)(fn)
+        self.serial = numba.njit(cache=True, nogil=True)(fn)
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
 

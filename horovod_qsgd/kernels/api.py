@@ -251,7 +251,7 @@ def _count(src, t, gpu, x=None, ef=False):
     """Per-chunk counts of not (|src| < t); with ef, first src = x + src in place."""
     nch = (src.size + _sel.CHUNK - 1) // _sel.CHUNK
     counts = _empty(nch, np.int64, gpu)
-    x = src if x is None else x
+    x = x if ef else src  # count_item counts its first array unless ef
     if gpu:
         _sel.count_kernel[nch](x, src, ef, t, counts)
     else:
@@ -259,7 +259,7 @@ def _count(src, t, gpu, x=None, ef=False):
     return _host(counts, gpu)
 
 
-def _refine(src, t, k, gpu, max_refinements=3):
+def _refine(src, t, k, gpu, max_refinements=3, x=None, ef_pending=False):
     """(threshold, per-chunk counts) after at most 3 refinements of t.
 
     A refinement halves t when fewer than 2k/3 entries pass and multiplies
@@ -267,13 +267,14 @@ def _refine(src, t, k, gpu, max_refinements=3):
     a too-high threshold have been seen it bisects between them instead, so
     the steps cannot overshoot back and forth across the band.  If no
     threshold lands in the band, the one whose count is closest to k (in
-    ratio) is used.
+    ratio) is used.  ``ef_pending``: the first count pass also forms
+    acc = x + src in place.
     """
     def badness(total):
         return math.inf if total == 0 else abs(math.log(total / k))
 
     lo = hi = None  # thresholds known to pass too many / too few
-    counts = _count(src, np.float32(t), gpu)
+    counts = _count(src, np.float32(t), gpu, x=x, ef=ef_pending)
     best = (badness(int(counts.sum())), t, counts)
     for _ in range(max_refinements):
         total = int(counts.sum())
@@ -348,16 +349,14 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
             cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, sample_base, sample)
         kk = max(1, (k * m + n // 2) // n)
         t = float(exact_threshold(sample, kk))
-        if ef:
-            if gpu:
-                _sel.ef_accumulate_kernel[nch](x, r)
-            else:
-                cpu_launch(_sel.ef_accumulate_cpu, x.size, x, r)
         if not math.isfinite(t):
-            return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
+            return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
+        pending = ef  # the first count pass forms acc
     else:
         raise ValueError(f"unknown selector {selector!r}")
-    t32, counts = _refine(src, t, k, gpu)
+    if selector == "gaussian":
+        pending = False  # the moments pass formed acc
+    t32, counts = _refine(src, t, k, gpu, x=x, ef_pending=pending)
     starts = _exclusive(counts)
     if gpu:
         _sel.write_thresh_kernel[nch](src, t32, _cuda().to_device(starts), cap, idx, val32, val16, half, ef)

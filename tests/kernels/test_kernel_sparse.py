@@ -88,6 +88,8 @@ def test_error_feedback_conserves_bitwise(selector, value_dtype):
         sent = decode(codec, p, n)
         assert bits_equal(sent + r, acc)
         idx, _ = _entries(codec, p, n)
+        valid = idx[idx >= 0]
+        assert np.all(np.diff(valid) > 0) and np.all(idx[valid.size:] == -1)
         assert np.count_nonzero(r[idx[idx >= 0]]) <= (0 if value_dtype == "float32" else idx.size)
 
 
