@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
@@ -301,6 +303,11 @@ class _CompressorBase(tf.Module):
         site, name = self._prepare(tensor)
         if name is None:
             return None
+        if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+            raise ValueError(
+                f"horovod_qsgd: tensor {name!r} is compressed inside an XLA-compiled function "
+                "(jit_compile=True), which cannot run the codecs' host ops. Compile without XLA: "
+                "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) in Keras.")
         step_var = self._step_variable(name)
         return _Step(site, name, tensor.shape.num_elements(), step_var, step_var.read_value(), _flat_fp32(tensor))
 

@@ -1,0 +1,151 @@
+"""Keras 3: real allreduce (with or without compression) where Horovod 0.28's Keras support stops.
+
+Horovod 0.28 knows Keras 2 only. With the Keras 3 that TensorFlow 2.21 ships,
+
+* ``horovod.tensorflow.keras.DistributedOptimizer`` wraps methods Keras 3
+  never calls, so ``model.fit`` trains every rank on its own gradients
+  (our compressors refuse to be passed to it, see
+  :mod:`horovod_qsgd.tensorflow.keras_guard`);
+* ``hvd.DistributedGradientTape(...).gradient(loss, model.trainable_variables)``
+  fails (``'Variable' object has no attribute 'ref'``): Keras 3 variables
+  are not ``tf.Variable``\\ s.
+
+This module fills both gaps::
+
+    import keras
+    from horovod_qsgd.tensorflow import QSGD
+    from horovod_qsgd.tensorflow import keras3
+
+    compression = QSGD(bits=4)
+    model.compile(optimizer=keras3.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression),
+                  loss=..., jit_compile=False)
+    model.fit(...)            # gradients are allreduced (compressed) before every update
+
+    tape = keras3.DistributedGradientTape(tf.GradientTape(), compression=compression)  # custom loops
+
+The alternative is tf-keras with ``TF_USE_LEGACY_KERAS=1`` and Horovod's own
+Keras optimizer. ``jit_compile`` must stay off: the codecs run as host ops,
+which XLA cannot compile.
+"""
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from horovod_qsgd.tensorflow.call_site import variable_name
+from horovod_qsgd.tensorflow.keras_guard import is_keras3_optimizer
+
+
+def tf_variables(variables):
+    """The ``tf.Variable`` behind each Keras 3 variable (other variables are returned unchanged).
+
+    ``tape.gradient(loss, tf_variables(model.trainable_variables))`` gives the
+    gradients of the Keras 3 variables, in the same order, and works with
+    Horovod's ``DistributedGradientTape``. The ``tf.Variable``\\ s are named by
+    the Keras variables' paths (``"dense/kernel:0"``), so compressor state is
+    keyed by the same names as in :func:`DistributedOptimizer`.
+    """
+    out = []
+    for var in variables:
+        inner = getattr(var, "_value", None) if not isinstance(var, tf.Variable) else var
+        if not isinstance(inner, tf.Variable):
+            raise TypeError(f"horovod_qsgd: {var!r} is neither a tf.Variable nor a built Keras 3 variable; "
+                            "build the model (call it once or model.build(...)) before asking for gradients.")
+        out.append(inner)
+    return out
+
+
+class _Keras3Tape:
+    """Horovod's DistributedGradientTape, with Keras 3 variables accepted as sources."""
+
+    def __init__(self, distributed_tape):
+        self._distributed_tape = distributed_tape
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        return self._distributed_tape.gradient(target, tf_variables(sources), output_gradients, **kwargs)
+
+    def register_local_source(self, source):
+        return self._distributed_tape.register_local_source(tf_variables([source])[0])
+
+    def __getattr__(self, name):
+        return getattr(self._distributed_tape, name)
+
+    def __enter__(self):
+        self._distributed_tape.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        return self._distributed_tape.__exit__(*exc_info)
+
+
+def DistributedGradientTape(gradtape, **kwargs):
+    """``hvd.DistributedGradientTape(gradtape, **kwargs)`` that takes Keras 3 variables as sources.
+
+    Same arguments as Horovod's (``compression=``, ``op=``, ``groups=``, ...).
+    """
+    return _Keras3Tape(hvd.DistributedGradientTape(gradtape, **kwargs))
+
+
+def allreduce_gradients(grads, variables, compression=hvd.Compression.none, op=hvd.Average,
+                        gradient_predivide_factor=1.0, sparse_as_dense=False,
+                        process_set=hvd.global_process_set, device_dense="", device_sparse=""):
+    """Allreduces each gradient under its variable's path (``None`` stays ``None``, on every rank alike).
+
+    Prescale and postscale split the average as Horovod's own optimizers do
+    for ``gradient_predivide_factor``.
+    """
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("horovod_qsgd: gradient_predivide_factor needs op=hvd.Average")
+    prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor) if op == hvd.Average
+                           else (1.0, 1.0))
+    reduced = []
+    for grad, var in zip(grads, variables):
+        if grad is None:
+            reduced.append(None)
+            continue
+        if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        reduced.append(hvd.allreduce(grad, op=op, compression=compression, name=variable_name(var),
+                                     prescale_factor=prescale, postscale_factor=postscale,
+                                     process_set=process_set, device_dense=device_dense,
+                                     device_sparse=device_sparse))
+    return reduced
+
+
+def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Average,
+                         gradient_predivide_factor=1.0, sparse_as_dense=False,
+                         process_set=hvd.global_process_set, device_dense="", device_sparse=""):
+    """A Keras 3 optimizer that allreduces the gradients (with ``compression``) before applying them.
+
+    Returns a new optimizer of a subclass of ``type(optimizer)``, built from
+    ``optimizer.get_config()`` (wrap it before training), whose ``apply`` /
+    ``apply_gradients`` first runs :func:`allreduce_gradients`. It saves and
+    loads as the original class. Each gradient is exchanged under its
+    variable's path, so names are equal on every rank; compressor state (a
+    ``tf.Module``) is checkpointed separately:
+    ``tf.train.Checkpoint(model=model, optimizer=opt, compressor=compression)``.
+
+    With ``gradient_accumulation_steps`` the allreduce runs on every
+    micro-batch's gradients (correct, but no traffic is saved by accumulating).
+    """
+    if not is_keras3_optimizer(optimizer):
+        raise TypeError(
+            f"horovod_qsgd: keras3.DistributedOptimizer wraps Keras 3 optimizers; got "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. For tf-keras "
+            "(TF_USE_LEGACY_KERAS=1) use horovod.tensorflow.keras.DistributedOptimizer(..., compression=...).")
+    options = dict(compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                   sparse_as_dense=sparse_as_dense, process_set=process_set, device_dense=device_dense,
+                   device_sparse=device_sparse)
+    base = type(optimizer)
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is not None:
+            variables = list(trainable_variables)
+        elif self.built:
+            variables = list(self._trainable_variables)
+        else:
+            return base.apply(self, grads, trainable_variables)  # raises Keras's own error
+        return base.apply(self, allreduce_gradients(grads, variables, **options), variables)
+
+    cls = type(base.__name__, (base,), {"apply": apply, "__module__": base.__module__,
+                                        "__qualname__": base.__qualname__, "_horovod_qsgd_options": options})
+    return cls.from_config(optimizer.get_config())
