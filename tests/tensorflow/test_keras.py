@@ -21,9 +21,8 @@ def keras_data(rank, samples=STEPS * 32):
     return rng.standard_normal((samples, 64)).astype(np.float32), rng.integers(0, 40, samples).astype(np.int32)
 
 
-def build_recording_model(tf, keras, seed=0):
-    """A model whose train_step records each step's local gradients, an optimizer class that records
-    the gradients it applies (Horovod's wrapper calls it with the allreduced ones), and the records.
+def functional_parts(keras, seed=0):
+    """Inputs and outputs of the small test network (64 -> 300 relu -> 40), and an empty record holder.
 
     The records live in a SimpleNamespace, which Keras does not track: they are
     no weights of the model or optimizer (and no broadcast overwrites them).
@@ -31,8 +30,20 @@ def build_recording_model(tf, keras, seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((64,))
     hidden = keras.layers.Dense(300, activation="relu", name="wide")(inputs)
-    outputs = keras.layers.Dense(40, name="head")(hidden)
-    records = SimpleNamespace()
+    return inputs, keras.layers.Dense(40, name="head")(hidden), SimpleNamespace()
+
+
+def attach_records(tf, model, records):
+    """One local and one applied gradient record per trainable variable."""
+    records.local = [tf.Variable(tf.zeros(v.shape), trainable=False) for v in model.trainable_variables]
+    records.applied = [tf.Variable(tf.zeros(v.shape), trainable=False) for v in model.trainable_variables]
+    return model
+
+
+def build_recording_model(tf, keras, seed=0):
+    """A model whose train_step records each step's local gradients, an optimizer class that records
+    the gradients it applies (Horovod's wrapper calls it with the allreduced ones), and the records."""
+    inputs, outputs, records = functional_parts(keras, seed)
 
     class RecordingModel(keras.Model):
         def train_step(self, data):
@@ -51,10 +62,7 @@ def build_recording_model(tf, keras, seed=0):
                 record.assign(grad)
             return super().apply_gradients(grads_and_vars, *args, **kwargs)
 
-    model = RecordingModel(inputs, outputs)
-    records.local = [tf.Variable(tf.zeros_like(v), trainable=False) for v in model.trainable_variables]
-    records.applied = [tf.Variable(tf.zeros_like(v), trainable=False) for v in model.trainable_variables]
-    return model, RecordingSGD, records
+    return attach_records(tf, RecordingModel(inputs, outputs), records), RecordingSGD, records
 
 
 def flat_weights(model):

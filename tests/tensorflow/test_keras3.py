@@ -1,22 +1,16 @@
 """Keras 3 (TensorFlow 2.21's default Keras): a loud refusal where Horovod would silently not allreduce,
 and horovod_qsgd.tensorflow.keras3 where it does, checked like the tf-keras path."""
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from tests.tensorflow.reference import KERAS3, Reference, gathered_rows, make
-from tests.tensorflow.test_keras import STEPS, flat_weights, keras_data
+from tests.tensorflow.test_keras import STEPS, attach_records, flat_weights, functional_parts, keras_data
 
 
 def build_keras3_model(tf, keras, seed=0):
     """Keras 3 twin of test_keras.build_recording_model (train_step records local gradients, the
     optimizer class records what it applies)."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((64,))
-    hidden = keras.layers.Dense(300, activation="relu", name="wide")(inputs)
-    outputs = keras.layers.Dense(40, name="head")(hidden)
-    records = SimpleNamespace()
+    inputs, outputs, records = functional_parts(keras, seed)
 
     class RecordingModel(keras.Model):
         def train_step(self, data):
@@ -36,10 +30,7 @@ def build_keras3_model(tf, keras, seed=0):
                 record.assign(grad)
             return super().apply(grads, trainable_variables)
 
-    model = RecordingModel(inputs, outputs)
-    records.local = [tf.Variable(tf.zeros(v.shape), trainable=False) for v in model.trainable_variables]
-    records.applied = [tf.Variable(tf.zeros(v.shape), trainable=False) for v in model.trainable_variables]
-    return model, RecordingSGD, records
+    return attach_records(tf, RecordingModel(inputs, outputs), records), RecordingSGD, records
 
 
 def fit(keras, model, optimizer, x, y, records=None):
