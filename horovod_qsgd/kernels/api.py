@@ -327,7 +327,7 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
     if selector == "gaussian":
         sums = _empty((nch, 2), np.float64, gpu)
         if gpu:
-            _sel.moments_kernel[nch](x, r, ef, sums)
+            _sel.moments_kernel[nch](x, r, ef, sums, _empty((nch, 2 * _sel._LANES), np.float64, True))
         else:
             cpu_launch(_sel.moments_cpu, n, x, r, ef, sums)
         s1, s2 = 0.0, 0.0

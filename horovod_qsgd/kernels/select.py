@@ -69,43 +69,38 @@ def hist_chunk(bits, prefix_shift, prefix, shift, mask, row):
             row[(k >> sh) & um] += 1
 
 
+_LANES = 64
+
+
 @core
-def moments_chunk(xs):
-    """(sum, sum of squares) in float64, 8 interleaved lanes in fixed order."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _ZERO64
-    q0 = q1 = q2 = q3 = q4 = q5 = q6 = q7 = _ZERO64
-    nfull = xs.size // 8
-    for t in range(nfull):
-        v0 = np.float64(xs[8 * t])
-        v1 = np.float64(xs[8 * t + 1])
-        v2 = np.float64(xs[8 * t + 2])
-        v3 = np.float64(xs[8 * t + 3])
-        v4 = np.float64(xs[8 * t + 4])
-        v5 = np.float64(xs[8 * t + 5])
-        v6 = np.float64(xs[8 * t + 6])
-        v7 = np.float64(xs[8 * t + 7])
-        a0 += v0
-        a1 += v1
-        a2 += v2
-        a3 += v3
-        a4 += v4
-        a5 += v5
-        a6 += v6
-        a7 += v7
-        q0 += fmul64(v0, v0)
-        q1 += fmul64(v1, v1)
-        q2 += fmul64(v2, v2)
-        q3 += fmul64(v3, v3)
-        q4 += fmul64(v4, v4)
-        q5 += fmul64(v5, v5)
-        q6 += fmul64(v6, v6)
-        q7 += fmul64(v7, v7)
-    for j in range(nfull * 8, xs.size):
+def moments_chunk(xs, lanes):
+    """(sum, sum of squares) of xs in float64, in a fixed order.
+
+    Lane u (of 64) accumulates the elements with index = u mod 64 in index
+    order; the lanes are then added in lane order, then the tail.  The
+    elementwise lane update vectorises on the CPU, and CUDA runs the same
+    order.  ``lanes`` is float64 scratch of 2 * 64 values.
+    """
+    for u in range(2 * _LANES):
+        lanes[u] = _ZERO64
+    a = lanes[:_LANES]
+    q = lanes[_LANES:]
+    nb = xs.size // _LANES
+    for t in range(nb):
+        blk = xs[_LANES * t:_LANES * (t + 1)]
+        for u in range(_LANES):
+            v = np.float64(blk[u])
+            a[u] += v
+            q[u] += fmul64(v, v)
+    s1 = _ZERO64
+    s2 = _ZERO64
+    for u in range(_LANES):
+        s1 += a[u]
+        s2 += q[u]
+    for j in range(nb * _LANES, xs.size):
         v = np.float64(xs[j])
-        a0 += v
-        q0 += fmul64(v, v)
-    s1 = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
-    s2 = ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
+        s1 += v
+        s2 += fmul64(v, v)
     return s1, s2
 
 
@@ -294,14 +289,14 @@ def hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
 
 
 @core
-def moments_item(x, r, ef, c, sums):
+def moments_item(x, r, ef, c, sums, lanes):
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
     if ef:
         ef_accumulate(x[lo:hi], r[lo:hi])
-        s1, s2 = moments_chunk(r[lo:hi])
+        s1, s2 = moments_chunk(r[lo:hi], lanes)
     else:
-        s1, s2 = moments_chunk(x[lo:hi])
+        s1, s2 = moments_chunk(x[lo:hi], lanes)
     sums[c, 0] = s1
     sums[c, 1] = s2
 
@@ -364,7 +359,7 @@ def hist_cpu(x, r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
 @cpu_launcher
 def moments_cpu(x, r, ef, sums):
     for c in numba.prange(sums.shape[0]):
-        moments_item(x, r, ef, c, sums)
+        moments_item(x, r, ef, c, sums, np.empty(2 * _LANES, np.float64))
 
 
 @cpu_launcher
@@ -456,10 +451,10 @@ def hist_kernel(x, r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
 
 
 @cuda_kernel
-def moments_kernel(x, r, ef, sums):
+def moments_kernel(x, r, ef, sums, lanes):
     c = cuda.grid(1)  # noqa: F821
     if c < sums.shape[0]:
-        moments_item(x, r, ef, c, sums)
+        moments_item(x, r, ef, c, sums, lanes[c])
 
 
 @cuda_kernel
