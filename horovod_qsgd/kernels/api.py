@@ -175,6 +175,7 @@ def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, hal
 # ------------------------------------------------------------------ top-k --
 
 _EXACT_CHUNK = 1 << 18
+_EXACT_SAMPLE_MIN = 4096  # samples for the exact selector's lower bound
 _DIGITS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the radix passes
 
 
@@ -340,6 +341,7 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
             return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
         p = 1.0 - k / (2.0 * n)
         t = abs(mu) + sigma * (acklam_ppf(p) if p < 1.0 else 0.0)
+        pending = False  # the moments pass formed acc
     elif selector == "sample":
         m = sample_size
         sample = _empty(m, np.float32, gpu)
@@ -354,8 +356,6 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
         pending = ef  # the first count pass forms acc
     else:
         raise ValueError(f"unknown selector {selector!r}")
-    if selector == "gaussian":
-        pending = False  # the moments pass formed acc
     t32, counts = _refine(src, t, k, gpu, x=x, ef_pending=pending)
     starts = _exclusive(counts)
     if gpu:
@@ -397,7 +397,7 @@ def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
     the bound was too high or too loose, the full radix select runs instead.
     """
     n = x.size
-    m = min(n, max(_sel_sample_min(), -(-64 * n // k)))
+    m = min(n, max(_EXACT_SAMPLE_MIN, -(-64 * n // k)))
     if 4 * m >= n:  # small tensor: sampling saves nothing
         return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
     sample = _empty(m, np.float32, gpu)
@@ -431,10 +431,6 @@ def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
     else:
         _sel.emit_candidates(r, cand, _bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
     return min(k, idx.size)
-
-
-def _sel_sample_min():
-    return 4096
 
 
 def sparse_accumulate(idx, values, out, *, half):
