@@ -7,7 +7,7 @@ import numpy as np
 
 from ..kernels import widen_f16
 from ..kernels._dual import as_device, is_cuda_array
-from .header import HEADER_NBYTES, WIRE_VERSION, PayloadError, pack_header, parse_header
+from .header import WIRE_VERSION, PayloadError, pack_header, parse_header
 
 __all__ = ["Codec", "to_float32", "check_choice", "align4"]
 

@@ -18,8 +18,6 @@ Magnitudes are compared as the uint31 bit patterns ``bits(acc) & 0x7fffffff``
 in the gradient is selected (and sent) first instead of being hidden.
 """
 
-import math
-
 import numba
 import numpy as np
 
