@@ -132,18 +132,20 @@ _BLK = 32  # block of the vectorised "any entry here?" pre-check of the write pa
 
 @core(inline=True)
 def block_has_key_at_least(bits, b0, thresh):
-    hit = False
-    for j in range(_BLK):
-        hit |= (bits[b0 + j] & _ABS_MASK) >= thresh
-    return hit
+    blk = bits[b0:b0 + _BLK]  # a slice and a count: this form vectorises
+    c = 0
+    for j in range(blk.size):
+        c += 1 if (blk[j] & _ABS_MASK) >= thresh else 0
+    return c > 0
 
 
 @core(inline=True)
 def block_has_abs_at_least(src, b0, t):
-    hit = False
-    for j in range(_BLK):
-        hit |= not (abs(src[b0 + j]) < t)
-    return hit
+    blk = src[b0:b0 + _BLK]
+    c = 0
+    for j in range(blk.size):
+        c += 0 if abs(blk[j]) < t else 1
+    return c > 0
 
 
 @core
