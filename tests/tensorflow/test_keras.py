@@ -69,9 +69,10 @@ def flat_weights(model):
     return np.concatenate([v.numpy().reshape(-1) for v in model.trainable_variables])
 
 
-def fit_and_record(hvd, tf, keras, hvd_keras, compression, x, y):
+def fit_and_record(hvd, tf, keras, hvd_keras, compression, x, y, **wrapper_kwargs):
     model, optimizer_class, records = build_recording_model(tf, keras)
-    optimizer = hvd_keras.DistributedOptimizer(optimizer_class(learning_rate=0.1), compression=compression)
+    optimizer = hvd_keras.DistributedOptimizer(optimizer_class(learning_rate=0.1), compression=compression,
+                                               **wrapper_kwargs)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=False)
     steps = []
@@ -112,3 +113,11 @@ def test_fit_receives_average_of_decoded_payloads_and_ranks_agree(hvd_tf):
     rows = gathered_rows(hvd, flat_weights(model), "weights.none")
     assert np.array_equal(rows[0], rows[1]), "uncompressed: ranks ended with different weights"
     assert not np.array_equal(gathered_rows(hvd, x, "data")[0], gathered_rows(hvd, x, "data")[1])
+
+    # Accumulating two batches per allreduce: one exchange per two steps, ranks still agree.
+    compressor = make("qsgd4")
+    model, _ = fit_and_record(hvd, tf, keras, hvd_keras, compressor, x, y, backward_passes_per_step=2)
+    rows = gathered_rows(hvd, flat_weights(model), "weights.accumulated")
+    assert np.array_equal(rows[0], rows[1]), "backward_passes_per_step=2: ranks ended with different weights"
+    assert {n: int(v.numpy()) for n, v in compressor._steps.items()} == {"wide/kernel": STEPS // 2,
+                                                                      "head/kernel": STEPS // 2}
