@@ -75,3 +75,19 @@ class Namespace:
 
     def run(self, argv, **kwargs):
         return subprocess.run(self.command(argv), **kwargs)
+
+
+def control_bytes_per_second(barrier, seconds=1.0):
+    """Loopback bytes per second while the job is idle between two barriers.
+
+    Horovod's background loop coordinates the ranks every cycle even when no
+    tensor is pending (about 0.5 MB/s for two ranks with Gloo here). That
+    traffic is Horovod's, not the compressors'; benchmarks measure it so the
+    payload bytes can be told apart from it.
+    """
+    import time
+    barrier()
+    start_bytes, start = loopback_bytes(), time.perf_counter()
+    time.sleep(seconds)
+    barrier()
+    return (loopback_bytes() - start_bytes) / (time.perf_counter() - start)

@@ -21,7 +21,7 @@ import horovod.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.models_torch import build_model, input_shape  # noqa: E402
-from benchmarks.netlab import loopback_bytes  # noqa: E402
+from benchmarks.netlab import control_bytes_per_second, loopback_bytes  # noqa: E402
 from horovod_qsgd.torch import FP16, QSGD, NoCompression, RandomK, TopK  # noqa: E402
 
 
@@ -92,8 +92,12 @@ def main(argv=None):
     if stats_of:
         stats_of(reset=True)
 
+    def barrier():
+        hvd.allreduce(torch.zeros(1), name="benchmark.barrier")
+
+    control_rate = control_bytes_per_second(barrier)
     log("Running benchmark...")
-    hvd.allreduce(torch.zeros(1), name="benchmark.barrier.start")
+    barrier()
     wire_start = loopback_bytes()
     img_secs, step_times = [], []
     for x in range(args.num_iters):
@@ -102,7 +106,7 @@ def main(argv=None):
         log(f"Iter #{x}: {img_sec:.1f} img/sec per CPU")
         img_secs.append(img_sec)
         step_times.append(elapsed / args.num_batches_per_iter)
-    hvd.allreduce(torch.zeros(1), name="benchmark.barrier.end")
+    barrier()
     wire_bytes = loopback_bytes() - wire_start
     steps = args.num_iters * args.num_batches_per_iter
 
@@ -123,11 +127,13 @@ def main(argv=None):
             "img_sec_total": hvd.size() * img_sec_mean, "img_sec_total_conf": hvd.size() * img_sec_conf,
             "step_seconds": float(np.median(step_times)),
             "wire_bytes_per_step": wire_bytes / steps,
+            "control_bytes_per_step": control_rate * float(np.median(step_times)),
             "payload_bytes_per_step": summed.get("bytes_sent", 0.0) / steps,
             "encode_seconds_per_step": summed.get("encode_seconds", 0.0) / hvd.size() / steps,
             "decode_seconds_per_step": summed.get("decode_seconds", 0.0) / hvd.size() / steps,
         }
-        log(f"Wire bytes per step (loopback, all ranks): {result['wire_bytes_per_step'] / 1e6:.2f} MB")
+        log(f"Wire bytes per step (loopback, all ranks): {result['wire_bytes_per_step'] / 1e6:.2f} MB, "
+            f"of which Horovod's idle coordination about {result['control_bytes_per_step'] / 1e6:.2f} MB")
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(result, f, indent=1)

@@ -1,9 +1,10 @@
 """Real bytes: a ~10M-parameter model trained under horovodrun in a private network namespace.
 
-The namespace's /proc/net/dev counts every byte the two ranks exchange. Those
-counts must match the payload formula (the compressors' own byte statistics)
-within 10%, and be at least 6x (QSGD 4-bit) and 20x (top-k 1%) below the
-uncompressed run's.
+The namespace's /proc/net/dev counts every byte the two ranks exchange. Less
+Horovod's own coordination traffic (measured by the benchmark while the job
+is idle, about 0.5 MB/s), those counts must match the payload formula (the
+compressors' own byte statistics) within 10%; the total must be at least 6x
+(QSGD 4-bit) and 20x (top-k 1%) below the uncompressed run's.
 """
 import json
 import os
@@ -52,9 +53,11 @@ def test_uncompressed_run_sends_a_ring_allreduce_worth(uncompressed):
 def test_compressed_bytes_match_formula_and_reduction(uncompressed, tmp_path, args, min_reduction):
     result = _run(tmp_path, *args)
     measured, formula = result["wire_bytes_per_step"], result["payload_bytes_per_step"]
+    control = result["control_bytes_per_step"]  # Horovod's own coordination, measured while idle
     assert formula > 0, result
-    assert abs(measured - formula) <= 0.10 * formula, (measured, formula)
+    assert abs(measured - control - formula) <= 0.10 * formula, (measured, control, formula)
     reduction = uncompressed["wire_bytes_per_step"] / measured
-    print(f"{args}: {measured / 1e6:.3f} MB per step on the wire, formula {formula / 1e6:.3f} MB, "
+    print(f"{args}: {measured / 1e6:.3f} MB per step on the wire ({control / 1e6:.3f} MB of it Horovod's "
+          f"idle coordination), payload formula {formula / 1e6:.3f} MB, "
           f"{reduction:.1f}x fewer than uncompressed")
     assert reduction >= min_reduction, reduction
