@@ -171,6 +171,40 @@ class _CompressorBase:
                         bytes_sent=sent.numel() * sent.element_size())
         return sent, ctx
 
+    # -- Horovod's Compression interface ------------------------------------------------------
+    def compress(self, tensor):
+        site = find_call_site(tensor)
+        self._handshake(site.process_set)
+        if self._passes_through(tensor):
+            return self._pass_through(tensor)
+        check_site(site)
+        start = time.perf_counter()
+        flat = _flat_fp32(tensor)
+        state = self._state(site.name, flat.numel(), tensor.device, self.uses_residual)
+        sent, handle, nbytes = self._encode(tensor, flat, site, state)
+        ctx = _Pending(handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step)
+        state.step += 1
+        self._stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
+                        bytes_uncompressed=tensor.numel() * tensor.element_size(), bytes_sent=nbytes)
+        return sent, ctx
+
+    def decompress(self, tensor, ctx):
+        passed = self._passed_through(tensor, ctx)
+        if passed is not None:
+            return passed
+        start = time.perf_counter()
+        result = self._decode(tensor, ctx).view(ctx.shape).to(ctx.dtype)
+        self._stats.add(decode_seconds=time.perf_counter() - start)
+        return result
+
+    def _encode(self, tensor, flat, site, state):
+        """Returns (tensor for the optimizer's allreduce, collective handle or None, bytes sent)."""
+        raise NotImplementedError
+
+    def _decode(self, tensor, ctx):
+        """Returns the flat fp32 result from the allreduced ``tensor`` and the ctx of ``_encode``."""
+        raise NotImplementedError
+
     @staticmethod
     def _placeholder(tensor):
         dtype = tensor.dtype if tensor.dtype in _HOROVOD_FLOATS else torch.float32
@@ -194,37 +228,18 @@ class PayloadCompressor(_CompressorBase):
     def _key(self, name, process_set):
         return rank_key(name, process_set.rank())
 
-    def compress(self, tensor):
-        site = find_call_site(tensor)
-        self._handshake(site.process_set)
-        if self._passes_through(tensor):
-            return self._pass_through(tensor)
-        check_site(site)
-        start = time.perf_counter()
-        flat = _flat_fp32(tensor)
-        numel = flat.numel()
-        state = self._state(site.name, numel, tensor.device, self.uses_residual)
-        out = torch.empty(self.codec.max_payload_nbytes(numel), dtype=torch.uint8, device=tensor.device)
+    def _encode(self, tensor, flat, site, state):
+        out = torch.empty(self.codec.max_payload_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device)
         nbytes = self.codec.encode(as_array(flat), as_array(out), step=state.step,
                                    key=self._key(site.name, site.process_set),
                                    residual=None if state.residual is None else as_array(state.residual))
-        step = state.step
-        state.step += 1
         handle = hvd.allgather_async(out[:nbytes], name=PAYLOAD_PREFIX + site.name,
                                      process_set=site.process_set)
         placeholder = self._placeholder(tensor)
-        self._stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
-                        bytes_uncompressed=tensor.numel() * tensor.element_size(),
-                        bytes_sent=nbytes + placeholder.element_size())
-        return placeholder, _Pending(handle, site.name, tensor.shape, tensor.dtype,
-                                     site.process_set.size(), step)
+        return placeholder, handle, nbytes + placeholder.element_size()
 
-    def decompress(self, tensor, ctx):
-        passed = self._passed_through(tensor, ctx)
-        if passed is not None:
-            return passed
+    def _decode(self, tensor, ctx):
         gathered = hvd.synchronize(ctx.handle)
-        start = time.perf_counter()
         numel = ctx.shape.numel()
 
         def read_bytes(offset, length):
@@ -238,9 +253,7 @@ class PayloadCompressor(_CompressorBase):
         scale = reduction_scale(tensor.reshape(-1)[0].item(), ctx.num_ranks)
         if scale != 1.0:
             total.mul_(scale)
-        result = total.view(ctx.shape).to(ctx.dtype)
-        self._stats.add(decode_seconds=time.perf_counter() - start)
-        return result
+        return total
 
 
 class QSGD(PayloadCompressor):
@@ -347,34 +360,14 @@ class RandomK(_CompressorBase):
                                       error_feedback=error_feedback, rescale=rescale), min_numel)
         self.uses_residual = bool(error_feedback)
 
-    def compress(self, tensor):
-        site = find_call_site(tensor)
-        self._handshake(site.process_set)
-        if self._passes_through(tensor):
-            return self._pass_through(tensor)
-        check_site(site)
-        start = time.perf_counter()
-        flat = _flat_fp32(tensor)
-        state = self._state(site.name, flat.numel(), tensor.device, self.uses_residual)
-        key = tensor_key(site.name)
+    def _encode(self, tensor, flat, site, state):
         values = torch.as_tensor(self.codec.gather(
-            as_array(flat), step=state.step, key=key,
-            residual=None if state.residual is None else as_array(state.residual)), device=tensor.device)
-        ctx = _Pending(None, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step)
-        state.step += 1
-        self._stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
-                        bytes_uncompressed=tensor.numel() * tensor.element_size(),
-                        bytes_sent=values.numel() * values.element_size())
-        return values, ctx
+            as_array(flat), step=state.step, key=tensor_key(site.name),
+            residual=None if state.residual is None else as_array(state.residual)), device=flat.device)
+        return values, None, values.numel() * values.element_size()
 
-    def decompress(self, tensor, ctx):
-        passed = self._passed_through(tensor, ctx)
-        if passed is not None:
-            return passed
-        start = time.perf_counter()
+    def _decode(self, tensor, ctx):
         total = torch.zeros(ctx.shape.numel(), dtype=torch.float32, device=tensor.device)
-        values = tensor.float().contiguous()
-        self.codec.scatter_accumulate(as_array(values), as_array(total), step=ctx.step,
-                                      key=tensor_key(ctx.name))
-        self._stats.add(decode_seconds=time.perf_counter() - start)
-        return total.view(ctx.shape).to(ctx.dtype)
+        self.codec.scatter_accumulate(as_array(tensor.float().contiguous()), as_array(total),
+                                      step=ctx.step, key=tensor_key(ctx.name))
+        return total
