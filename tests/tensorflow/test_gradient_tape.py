@@ -155,3 +155,52 @@ def test_tf1_style_distributed_optimizer(hvd_tf):
     rows = hvd.allgather(tf.constant(after[None])).numpy()
     assert np.array_equal(rows[0], rows[1]) and not np.array_equal(before, after)
     assert {name: int(v.numpy()) for name, v in compressor._steps.items()} == {"wide": 2, "head": 2}
+
+
+@pytest.mark.ranks(2, timeout=180, env={"TF_NUM_INTEROP_THREADS": "4", "NUMBA_NUM_THREADS": "2"})
+def test_concurrent_host_ops_in_one_step(hvd_tf):
+    """Eight compressed gradients per step, TensorFlow free to run their host ops on 4 threads at once."""
+    import threading
+    import time
+
+    import tensorflow as tf
+    hvd = hvd_tf
+    rng = np.random.default_rng(7)
+    variables = [tf.Variable(rng.standard_normal((120, 100)).astype(np.float32) * 0.1, name=f"layer{i}")
+                 for i in range(8)]
+    for kind in ("topk", "qsgd4"):
+        compressor = make(kind)
+        codec, lock, state = compressor.codec, threading.Lock(), {"now": 0, "max": 0}
+
+        class OverlapProbe:  # counts encodes in flight at once
+            def __getattr__(self, name):
+                return getattr(codec, name)
+
+            def encode(self, *args, **kwargs):
+                with lock:
+                    state["now"] += 1
+                    state["max"] = max(state["max"], state["now"])
+                try:
+                    time.sleep(0.002)
+                    return codec.encode(*args, **kwargs)
+                finally:
+                    with lock:
+                        state["now"] -= 1
+
+        compressor.codec = OverlapProbe()
+        reference = Reference(hvd, kind)
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape(persistent=True) as tape:
+                loss = tf.add_n([tf.reduce_sum(tf.tanh(x * (i + 1)) * v) for i, v in enumerate(variables)])
+            return (tape.gradient(loss, variables),
+                    hvd.DistributedGradientTape(tape, compression=compressor).gradient(loss, variables))
+
+        for s in range(3):
+            x = tf.constant(np.random.default_rng(10 * hvd.rank() + s).standard_normal((120, 100)), tf.float32)
+            local, received = step(x)
+            for v, g_local, g_received in zip(variables, local, received):
+                name = v.name.split(":")[0]
+                reference.check(name, g_local.numpy(), g_received.numpy(), f"{kind} concurrent step {s} {name}")
+        print(f"{kind}: at most {state['max']} encodes ran at once")
