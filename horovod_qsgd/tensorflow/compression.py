@@ -167,7 +167,7 @@ class _CompressorBase(tf.Module):
         return (not tensor.dtype.is_floating or tensor.shape.num_elements() is None
                 or tensor.shape.num_elements() < self.min_numel)
 
-    def _check_site(self, site, tensor):
+    def _check_site(self, site):
         if site.name is None:
             raise ValueError(
                 "horovod_qsgd: hvd.allreduce(..., compression=...) called eagerly needs name= for tensors "
@@ -327,7 +327,7 @@ class _CompressorBase(tf.Module):
         self._handshake(site.process_set)
         if self._passes_through(tensor):
             return site, None
-        self._check_site(site, tensor)
+        self._check_site(site)
         return site, self._state_name(site)
 
 
