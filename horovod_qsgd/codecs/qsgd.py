@@ -4,7 +4,7 @@ import numpy as np
 
 from .. import kernels as K
 from ..kernels.elias import max_bucket_bits
-from .base import Codec, align4, check_choice, check_int, view
+from .base import Codec, align4, check_choice, check_int, view, write_bytes
 from .header import HEADER_NBYTES, PayloadError
 
 __all__ = ["QSGDCodec"]
@@ -128,6 +128,9 @@ class QSGDCodec(Codec):
         x, out, _, gpu = self._prepare_encode(x, out, residual, need_residual=False)
         n = x.size
         scales, off = self._sections(out, n)
+        scales_end = HEADER_NBYTES + self._scale_bytes(n)
+        # An odd count of fp16 scales leaves 2 alignment bytes: zero them, never send stale memory.
+        write_bytes(out, scales_end, bytes(off - scales_end))
         base = K.stream_base(self.seed, step, key, K.PURPOSE_ROUNDING)
         kw = dict(bucket_size=self.bucket_size, bits=self.bits, use_l2=self.norm == "l2",
                   half=self.scale_dtype == "float16", stochastic=self.rounding == "stochastic", base=base)

@@ -27,7 +27,6 @@ feedback, an fp32 residual), so a compressor works eagerly and inside
 and non-float tensors go through Horovod's allreduce unchanged; Horovod
 allgathers ``tf.IndexedSlices`` itself without calling the compressor.
 """
-import functools
 import json
 import re
 import threading
@@ -71,37 +70,14 @@ def _new_variable(initial_value, name, dtype):
         return ResourceVariable(initial_value, name=_op_name(name), dtype=dtype, trainable=False)
 
 
-_TRACEABLE_TYPES = {}
-
-
-def _traceable(error):
-    """``error`` as an instance of a subclass that survives autograph with its type.
-
-    While Horovod's functions are traced, autograph re-raises an exception
-    from inside them only as its own type if that type's ``__init__`` is
-    ``Exception.__init__`` (otherwise it becomes a ``StagingError``). The
-    subclass keeps the name, message and ``isinstance`` of the original.
-    """
-    base = type(error)
-    cls = _TRACEABLE_TYPES.get(base)
-    if cls is None:
-        cls = _TRACEABLE_TYPES[base] = type(base.__name__, (base,), {"__init__": Exception.__init__,
-                                                                     "__module__": base.__module__})
-    return cls(*error.args).with_traceback(error.__traceback__)
-
-
 def _adapter_method(method):
-    """compress/decompress: never converted by autograph, and our errors keep their type when traced."""
-    @functools.wraps(method)
-    def wrapper(self, *args):
-        try:
-            return method(self, *args)
-        except (CompressionMismatchError, UnsupportedCollectiveError) as error:
-            if type(error) in _TRACEABLE_TYPES.values():
-                raise
-            raise _traceable(error) from error.__cause__
+    """compress/decompress, never converted by autograph.
 
-    return tf.autograph.experimental.do_not_convert(wrapper)
+    Our errors keep their type when raised while Horovod's functions are
+    traced because their classes use ``Exception.__init__`` (see
+    :mod:`horovod_qsgd.common.errors`); autograph turns others into StagingError.
+    """
+    return tf.autograph.experimental.do_not_convert(method)
 
 
 class _Step:
