@@ -151,10 +151,11 @@ class LatticeCodec(_ModelCodec):
         ``|x/eps| >= 2**52``.
         """
         step, key = self._check_step_key(step, key)
-        eps32 = np.float32(_check_float("eps", eps, 0.0))
-        if not (np.isfinite(eps32) and eps32 > 0):
+        eps = _check_float("eps", eps, 0.0)
+        if not _EPS_MIN <= eps <= _EPS_MAX:
             raise ValueError(f"eps={eps!r} is out of range for float32; allowed: "
                              f"{_EPS_MIN:g} <= eps <= {_EPS_MAX:g}")
+        eps32 = np.float32(eps)
         x, out, _, gpu = self._prepare_encode(x, out, None, need_residual=False)
         n = x.size
         nb = self._nbuckets(n)
@@ -171,19 +172,23 @@ class LatticeCodec(_ModelCodec):
                              f"the first at elements {lo}..{min(n, lo + self.bucket_size) - 1}")
         return self._finish(out, n, HEADER_NBYTES + 4 + 4 * nb + codes.size)
 
-    def decode(self, payload, reference, out):
+    def decode(self, payload, reference, out, bad=None):
         """out = the decoded vector, using ``reference`` (the receiver's vector, float32).
 
         Returns the number of buckets that failed to decode (0: every value
         is the sender's lattice point).  The values of failed buckets are
-        unspecified: discard the whole result or re-send.
+        unspecified: discard the whole result or re-send.  ``bad``
+        (optional, uint8, one per bucket) receives 1 for each failed bucket.
         """
         h, payload, reference, out, gpu = self._open_for_decode(payload, reference, out)
         if reference is None:
             raise ValueError("LatticeCodec.decode needs reference=, the receiver's own float32 vector")
         n = h.numel
         sums, codes = self._sections(payload, n)
-        bad = _empty(self._nbuckets(n), np.uint8, gpu)
+        if bad is None:
+            bad = _empty(self._nbuckets(n), np.uint8, gpu)
+        else:
+            bad = _check_array("bad", bad, np.uint8, size=self._nbuckets(n), gpu=gpu)
         return L.lattice_decode(codes, sums, reference, out, bad, eps=self.payload_eps(payload),
                                 bits=self.bits, bucket_size=self.bucket_size)
 
@@ -211,8 +216,8 @@ class ExactCodec(_ModelCodec):
         body[:] = x
         return self._finish(out, n, HEADER_NBYTES + 4 * n)
 
-    def decode(self, payload, reference, out):
-        """out = the sender's vector (reference unused); returns 0."""
+    def decode(self, payload, reference, out, bad=None):
+        """out = the sender's vector (reference and bad unused); returns 0."""
         h, payload, _, out, gpu = self._open_for_decode(payload, None, out)
         out[:] = view(payload, HEADER_NBYTES, h.numel, np.float32)
         return 0
