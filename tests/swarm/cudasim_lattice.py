@@ -41,13 +41,15 @@ def run_case(name, codec, x, y, eps, step, key):
     n_gpu = codec.encode(cuda.to_device(x), d_buf, eps=eps, step=step, key=key)
     gpu = d_buf.copy_to_host()
     check(f"{name}: payload CUDA == CPU", n_cpu == n_gpu and same(cpu[:n_cpu], gpu[:n_gpu]))
-    out_cpu = np.zeros(x.size, np.float32)
-    bad_cpu = codec.decode(cpu[:n_cpu], y, out_cpu)
-    d_out = cuda.to_device(np.zeros(x.size, np.float32))
-    bad_gpu = codec.decode(d_buf[:n_gpu], cuda.to_device(y), d_out)
-    check(f"{name}: failed buckets CUDA == CPU ({bad_gpu} vs {bad_cpu})", bad_cpu == bad_gpu)
-    if bad_cpu == 0:
-        check(f"{name}: decoded CUDA == CPU", same(out_cpu, d_out.copy_to_host()))
+    nb = -(-x.size // codec.bucket_size)
+    out_cpu, mask_cpu = np.zeros(x.size, np.float32), np.full(nb, 7, np.uint8)
+    bad_cpu = codec.decode(cpu[:n_cpu], y, out_cpu, bad=mask_cpu)
+    d_out, d_mask = cuda.to_device(np.zeros(x.size, np.float32)), cuda.to_device(np.full(nb, 9, np.uint8))
+    bad_gpu = codec.decode(d_buf[:n_gpu], cuda.to_device(y), d_out, bad=d_mask)
+    check(f"{name}: failed buckets CUDA == CPU ({bad_gpu} vs {bad_cpu})",
+          bad_cpu == bad_gpu and same(mask_cpu, d_mask.copy_to_host()))
+    # the same arithmetic on both: equal values even in failed buckets (NaN where y/eps is out of range)
+    check(f"{name}: decoded CUDA == CPU", same(out_cpu, d_out.copy_to_host()))
     return bad_cpu
 
 
@@ -66,6 +68,16 @@ def main():
     y_far[[3, 700]] += 5.0
     check("far: two failed buckets",
           run_case("far", codec, x, y_far, codec.eps_for_spread(0.01), 0, 1) == 2)
+    # one coordinate per bucket of 8 swept across the decoding boundary (+-(q/2 + 3) eps)
+    codec = LatticeCodec(bits=4, bucket_size=8)
+    eps = 2.0 ** -8
+    k = 200
+    xs = rng.uniform(-1, 1, 8 * k).astype(np.float32)
+    ys = xs.copy()
+    ys[::8] = (xs[::8] + np.linspace(-11 * eps, 11 * eps, k)).astype(np.float32)
+    ys[9] = np.nan
+    failed = run_case("boundary sweep", codec, xs, ys, eps, 2, 5)
+    check(f"boundary sweep: some but not all buckets fail ({failed} of {k})", 0 < failed < k)
     # negative lattice points with large magnitude (|x/eps| ~ 2**30)
     big = (rng.standard_normal(200) * 1000).astype(np.float32)
     run_case("large |x/eps|", codec, big, big, 1e-6, 9, 2)
