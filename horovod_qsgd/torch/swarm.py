@@ -240,7 +240,8 @@ class _Engine:
             if codec is self.exact:
                 codec.encode(x, out)
             else:
-                magnitude = flat[s.offset:s.offset + s.numel].abs().max().item() if s.numel else 0.0
+                lo, hi = torch.aminmax(flat[s.offset:s.offset + s.numel]) if s.numel else (0.0, 0.0)
+                magnitude = max(-float(lo), float(hi))
                 eps = eps_sent[s.name] = codec.eps_for_spread(self.spread[s.name], magnitude)
                 codec.encode(x, out, eps=eps, step=round_index, key=rank_key(s.name, rank))
             offset += size
@@ -335,7 +336,7 @@ class _Engine:
             for s in self.slots:
                 if s.quantize:
                     diff = decoded[s.offset:s.offset + s.numel] - reference[s.offset:s.offset + s.numel]
-                    observed = diff.abs().max().item() if s.numel else 0.0
+                    observed = diff.abs_().max().item() if s.numel else 0.0
                     # a larger spread seen recently (with another partner) fades by half a round
                     self.spread[s.name] = max(observed, SPREAD_MEMORY * self.spread.get(s.name, 0.0))
         self.stats.add(decode_failures=len(failed))
@@ -401,9 +402,9 @@ class _Engine:
         self.last = dict(info, round=pending.round, partner=pending.partner, eps_sent=pending.eps_sent)
         if decoded is None:
             return
-        average = (pending.snapshot + decoded) * 0.5
+        average = decoded.add_(pending.snapshot).mul_(0.5)  # (snapshot + partner) / 2, in place
         if not blocking:  # what this rank computed since the snapshot goes on top
-            average += self.flat() - pending.snapshot
+            average += self.flat().sub_(pending.snapshot)
         self.write_back(average)
 
     # -- the optimizer hooks ----------------------------------------------------------------
@@ -455,10 +456,11 @@ class _Engine:
                              "arguments and model.")
 
     def load(self, state):
+        """Replaces the counters, estimates and exchange in flight (every rank loads its own state)."""
         self.check(state)
-        if self.pending is not None:
-            raise RuntimeError("horovod_qsgd: SwarmOptimizer: load_state_dict() with a non-blocking exchange in "
-                               "flight; call synchronize() on every rank first.")
+        if self.pending is not None and self.pending.handle is not None:
+            # started by every rank: waiting is local; the loaded state replaces it on every rank
+            self.wait(self.pending.handle, self.pending.partner, self.pending.round)
         self.steps, self.round, self.spread = int(state["steps"]), int(state["round"]), dict(state["spread"])
         p = state["pending"]
         self.pending = None if p is None else _Pending(p["round"], p["partner"], p["snapshot"].clone(), None, None,

@@ -267,6 +267,14 @@ def _check_resume(hvd, averaging):
     del state["optimizer"]["swarm"]
     fresh, _, _ = _train(hvd, 12, averaging, start=state)
     assert not _bitwise(fresh, uninterrupted)
+    # hvd.broadcast_optimizer_state steps a fresh optimizer once (here: a round starts) and loads the state back
+    from horovod_qsgd.torch.swarm import SwarmOptimizer
+    model = _model(0, noise=0.0)
+    opt = SwarmOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, local_steps=1,
+                         averaging=averaging)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.swarm_round == 1 and opt.state_dict()["swarm"]["steps"] == 1
+    opt.synchronize()
 
 
 @pytest.mark.ranks(2, timeout=120)
