@@ -120,6 +120,12 @@ def test_lattice_exchange_is_within_half_eps_of_the_average(hvd_torch, n):
         info = opt.last_exchange()
         p = random_matching(n, round_index, 3)[me]
         assert info["partner"] == p and info["failed"] == [] and info["fallback"] == []
+        # the eps a rank decoded with is the one its partner chose
+        names = [name for name, _, _, q in layout if q]
+        sent = _gather(hvd, torch.tensor([info["eps_sent"].get(k, 0.0) for k in names], dtype=torch.float64),
+                       f"test.lattice.eps.{round_index}")
+        if p >= 0:
+            assert [info["eps_received"].get(k, 0.0) for k in names] == sent[p].tolist()
         if p < 0:
             assert _bitwise(after[me], before[me].float())
             continue
