@@ -235,10 +235,10 @@ def wire_main(args):
         with open(out) as f:
             rows.append(json.load(f))
         r = rows[-1]
+        swarm = (f" (rank 0: {r['codec_seconds_per_step']:.3f} s encoding/decoding, "
+                 f"{r['wait_seconds_per_step']:.3f} s waiting for exchanges)" if r["payload_bytes_per_step"] else "")
         print(f"{name:>22}: {r['wire_bytes_per_step'] / 1e6:8.2f} MB/step on the wire, "
-              f"{r['step_seconds']:.3f} s/step (rank 0: {r['codec_seconds_per_step']:.3f} s encoding/decoding, "
-              f"{r['wait_seconds_per_step']:.3f} s waiting for exchanges), {r['samples_per_second']:.1f} samples/s",
-              flush=True)
+              f"{r['step_seconds']:.3f} s/step{swarm}, {r['samples_per_second']:.1f} samples/s", flush=True)
     base = next((r for r in rows if r["config"] == "allreduce"), None)
     print(f"\nmodel {rows[0]['model']} ({rows[0]['parameters'] / 1e6:.1f}M parameters), 2 ranks, rate {args.rate}")
     print("wire: loopback bytes per training step, both ranks (idle: Horovod's own coordination in that time; "
