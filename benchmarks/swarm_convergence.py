@@ -178,7 +178,8 @@ def wire_worker(args):
         torch.nn.functional.cross_entropy(model(data), target).backward()
         opt.step()
 
-    for _ in range(args.warmup):  # includes the exact calibration round of the lattice exchange
+    # warm-up: at least the exact calibration round and one lattice round (loads the compiled kernels)
+    for _ in range(max(args.warmup, 2 * config.get("local_steps", 0))):
         step()
     if kind == "swarm":
         opt.synchronize()
