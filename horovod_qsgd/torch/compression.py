@@ -33,10 +33,10 @@ import torch
 from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import payload_spans, reduction_scale
-from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.torch.call_site import check_site, find_call_site
+from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 STATE_FORMAT = 1
 _PASS_THROUGH = object()
@@ -103,13 +103,7 @@ class _CompressorBase:
         key = process_set.process_set_id
         if key in self._verified_process_sets:
             return
-        record = torch.frombuffer(bytearray(settings_record(type(self).__name__, self.settings())),
-                                  dtype=torch.uint8)
-        lengths = hvd.allgather(torch.tensor([record.numel()], dtype=torch.int64),
-                                name=f"{HANDSHAKE_NAME}.lengths", process_set=process_set)
-        records = hvd.allgather(record, name=f"{HANDSHAKE_NAME}.records", process_set=process_set)
-        chunks = torch.split(records, lengths.tolist())
-        check_settings([bytes(c.numpy()) for c in chunks])
+        check_settings_across_ranks(type(self).__name__, self.settings(), HANDSHAKE_NAME, process_set)
         self._verified_process_sets.add(key)
 
     def _state(self, name, numel, device, needs_residual):

@@ -24,7 +24,7 @@ import torch
 from horovod_qsgd.codecs.header import HEADER_NBYTES, PayloadError, parse_header
 from horovod_qsgd.codecs.lattice import EXACT_CODEC_ID, LATTICE_CODEC_ID, ExactCodec, LatticeCodec
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.common.naming import rank_key
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.kernels.rng import mix64_py, stream_base
@@ -204,12 +204,8 @@ class _Engine:
         """Once per process: every rank compares every rank's settings and round counter."""
         if self.verified:
             return
-        record = settings_record("SwarmOptimizer", dict(self.settings(), round=self.round))
-        record = torch.frombuffer(bytearray(record), dtype=torch.uint8)
-        lengths = hvd.allgather(torch.tensor([record.numel()], dtype=torch.int64),
-                                name=self.prefix + "handshake.lengths", process_set=self.ps)
-        records = hvd.allgather(record, name=self.prefix + "handshake.records", process_set=self.ps)
-        check_settings([bytes(c.numpy()) for c in torch.split(records, lengths.tolist())])
+        check_settings_across_ranks("SwarmOptimizer", dict(self.settings(), round=self.round),
+                                    self.prefix + "handshake", self.ps)
         self.verified = True
 
     # -- model as one flat fp32 vector --------------------------------------------------------
