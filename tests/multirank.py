@@ -45,7 +45,11 @@ def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None):
     """Runs one test node on ``num_ranks`` ranks; calls pytest.fail on any rank failure or a hang."""
     report_dir = tempfile.mkdtemp(prefix="hq-ranks-")
     env = dict(os.environ, **WORKER_THREAD_ENV)
-    env.update(extra_env or {})
+    for key, value in (extra_env or {}).items():  # None removes a variable
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     env[WORKER_ENV] = "1"
     env[REPORT_DIR_ENV] = report_dir
     env["PYTHONPATH"] = os.pathsep.join(p for p in [rootdir, env.get("PYTHONPATH")] if p)
@@ -89,7 +93,8 @@ def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "ranks(n, timeout=180, env=None): run the test on n Horovod ranks under horovodrun --gloo")
+        "markers", "ranks(n, timeout=180, env=None): run the test on n Horovod ranks under horovodrun --gloo "
+        "(env: extra variables; a None value removes one)")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -32,12 +32,19 @@ available of tbb, omp, workqueue; here (no tbb wheel installed) that is
 launches are serialised with a lock; tests/kernels/test_kernel_threads.py
 checks both.  Installing ``tbb`` (``pip install tbb``) is also fine.
 
+Cores per rank.  Ranks on one machine share its cores: the adapters call
+:func:`horovod_qsgd.common.threads.share_cores` on first use, which gives
+each rank's parallel kernels ``cores // local_size`` threads (at least 1)
+unless the user set ``NUMBA_NUM_THREADS`` or called :func:`set_cpu_threads`.
+Measured on the 2-core machine with 2 ranks (mlp25m, 1 Gbit/s): QSGD-4
+went from 2.65x to 3.59x the uncompressed throughput.
+
 Device parts that stay on the host: prefix sums over per-bucket or
 per-chunk counts (a few thousand values, copied to the host on CUDA) and the
 choice of radix digits; all per-element work runs in the kernels.
 """
 
-from ._dual import threading_layer
+from ._dual import cpu_threads, cpu_threads_chosen, set_cpu_threads, threading_layer
 from .api import (acklam_ppf, elias_decode_accumulate, elias_encode, exact_threshold,
                   qsgd_decode_accumulate, qsgd_encode, randomk_gather, randomk_indices,
                   randomk_scatter_accumulate, sparse_accumulate, topk_select, widen_f16)
@@ -47,6 +54,6 @@ __all__ = [
     "acklam_ppf", "elias_decode_accumulate", "elias_encode", "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
     "randomk_scatter_accumulate", "sparse_accumulate", "topk_select", "widen_f16",
-    "stream_base", "threading_layer",
+    "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
     "PURPOSE_RANDOMK", "PURPOSE_ROUNDING", "PURPOSE_SAMPLE",
 ]

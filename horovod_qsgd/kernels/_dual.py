@@ -36,7 +36,8 @@ import numpy as np
 
 __all__ = [
     "core", "cuda_twin", "cuda_kernel", "is_cuda_array", "as_device", "on_cuda",
-    "cpu_launcher", "cpu_launch", "fmul32", "fmul64", "launch_config", "SERIAL_BELOW",
+    "cpu_launcher", "cpu_launch", "set_cpu_threads", "cpu_threads", "cpu_threads_chosen", "fmul32", "fmul64", "launch_config",
+    "SERIAL_BELOW",
 ]
 
 # ------------------------------------------------------------ JIT cache --
@@ -269,6 +270,36 @@ class cpu_launcher:
         return self.parallel(*args)
 
 
+_CPU_THREADS = None  # threads per parallel launch; None: numba's pool size
+
+
+def set_cpu_threads(n):
+    """Threads each parallel CPU kernel launch uses (None: all of numba's pool).
+
+    Several Horovod ranks on one machine each run their own kernels: with
+    every rank using all cores, their threads oversubscribe the CPU and
+    OpenMP's spinning workers slow down the ranks' training threads too.
+    ``n`` is capped at numba's pool size (``NUMBA_NUM_THREADS``).
+    """
+    global _CPU_THREADS
+    if n is None:
+        _CPU_THREADS = None
+        return
+    if int(n) < 1:
+        raise ValueError(f"horovod_qsgd: kernel threads must be >= 1, got {n}")
+    _CPU_THREADS = min(int(n), numba.config.NUMBA_NUM_THREADS)
+
+
+def cpu_threads_chosen():
+    """Whether :func:`set_cpu_threads` set a number (the adapters then keep it)."""
+    return _CPU_THREADS is not None
+
+
+def cpu_threads():
+    """Threads a parallel CPU kernel launch uses now."""
+    return numba.config.NUMBA_NUM_THREADS if _CPU_THREADS is None else _CPU_THREADS
+
+
 def cpu_launch(launcher, work, *args):
     """Run a :class:`cpu_launcher` on ``work`` elements' worth of data.
 
@@ -277,6 +308,8 @@ def cpu_launch(launcher, work, *args):
     """
     if work < SERIAL_BELOW:
         return launcher.serial(*args)
+    if _CPU_THREADS is not None:
+        numba.set_num_threads(_CPU_THREADS)  # per calling thread in numba, so set on every launch
     if threading_layer() == "workqueue":
         with _LOCK:
             return launcher.parallel(*args)

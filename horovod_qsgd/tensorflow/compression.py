@@ -45,6 +45,7 @@ from horovod_qsgd.common.exchange import payload_spans, reduction_scale
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.stats import CompressionStats
+from horovod_qsgd.common.threads import share_cores
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
 
@@ -161,6 +162,7 @@ class _CompressorBase(tf.Module):
         key = process_set.process_set_id
         if key in self._runtime.verified_process_sets or not process_set.included():
             return
+        share_cores(hvd.local_size())
         with tf.init_scope():
             self._check_restored_settings()
             record = np.frombuffer(settings_record(type(self).__name__, self.settings()), dtype=np.uint8)

@@ -37,3 +37,27 @@ def test_in_process_threads_match():
     finally:
         sys.path.remove(HERE)
     assert threads_check.main() == 0
+
+
+def test_kernel_threads_setting_keeps_the_bytes_and_rejects_nonsense():
+    import numba
+    import numpy as np
+    from horovod_qsgd import kernels
+    from horovod_qsgd.codecs import QSGDCodec
+    x = np.random.default_rng(3).standard_normal(300_000).astype(np.float32)
+    codec = QSGDCodec(bits=4)
+    payloads = []
+    try:
+        for threads in (1, numba.config.NUMBA_NUM_THREADS):
+            kernels.set_cpu_threads(threads)
+            assert kernels.cpu_threads() == threads
+            out = np.zeros(codec.max_payload_nbytes(x.size), np.uint8)
+            payloads.append(out[:codec.encode(x, out, step=5, key=9)].tobytes())
+        kernels.set_cpu_threads(10 ** 6)
+        assert kernels.cpu_threads() == numba.config.NUMBA_NUM_THREADS  # capped at the pool size
+        with pytest.raises(ValueError, match="kernel threads must be >= 1"):
+            kernels.set_cpu_threads(0)
+    finally:
+        kernels.set_cpu_threads(None)
+    assert payloads[0] == payloads[1]
+    assert not kernels.cpu_threads_chosen()
