@@ -29,13 +29,17 @@ class CallSite:
     name: object  # str, or None for hvd.allreduce called without name=
     op: object
     process_set: object
+    # The optimizer replaces the gradient with the result (as Horovod's in-place allreduce of an
+    # uncompressed gradient overwrites it): decoding into the gradient's own memory is safe there.
+    # hvd.allreduce must leave its input alone.
+    result_replaces_input: bool = False
 
 
 def _from_optimizer(owner, param):
     name = owner._parameter_names.get(param)
     if name is None:
         return None
-    return CallSite(name, owner.op, owner.process_set)
+    return CallSite(name, owner.op, owner.process_set, result_replaces_input=True)
 
 
 def _from_mpi_ops(code_name, local_vars, element):

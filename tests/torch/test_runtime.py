@@ -26,3 +26,23 @@ def test_a_users_numba_threads_setting_is_kept(hvd_torch):
     kernels.set_cpu_threads(None)
     assert not kernels.cpu_threads_chosen()
 
+
+
+@pytest.mark.ranks(2)
+def test_optimizer_decodes_into_the_gradients_memory_and_allreduce_keeps_its_input(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import RandomK, TopK
+    for compressor in (TopK(ratio=0.01), RandomK(ratio=0.01)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(200, 100, bias=False)  # 20000 weights: compressed
+        opt = hvd_torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(), compression=compressor)
+        model(torch.full((4, 200), 1.0 + hvd_torch.rank())).sum().backward()
+        memory = model.weight.grad.data_ptr()
+        opt.synchronize()
+        assert model.weight.grad.data_ptr() == memory
+
+        grad = torch.randn(20000)
+        kept = grad.clone()
+        out = hvd_torch.allreduce(grad, name=f"input.{type(compressor).__name__}", compression=compressor)
+        assert torch.equal(grad, kept) and out.data_ptr() != grad.data_ptr()
