@@ -20,15 +20,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks import netlab  # noqa: E402
+from benchmarks import netlab, report  # noqa: E402
 from benchmarks.compressors import SPECS, benchmark_flags  # noqa: E402
 
 QUICK = ["none", "fp16", "qsgd-4bit", "topk-1%", "gaussiank-0.1%", "randomk-1%"]
 
 
-def run_one(name, rate, args, out_dir):
-    result_path = os.path.join(out_dir, f"{args.framework}-{args.model}-{name}-{rate}.json")
-    script = os.path.join(ROOT, "benchmarks", f"{args.framework}_synthetic_benchmark.py")
+def run_one(framework, name, rate, args, out_dir):
+    result_path = os.path.join(out_dir, f"{framework}-{args.model}-{name}-{rate}.json")
+    script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
     job = [*netlab.HOROVODRUN, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, script,
            "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
            "--num-batches-per-iter", str(args.num_batches_per_iter), "--json-out", result_path,
@@ -40,7 +40,7 @@ def run_one(name, rate, args, out_dir):
     else:
         proc = subprocess.run(job, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} at {rate} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{framework} {name} at {rate} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     with open(result_path) as f:
         result = json.load(f)
     result.update(name=name, rate=rate)
@@ -48,13 +48,13 @@ def run_one(name, rate, args, out_dir):
 
 
 def print_table(results):
-    baseline = {r["rate"]: r for r in results if r["name"] == "none"}
+    baseline = {(r["framework"], r["rate"]): r for r in results if r["name"] == "none"}
     header = (f"{'rate':>8} {'compressor':<15} {'img/s':>8} {'step s':>8} {'wire MB/step':>13} "
               f"{'bytes vs none':>13} {'speedup':>8} {'enc+dec':>8}")
     print(header)
     print("-" * len(header))
     for r in results:
-        base = baseline.get(r["rate"])
+        base = baseline.get((r["framework"], r["rate"]))
         fewer = f"{base['wire_bytes_per_step'] / r['wire_bytes_per_step']:.1f}x" if base else "-"
         speedup = f"{r['img_sec_total'] / base['img_sec_total']:.2f}x" if base else "-"
         codec_share = (r["encode_seconds_per_step"] + r["decode_seconds_per_step"]) / r["step_seconds"]
@@ -66,7 +66,7 @@ def print_table(results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the short main job: 1gbit, 6 compressors")
-    parser.add_argument("--framework", default="pytorch", choices=["pytorch", "tensorflow"])
+    parser.add_argument("--frameworks", default="pytorch", help="pytorch, tensorflow or both, comma-separated")
     parser.add_argument("--model", default="mlp25m")
     parser.add_argument("--compressors", default=",".join(SPECS))
     parser.add_argument("--rates", default="1gbit", help="comma-separated tc rates, 'none' for unshaped")
@@ -87,23 +87,31 @@ def main():
         print(f"note: {reason}; running unshaped on the host loopback (byte counts include other traffic)")
         rates = ["none"]
     names = args.compressors.split(",")
+    frameworks = args.frameworks.split(",")
+    unknown = set(frameworks) - {"pytorch", "tensorflow"}
+    if unknown:
+        parser.error(f"unknown framework(s) {sorted(unknown)}; use pytorch and/or tensorflow")
     os.makedirs(args.out, exist_ok=True)
     results, started = [], time.time()
-    total = len(rates) * len(names)
-    for rate in rates:
-        for name in names:
-            print(f"[{len(results) + 1}/{total}] {name} at {rate} ({time.time() - started:.0f} s so far)",
-                  flush=True)
-            results.append(run_one(name, rate, args, args.out))
+    total = len(frameworks) * len(rates) * len(names)
+    for framework in frameworks:
+        for rate in rates:
+            for name in names:
+                print(f"[{len(results) + 1}/{total}] {framework} {name} at {rate} "
+                      f"({time.time() - started:.0f} s so far)", flush=True)
+                results.append(run_one(framework, name, rate, args, args.out))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted(results[0]))
         writer.writeheader()
         writer.writerows(results)
-    print(f"\n{args.framework}, model {args.model}, {args.np} ranks; wire bytes are both ranks' traffic on "
+    print(f"\n{args.frameworks}, model {args.model}, {args.np} ranks; wire bytes are both ranks' traffic on "
           "the namespace's loopback, whose shaped rate both directions share.")
-    print_table(results)
+    for framework in frameworks:
+        print(f"\n{framework}")
+        print_table([r for r in results if r["framework"] == framework])
+    report.write(results, args.out)
 
 
 if __name__ == "__main__":

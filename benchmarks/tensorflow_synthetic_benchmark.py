@@ -5,7 +5,7 @@
 
 The flags and the ``--json-out`` record are those of
 benchmarks/pytorch_synthetic_benchmark.py (``framework: "tensorflow"``), so
-benchmarks/compare.py runs either with ``--framework``. A step is
+benchmarks/compare.py runs either with ``--frameworks``. A step is
 ``hvd.DistributedGradientTape`` with ``compression=`` inside ``tf.function``
 plus an SGD update; the models (benchmarks/models_tf.py) have the PyTorch
 models' layers and parameter counts.
