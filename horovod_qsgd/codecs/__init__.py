@@ -3,6 +3,7 @@
 ::
 
     from horovod_qsgd.codecs import (QSGDCodec, TopKCodec, RandomKCodec,
+                                     LatticeCodec, ExactCodec,   # SwarmSGD's model exchange
                                      parse_header, HEADER_NBYTES, PayloadError)
 
 Every payload is a 16-byte header (:mod:`.header`) followed by the codec's
@@ -16,8 +17,9 @@ refused with TypeError.
 
 from .base import Codec, to_float32
 from .header import HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, parse_header, split_payloads
+from .lattice import ExactCodec, LatticeCodec
 from .qsgd import QSGDCodec
 from .sparse import RandomKCodec, TopKCodec
 
-__all__ = ["QSGDCodec", "TopKCodec", "RandomKCodec", "parse_header", "HEADER_NBYTES", "PayloadError",
+__all__ = ["QSGDCodec", "TopKCodec", "RandomKCodec", "LatticeCodec", "ExactCodec", "parse_header", "HEADER_NBYTES", "PayloadError",
            "Header", "WIRE_VERSION", "Codec", "to_float32", "split_payloads"]

@@ -4,7 +4,8 @@ Layout (little endian)::
 
     offset 0  2 bytes  magic b"HQ"
     offset 2  uint8    wire format version (WIRE_VERSION)
-    offset 3  uint8    codec id (1 QSGD, 2 top-k, 3 random-k)
+    offset 3  uint8    codec id (1 QSGD, 2 top-k, 3 random-k, 4 lattice, 5 exact fp32;
+                       4 and 5 are SwarmSGD's model exchange)
     offset 4  uint32   numel of the encoded tensor
     offset 8  uint32   config digest of the encoding codec
     offset 12 uint32   total payload length in bytes, header included

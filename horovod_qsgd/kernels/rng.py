@@ -21,6 +21,8 @@ __all__ = ["stream_base", "mix64", "uniform", "random_u32", "mix64_py", "uniform
 PURPOSE_ROUNDING = 1
 PURPOSE_SAMPLE = 2
 PURPOSE_RANDOMK = 3
+# Taken elsewhere, listed so a new stream does not reuse them: 8 the lattice
+# quantiser's dither (kernels/lattice.py), 9 SwarmSGD's matchings (torch/swarm.py).
 
 _MASK = (1 << 64) - 1
 _GOLDEN_INT = 0x9E3779B97F4A7C15
