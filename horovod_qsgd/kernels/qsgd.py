@@ -10,9 +10,10 @@ rounded up).  Each coordinate gets a signed level ``l`` in ``[-s, s]`` with
     l = floor(r) + [r - floor(r) >= 1/2]   deterministic (biased)
     l = min(l, s) * sign(x_i)
 
-``u_i`` is a multiple of 2**-24, so a fractional part below 2**-24 rounds up
-with probability 2**-24 instead of exactly its value (a bias below 2**-24
-of one level).  The code of a coordinate is the offset level ``l + s`` in
+``u_i`` is element ``i`` of the paired stream (:mod:`.rng`: one hash
+serves two coordinates), a multiple of 2**-24, so a fractional part below
+2**-24 rounds up with probability 2**-24 instead of exactly its value (a
+bias below 2**-24 of one level).  The code of a coordinate is the offset level ``l + s`` in
 ``bits`` bits (``0 .. 2s``; 2 bits is ternary {0, 1, 2}).  Codes are packed
 LSB-first at exactly ``bits`` bits each, so a group of 8 coordinates is
 exactly ``bits`` bytes (one thread per group, no races); the last partial
@@ -41,10 +42,10 @@ import numpy as np
 
 from ._dual import core, cpu_launcher, cuda_kernel, fmul32, fmul64
 from .half import bits_to_f32, f16_to_f32, f32_to_f16_up
-from .rng import uniform
+from .rng import pair_uniforms, paired_uniform
 
-__all__ = ["bucket_scale", "store_scale", "signed_level", "level_code", "bucket_codes",
-           "pack_group", "pack_span", "decode_span",
+__all__ = ["bucket_scale", "store_scale", "rounded_level", "signed_level", "level_code", "bucket_codes",
+           "bucket_packed4", "pack_group", "pack_span", "decode_span",
            "encode_fixed_cpu", "decode_fixed_cpu", "scales_from_f16_cpu",
            "scale_kernel", "code_kernel", "pack_kernel", "decode_kernel", "f16_scale_kernel"]
 
@@ -109,17 +110,23 @@ def scale_ok(scale):
 
 
 @core(inline=True)
-def signed_level(xi, scale, s, s32, stochastic, base, i):
-    """Signed QSGD level of xi for a scale with ``scale_ok(scale)``."""
+def rounded_level(xi, scale, s, s32, stochastic, u):
+    """Signed QSGD level of xi for a scale with ``scale_ok(scale)``; ``u`` is its uniform."""
     r = abs(xi) / scale * s32
     lvl = int(r)  # r >= 0: truncation is floor (and vectorises, floorf does not)
     frac = r - np.float32(lvl)
     if stochastic:
-        up = uniform(base, i) < frac
+        up = u < frac
     else:
         up = frac >= _HALF32
     lvl = min(lvl + (1 if up else 0), s)
     return -lvl if xi < _ZERO32 else lvl
+
+
+@core(inline=True)
+def signed_level(xi, scale, s, s32, stochastic, base, i):
+    """Signed QSGD level of x[i] = xi for a scale with ``scale_ok(scale)``."""
+    return rounded_level(xi, scale, s, s32, stochastic, paired_uniform(base, i) if stochastic else _ZERO32)
 
 
 @core(inline=True)
@@ -141,9 +148,41 @@ def bucket_codes(xb, i0, scale, s, stochastic, base, dst):
     if not scale_ok(scale):
         for j in range(xb.size):
             dst[j] = np.uint8(s)
+    elif stochastic and i0 % 2 == 0:
+        # one hash per pair of coordinates (rng.pair_uniforms)
+        for t in range(xb.size // 2):
+            u0, u1 = pair_uniforms(base, i0 // 2 + t)
+            dst[2 * t] = np.uint8(rounded_level(xb[2 * t], scale, s, s32, True, u0) + s)
+            dst[2 * t + 1] = np.uint8(rounded_level(xb[2 * t + 1], scale, s, s32, True, u1) + s)
+        if xb.size % 2:
+            j = xb.size - 1
+            dst[j] = np.uint8(signed_level(xb[j], scale, s, s32, True, base, i0 + j) + s)
     else:
         for j in range(xb.size):
             dst[j] = np.uint8(signed_level(xb[j], scale, s, s32, stochastic, base, i0 + j) + s)
+
+
+@core
+def bucket_packed4(xb, i0, scale, s, base, dst):
+    """Stochastic 4-bit codes of one bucket starting at an even index i0, packed into dst.
+
+    The bytes :func:`bucket_codes` + :func:`pack_span` give, in one pass
+    without the scratch array (the common QSGD-4 case).
+    """
+    s32 = np.float32(s)
+    m = xb.size
+    ok = scale_ok(scale)
+    for t in range(m // 2):
+        if ok:
+            u0, u1 = pair_uniforms(base, i0 // 2 + t)
+            c0 = np.uint8(rounded_level(xb[2 * t], scale, s, s32, True, u0) + s)
+            c1 = np.uint8(rounded_level(xb[2 * t + 1], scale, s, s32, True, u1) + s)
+        else:
+            c0 = c1 = np.uint8(s)
+        dst[t] = c0 | (c1 << _U4)
+    if m % 2:
+        j = m - 1
+        dst[m // 2] = np.uint8(signed_level(xb[j], scale, s, s32, True, base, i0 + j) + s) if ok else np.uint8(s)
 
 
 @core
@@ -243,13 +282,23 @@ def encode_fixed_cpu(x, xbits, bucket, use_l2, half, s, bits, stochastic, base,
     """Scales, codes and packing fused per chunk.
 
     ``chunk`` is a multiple of lcm(bucket, 8), so chunks hold whole buckets
-    and whole groups; codes go through a chunk-local uint8 scratch.
+    and whole groups; codes go through a chunk-local uint8 scratch, except
+    for stochastic 4-bit codes in even-sized buckets, which are packed as
+    they are computed (:func:`bucket_packed4`).
     """
     n = x.size
     nchunks = (n + chunk - 1) // chunk
+    packed4 = bits == 4 and stochastic and bucket % 2 == 0
     for c in numba.prange(nchunks):
         lo = c * chunk
         hi = min(n, lo + chunk)
+        if packed4:
+            for b in range(lo // bucket, (hi + bucket - 1) // bucket):
+                store_scale(x, xbits, b, bucket, use_l2, half, scale32, scale16)
+                b0 = b * bucket
+                b1 = min(n, b0 + bucket)
+                bucket_packed4(x[b0:b1], b0, scale32[b], s, base, codes[b0 // 2:(b1 + 1) // 2])
+            continue
         tmp = np.empty(hi - lo, np.uint8)
         for b in range(lo // bucket, (hi + bucket - 1) // bucket):
             store_scale(x, xbits, b, bucket, use_l2, half, scale32, scale16)

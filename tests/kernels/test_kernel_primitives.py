@@ -8,7 +8,7 @@ import pytest
 from horovod_qsgd.kernels import acklam_ppf, stream_base
 from horovod_qsgd.kernels.half import bits_to_f32, f16_to_f32, f32_to_f16_rne, f32_to_f16_up
 from horovod_qsgd.kernels.qsgd import pack_group, pack_span
-from horovod_qsgd.kernels.rng import uniform, uniform_py
+from horovod_qsgd.kernels.rng import pair_uniforms, paired_uniform, paired_uniform_py, uniform, uniform_py
 
 
 def _values():
@@ -31,6 +31,28 @@ def test_uniform_matches_reference_and_is_uniform():
     assert np.all(got * 2 ** 24 == np.floor(got * 2 ** 24))  # 24-bit grid
     other = np.array([uniform(stream_base(1, 3, 3, 1), i) for i in range(2000)])
     assert np.mean(other == got) < 0.01
+
+
+def test_paired_stream_matches_reference_and_its_halves_are_independent_uniforms():
+    """QSGD's rounding stream: one hash, two 24-bit fields (elements 2p and 2p + 1)."""
+    base = stream_base(4, 5, 6, 1)
+    n = 20000
+    got = np.array([paired_uniform(base, i) for i in range(n)], np.float64)
+    assert np.array_equal(got, [paired_uniform_py(base, i) for i in range(n)])
+    pairs = np.array([pair_uniforms(base, p) for p in range(n // 2)], np.float64)
+    assert np.array_equal(pairs.reshape(-1), got)
+    assert np.all(got * 2 ** 24 == np.floor(got * 2 ** 24)) and got.min() >= 0.0 and got.max() < 1.0
+    even, odd = got[0::2], got[1::2]
+    # means within 5 standard errors of 1/2; bin counts of each half pass a chi-square test at 1e-4
+    from scipy import stats
+    for half in (even, odd):
+        assert abs(half.mean() - 0.5) < 5 * math.sqrt(1 / 12 / half.size)
+        assert stats.chisquare(np.histogram(half, bins=20, range=(0, 1))[0]).pvalue > 1e-4
+    # the two fields of one word are uncorrelated: |r| below 5 / sqrt(pairs)
+    assert abs(np.corrcoef(even, odd)[0, 1]) < 5 / math.sqrt(even.size)
+    # and jointly uniform on a 5x5 grid
+    joint = np.histogram2d(even, odd, bins=5, range=[[0, 1], [0, 1]])[0].reshape(-1)
+    assert stats.chisquare(joint).pvalue > 1e-4
 
 
 def test_stream_base_rejects_bad_arguments():
