@@ -112,6 +112,7 @@ def run(args, job):
         "payload_bytes_per_step": summed.get("bytes_sent", 0.0) / steps,
         "encode_seconds_per_step": summed.get("encode_seconds", 0.0) / job.size / steps,
         "decode_seconds_per_step": summed.get("decode_seconds", 0.0) / job.size / steps,
+        "wait_seconds_per_step": summed.get("wait_seconds", 0.0) / job.size / steps,
     }
     log(f"Wire bytes per step (loopback, all ranks): {result['wire_bytes_per_step'] / 1e6:.2f} MB, "
         f"of which Horovod's idle coordination about {result['control_bytes_per_step'] / 1e6:.2f} MB")

@@ -6,7 +6,7 @@ class CompressionStats:
     """Counters since the last reset. Thread-safe: torch hooks and TF ops call from several threads."""
 
     FIELDS = ("tensors_compressed", "tensors_passed_through", "bytes_uncompressed", "bytes_sent",
-              "encode_seconds", "decode_seconds")
+              "encode_seconds", "wait_seconds", "decode_seconds")
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -25,6 +25,11 @@ class CompressionStats:
         ``bytes_sent`` is what this rank contributed: payloads, placeholders
         and passed-through tensors. Encode/decode seconds are host wall time
         (on GPUs they include the kernel launches' synchronisation).
+        ``wait_seconds`` is how long ``decompress`` waited for the payloads
+        to arrive after Horovod returned the placeholder (PyTorch: on a slow
+        link the small placeholder allreduce finishes long before the
+        payload allgather; TensorFlow's graph waits before decoding starts,
+        so it stays 0 there).
         """
         with self._lock:
             stats = dict(self._counts)

@@ -200,16 +200,22 @@ class _CompressorBase:
         if passed is not None:
             return passed
         start = time.perf_counter()
-        result = self._decode(tensor, ctx).view(ctx.shape).to(ctx.dtype)
-        self._stats.add(decode_seconds=time.perf_counter() - start)
+        received = self._receive(ctx)
+        received_at = time.perf_counter()
+        result = self._decode(tensor, ctx, received).view(ctx.shape).to(ctx.dtype)
+        self._stats.add(wait_seconds=received_at - start, decode_seconds=time.perf_counter() - received_at)
         return result
 
     def _encode(self, tensor, flat, site, state):
         """Returns (tensor for the optimizer's allreduce, collective handle or None, bytes sent)."""
         raise NotImplementedError
 
-    def _decode(self, tensor, ctx):
-        """Returns the flat fp32 result from the allreduced ``tensor`` and the ctx of ``_encode``."""
+    def _receive(self, ctx):
+        """Waits for what ``_encode`` started besides the optimizer's allreduce; returns its result."""
+        return None
+
+    def _decode(self, tensor, ctx, received):
+        """The flat fp32 result from the allreduced ``tensor``, ``_encode``'s ctx and ``_receive``'s result."""
         raise NotImplementedError
 
     @staticmethod
@@ -245,8 +251,10 @@ class PayloadCompressor(_CompressorBase):
         placeholder = self._placeholder(tensor)
         return placeholder, handle, nbytes + placeholder.element_size()
 
-    def _decode(self, tensor, ctx):
-        gathered = hvd.synchronize(ctx.handle)
+    def _receive(self, ctx):
+        return hvd.synchronize(ctx.handle)
+
+    def _decode(self, tensor, ctx, gathered):
         numel = ctx.shape.numel()
 
         def read_bytes(offset, length):
@@ -373,7 +381,7 @@ class RandomK(_CompressorBase):
             residual=None if state.residual is None else as_array(state.residual)), device=flat.device)
         return values, None, values.numel() * values.element_size()
 
-    def _decode(self, tensor, ctx):
+    def _decode(self, tensor, ctx, received):
         total = ctx.zeroed_output(tensor.device)
         self.codec.scatter_accumulate(as_array(tensor.float().contiguous()), as_array(total),
                                       step=ctx.step, key=tensor_key(ctx.name))
