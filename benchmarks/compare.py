@@ -33,6 +33,9 @@ def run_one(framework, name, rate, args, out_dir):
            "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
            "--num-batches-per-iter", str(args.num_batches_per_iter), "--json-out", result_path,
            *benchmark_flags(name)]
+    if args.reuse and os.path.exists(result_path):
+        with open(result_path) as f:
+            return dict(json.load(f), name=name, rate=rate)
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
     if args.namespaces:
         with netlab.Namespace(rate=None if rate == "none" else rate) as ns:
@@ -76,6 +79,9 @@ def main():
     parser.add_argument("--num-batches-per-iter", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "latest"))
+    parser.add_argument("--reuse", action="store_true",
+                        help="take configurations already measured in --out from their JSON files "
+                             "(to finish an interrupted sweep)")
     args = parser.parse_args()
     if args.quick:
         args.compressors, args.rates, args.num_iters = ",".join(QUICK), "1gbit", 3
@@ -103,7 +109,7 @@ def main():
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=sorted(results[0]))
+        writer = csv.DictWriter(f, fieldnames=sorted(set().union(*results)))
         writer.writeheader()
         writer.writerows(results)
     print(f"\n{args.frameworks}, model {args.model}, {args.np} ranks; wire bytes are both ranks' traffic on "

@@ -36,8 +36,8 @@ import numpy as np
 
 __all__ = [
     "core", "cuda_twin", "cuda_kernel", "is_cuda_array", "as_device", "on_cuda",
-    "cpu_launcher", "cpu_launch", "set_cpu_threads", "cpu_threads", "cpu_threads_chosen", "fmul32", "fmul64", "launch_config",
-    "SERIAL_BELOW",
+    "cpu_launcher", "cpu_launch", "set_cpu_threads", "cpu_threads", "cpu_threads_chosen",
+    "fmul32", "fmul64", "launch_config", "SERIAL_BELOW",
 ]
 
 # ------------------------------------------------------------ JIT cache --
