@@ -306,7 +306,9 @@ def cpu_launch(launcher, work, *args):
     Parallel launches are serialised with a lock only on numba's
     ``workqueue`` threading layer (which is not thread safe).
     """
-    if work < SERIAL_BELOW:
+    if work < SERIAL_BELOW or _CPU_THREADS == 1:
+        # One thread: the serial twin. A parallel launch masked down to one thread of a larger pool
+        # made a 2-rank digits run 2-4x slower than a pool of one (NUMBA_NUM_THREADS=1).
         return launcher.serial(*args)
     if _CPU_THREADS is not None:
         numba.set_num_threads(_CPU_THREADS)  # per calling thread in numba, so set on every launch
