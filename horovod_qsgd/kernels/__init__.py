@@ -35,9 +35,11 @@ checks both.  Installing ``tbb`` (``pip install tbb``) is also fine.
 Cores per rank.  Ranks on one machine share its cores: the adapters call
 :func:`horovod_qsgd.common.threads.share_cores` on first use, which gives
 each rank's parallel kernels ``cores // local_size`` threads (at least 1)
-unless the user set ``NUMBA_NUM_THREADS`` or called :func:`set_cpu_threads`.
-Measured on the 2-core machine with 2 ranks (mlp25m, 1 Gbit/s): QSGD-4
-went from 2.65x to 3.59x the uncompressed throughput.
+unless the user set ``NUMBA_NUM_THREADS`` or called :func:`set_cpu_threads`;
+a one-thread share runs the serial builds (a parallel launch masked to one
+thread of a larger pool was 2-4x slower).  Measured on the 2-core machine
+with 2 ranks (mlp25m, 1 Gbit/s): QSGD-4 went from 2.65-2.81x to 4.56-4.93x
+the uncompressed throughput.
 
 Device parts that stay on the host: prefix sums over per-bucket or
 per-chunk counts (a few thousand values, copied to the host on CUDA) and the
