@@ -14,7 +14,6 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -28,26 +27,17 @@ QUICK = ["none", "fp16", "qsgd-4bit", "topk-1%", "gaussiank-0.1%", "randomk-1%"]
 
 def run_one(framework, name, rate, args, out_dir):
     result_path = os.path.join(out_dir, f"{framework}-{args.model}-{name}-{rate}.json")
-    script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
-    job = [*netlab.HOROVODRUN, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, script,
-           "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
-           "--num-batches-per-iter", str(args.num_batches_per_iter), "--json-out", result_path,
-           *benchmark_flags(name)]
-    if args.reuse and os.path.exists(result_path):
-        with open(result_path) as f:
-            return dict(json.load(f), name=name, rate=rate)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    if args.namespaces:
-        with netlab.Namespace(rate=None if rate == "none" else rate) as ns:
-            proc = ns.run(job, capture_output=True, text=True, env=env, timeout=args.timeout)
-    else:
-        proc = subprocess.run(job, capture_output=True, text=True, env=env, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{framework} {name} at {rate} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    if not (args.reuse and os.path.exists(result_path)):
+        script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
+        job = [*netlab.HOROVODRUN, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
+               script, "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters",
+               str(args.num_iters), "--num-batches-per-iter", str(args.num_batches_per_iter),
+               "--json-out", result_path, *benchmark_flags(name)]
+        netlab.run_horovod_job(job, rate, shaped=args.namespaces, timeout=args.timeout,
+                               env=dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3"),
+                               what=f"{framework} {name} at {rate}")
     with open(result_path) as f:
-        result = json.load(f)
-    result.update(name=name, rate=rate)
-    return result
+        return dict(json.load(f), name=name, rate=rate)
 
 
 def print_table(results):

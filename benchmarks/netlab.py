@@ -77,6 +77,23 @@ class Namespace:
         return subprocess.run(self.command(argv), **kwargs)
 
 
+def run_horovod_job(job, rate, *, shaped, env, timeout, what):
+    """Runs the ``horovodrun`` command line ``job`` and returns the finished process.
+
+    ``shaped``: in a fresh namespace whose loopback is shaped to ``rate``
+    ('none': unshaped); otherwise on the host loopback. Raises with the tail
+    of the job's output, naming ``what``, if it fails.
+    """
+    if shaped:
+        with Namespace(rate=None if rate == "none" else rate) as ns:
+            proc = ns.run(job, capture_output=True, text=True, env=env, timeout=timeout)
+    else:
+        proc = subprocess.run(job, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def control_bytes_per_second(barrier, seconds=1.0):
     """Loopback bytes per second while the job is idle between two barriers.
 

@@ -24,7 +24,6 @@ SwarmSGD with exact and lattice-quantized model exchange.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -226,13 +225,7 @@ def wire_main(args):
                "--wire-worker", "--config", name, "--model", args.model, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--json-out", out]
         env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
-        if reason is None:
-            with netlab.Namespace(rate=None if args.rate == "none" else args.rate) as ns:
-                proc = ns.run(job, capture_output=True, text=True, env=env, timeout=args.timeout)
-        else:
-            proc = subprocess.run(job, capture_output=True, text=True, env=env, timeout=args.timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        netlab.run_horovod_job(job, args.rate, shaped=reason is None, env=env, timeout=args.timeout, what=name)
         with open(out) as f:
             rows.append(json.load(f))
         r = rows[-1]
