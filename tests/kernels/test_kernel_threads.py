@@ -61,3 +61,20 @@ def test_kernel_threads_setting_keeps_the_bytes_and_rejects_nonsense():
         kernels.set_cpu_threads(None)
     assert payloads[0] == payloads[1]
     assert not kernels.cpu_threads_chosen()
+
+
+@pytest.mark.parametrize("order", ["serial,parallel", "parallel,serial"])
+def test_cached_twins_keep_their_own_machine_code(order, tmp_path):
+    """numba's disk cache keys a function by name, line and bytecode, not by
+    ``parallel=True``: the two twins of a launcher once loaded each other's
+    code, so "parallel" kernels ran on one thread.  Both cold and cached
+    runs must give the serial twin one thread and the parallel twin two."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_NUM_THREADS="2")
+    for attempt in ("compiles", "loads from the cache"):
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "twins_check.py"), order], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+        assert lines == {"serial": "[0]", "parallel": "[0, 1]"}, (attempt, proc.stdout)
+    assert any(name.endswith(".nbi") for _, _, files in os.walk(tmp_path) for name in files), \
+        "nothing was cached: the test did not exercise the cache"
