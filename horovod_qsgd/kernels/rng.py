@@ -112,7 +112,8 @@ def uniform(base, i):
 def pair_uniforms(base, p):
     """float32 uniforms of elements ``2p`` and ``2p + 1`` of the paired stream."""
     h = mix64(base + (np.uint64(p) + _ONE) * _GOLDEN)
-    return np.float32(h >> _S40) * _INV24, np.float32((h >> _S8) & _LOW24) * _INV24
+    # through int64: the fields fit, and a signed conversion is one instruction
+    return np.float32(np.int64(h >> _S40)) * _INV24, np.float32(np.int64((h >> _S8) & _LOW24)) * _INV24
 
 
 @core(inline=True)
