@@ -42,10 +42,10 @@ import numpy as np
 
 from ._dual import core, cpu_launcher, cuda_kernel, fmul32, fmul64
 from .half import bits_to_f32, f16_to_f32, f32_to_f16_up
-from .rng import pair_uniforms, paired_uniform
+from .rng import field_uniform, paired_fields, paired_uniform
 
 __all__ = ["bucket_scale", "store_scale", "rounded_level_f32", "rounded_level", "rounded_code", "signed_level",
-           "level_code", "bucket_codes", "bucket_packed4", "pack_group", "pack_span", "decode_span",
+           "level_code", "bucket_codes", "pack_group", "pack_span", "decode_span",
            "encode_fixed_cpu", "decode_fixed_cpu", "scales_from_f16_cpu",
            "scale_kernel", "code_kernel", "pack_kernel", "decode_kernel", "f16_scale_kernel"]
 
@@ -152,49 +152,31 @@ def level_code(x, i, scale, s, s32, stochastic, base):
 
 
 @core
-def bucket_codes(xb, i0, scale, s, stochastic, base, dst):
+def bucket_codes(xb, i0, scale, s, stochastic, base, dst, fields):
     """dst[j] = level code of xb[j] (global index i0 + j), one bucket.
 
-    Loops run over slices with ``range(size)``: a possibly negative index
-    makes numba emit wraparound code, which stops LLVM vectorising.
-    """
-    s32 = np.float32(s)
-    if not scale_ok(scale):
-        for j in range(xb.size):
-            dst[j] = np.uint8(s)
-    elif stochastic and i0 % 2 == 0:
-        # one hash per pair of coordinates (rng.pair_uniforms)
-        for t in range(xb.size // 2):
-            u0, u1 = pair_uniforms(base, i0 // 2 + t)
-            dst[2 * t] = rounded_code(xb[2 * t], scale, s32, u0)
-            dst[2 * t + 1] = rounded_code(xb[2 * t + 1], scale, s32, u1)
-        if xb.size % 2:
-            j = xb.size - 1
-            dst[j] = np.uint8(signed_level(xb[j], scale, s, s32, True, base, i0 + j) + s)
-    else:
-        for j in range(xb.size):
-            dst[j] = np.uint8(signed_level(xb[j], scale, s, s32, stochastic, base, i0 + j) + s)
-
-
-@core
-def bucket_packed4(xb, i0, scale, s, base, dst):
-    """Stochastic 4-bit codes of one bucket starting at an even index i0, packed into dst.
-
-    The bytes :func:`bucket_codes` + :func:`pack_span` give, in one pass
-    without the scratch array (the common QSGD-4 case).
+    ``fields`` is scratch for the random stream, at least ``xb.size``
+    uint32.  Loops run over slices with ``range(size)``: a possibly negative
+    index makes numba emit wraparound code, which stops LLVM vectorising.
     """
     s32 = np.float32(s)
     m = xb.size
     if not scale_ok(scale):
-        for t in range((m + 1) // 2):
-            dst[t] = np.uint8(s) | (np.uint8(s) << _U4) if 2 * t + 1 < m else np.uint8(s)
-        return
-    for t in range(m // 2):
-        u0, u1 = pair_uniforms(base, i0 // 2 + t)
-        dst[t] = rounded_code(xb[2 * t], scale, s32, u0) | (rounded_code(xb[2 * t + 1], scale, s32, u1) << _U4)
-    if m % 2:
-        j = m - 1
-        dst[m // 2] = np.uint8(signed_level(xb[j], scale, s, s32, True, base, i0 + j) + s)
+        for j in range(m):
+            dst[j] = np.uint8(s)
+    elif stochastic and i0 % 2 == 0:
+        # one hash per pair of coordinates (rng.paired_fields), then one
+        # vectorised loop over the coordinates
+        even = m - m % 2
+        u = fields[:even]
+        paired_fields(base, i0 // 2, u)
+        for j in range(even):
+            dst[j] = rounded_code(xb[j], scale, s32, field_uniform(u[j]))
+        if m % 2:
+            dst[m - 1] = np.uint8(signed_level(xb[m - 1], scale, s, s32, True, base, i0 + m - 1) + s)
+    else:
+        for j in range(m):
+            dst[j] = np.uint8(signed_level(xb[j], scale, s, s32, stochastic, base, i0 + j) + s)
 
 
 @core
@@ -294,29 +276,22 @@ def encode_fixed_cpu(x, xbits, bucket, use_l2, half, s, bits, stochastic, base,
     """Scales, codes and packing fused per chunk.
 
     ``chunk`` is a multiple of lcm(bucket, 8), so chunks hold whole buckets
-    and whole groups; codes go through a chunk-local uint8 scratch, except
-    for stochastic 4-bit codes in even-sized buckets, which are packed as
-    they are computed (:func:`bucket_packed4`).
+    and whole groups; codes go through a chunk-local uint8 scratch (packing
+    4-bit codes as they were computed instead was no faster once the
+    coordinate loop vectorised).
     """
     n = x.size
     nchunks = (n + chunk - 1) // chunk
-    packed4 = bits == 4 and stochastic and bucket % 2 == 0
     for c in numba.prange(nchunks):
         lo = c * chunk
         hi = min(n, lo + chunk)
-        if packed4:
-            for b in range(lo // bucket, (hi + bucket - 1) // bucket):
-                store_scale(x, xbits, b, bucket, use_l2, half, scale32, scale16)
-                b0 = b * bucket
-                b1 = min(n, b0 + bucket)
-                bucket_packed4(x[b0:b1], b0, scale32[b], s, base, codes[b0 // 2:(b1 + 1) // 2])
-            continue
         tmp = np.empty(hi - lo, np.uint8)
+        fields = np.empty(bucket, np.uint32)
         for b in range(lo // bucket, (hi + bucket - 1) // bucket):
             store_scale(x, xbits, b, bucket, use_l2, half, scale32, scale16)
             b0 = b * bucket
             b1 = min(n, b0 + bucket)
-            bucket_codes(x[b0:b1], b0, scale32[b], s, stochastic, base, tmp[b0 - lo:b1 - lo])
+            bucket_codes(x[b0:b1], b0, scale32[b], s, stochastic, base, tmp[b0 - lo:b1 - lo], fields)
         pack_span(tmp, bits, codes[(lo // 8) * bits:(lo * bits + (hi - lo) * bits + 7) // 8])
 
 

@@ -8,7 +8,8 @@ import pytest
 from horovod_qsgd.kernels import acklam_ppf, stream_base
 from horovod_qsgd.kernels.half import bits_to_f32, f16_to_f32, f32_to_f16_rne, f32_to_f16_up
 from horovod_qsgd.kernels.qsgd import pack_group, pack_span
-from horovod_qsgd.kernels.rng import pair_uniforms, paired_uniform, paired_uniform_py, uniform, uniform_py
+from horovod_qsgd.kernels.rng import (field_uniform, pair_uniforms, paired_fields, paired_uniform, paired_uniform_py,
+                                      uniform, uniform_py)
 
 
 def _values():
@@ -53,6 +54,17 @@ def test_paired_stream_matches_reference_and_its_halves_are_independent_uniforms
     # and jointly uniform on a 5x5 grid
     joint = np.histogram2d(even, odd, bins=5, range=[[0, 1], [0, 1]])[0].reshape(-1)
     assert stats.chisquare(joint).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("p0", [0, 1, 255, 2 ** 40 + 3])
+def test_paired_fields_give_the_paired_stream(p0):
+    """The vectorised word loop QSGD encoding uses draws exactly the paired stream's uniforms."""
+    base = stream_base(7, 8, 9, 1)
+    fields = np.zeros(514, np.uint32)
+    paired_fields(base, p0, fields)
+    assert fields.max() < 2 ** 24
+    got = np.array([field_uniform(f) for f in fields], np.float64)
+    assert np.array_equal(got, [paired_uniform_py(base, 2 * p0 + j) for j in range(fields.size)])
 
 
 def test_stream_base_rejects_bad_arguments():
