@@ -117,7 +117,9 @@ def rounded_level_f32(xi, scale, s32, stochastic, u):
     Kept in float32 lanes throughout: integer levels made numba widen the
     lanes to int64, and the encode loop ran 30% slower.
     """
-    r = abs(xi) / scale * s32
+    # fmul32: NVVM would fuse this product into the subtraction below (an FMA
+    # skips rounding r), and the GPU's codes would differ from the CPU's
+    r = fmul32(abs(xi) / scale, s32)
     floor_r = np.float32(np.int32(r))  # r >= 0: truncation is floor (and vectorises, floorf does not)
     frac = r - floor_r
     up = u < frac if stochastic else frac >= _HALF32
