@@ -9,9 +9,9 @@ as a float32 in [0, 1) (an exact multiple of 2**-24).
 QSGD's rounding, one uniform per coordinate, uses a *paired* stream: word
 ``p`` serves elements ``2p`` (bits 40..63) and ``2p + 1`` (bits 8..31), two
 disjoint 24-bit fields of one splitmix64 output (:func:`pair_uniforms`,
-:func:`paired_uniform`).  Half the hashing, with the fused 4-bit packing of
-:mod:`.qsgd`, took QSGD-4 encoding of 16.7M values from 10.5-11.0 ms to
-7.0-8.6 ms on this 2-core machine (a memcpy of the input: 6-7 ms).
+:func:`paired_uniform`; :func:`paired_fields` draws a run of them in one
+vectorised loop).  It halves the hashing, the largest part of QSGD
+encoding after the levels themselves.
 
 ``key`` is a uint32 the adapters derive from a stable tensor name (crc32 of
 the name); ``purpose`` separates the streams that one codec uses for
@@ -22,8 +22,8 @@ import numpy as np
 
 from ._dual import core
 
-__all__ = ["stream_base", "mix64", "uniform", "random_u32", "pair_uniforms", "paired_uniform", "paired_fields",
-           "field_uniform",
+__all__ = ["stream_base", "mix64", "uniform", "random_u32", "pair_uniforms", "paired_uniform",
+           "paired_fields", "field_uniform",
            "mix64_py", "uniform_py", "paired_uniform_py",
            "PURPOSE_ROUNDING", "PURPOSE_SAMPLE", "PURPOSE_RANDOMK"]
 
