@@ -557,9 +557,9 @@ class RandomK(_CompressorBase):
         error_feedback: keep unsent coordinates in a residual (default False).
         rescale: multiply sent values by n/k so the estimate is unbiased
             (default False; increases variance by n/k).
-        value_dtype: ``"float32"`` (default) or ``"float16"`` (values rounded
-            to fp16 before they are sent; they still travel as fp32, as in
-            the PyTorch adapter).
+        value_dtype: ``"float32"`` (default) or ``"float16"``: values are sent
+            and summed as fp16 (half the bytes; the sum is rounded to fp16,
+            as with Horovod's ``Compression.fp16``).
         min_numel: smaller tensors are allreduced unchanged (default 10000).
         seed: the shared seed; must be equal on all ranks (checked).
 
@@ -581,14 +581,18 @@ class RandomK(_CompressorBase):
         stats = self._runtime.stats
         uncompressed = step.numel * tensor.dtype.size
 
+        half = self.codec.value_dtype == "float16"
+
         def on_gathered(nbytes, seconds):
             stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
-                      bytes_sent=nbytes)
+                      bytes_sent=nbytes // 2 if half else nbytes)
 
-        # The codec returns fp32 values (fp16-rounded with value_dtype="float16") and they are sent as
-        # fp32, exactly as horovod_qsgd.torch.RandomK sends them: the same bytes in both frameworks.
+        # The codec returns fp32 values, fp16-rounded with value_dtype="float16"; those are sent as fp16
+        # (an exact cast), as horovod_qsgd.torch.RandomK sends them: the same bytes in both frameworks.
         gather = values_gatherer(self.codec, tensor_key(step.name), on_gathered)
         values = self._on_host(step, gather, tf.float32, "horovod_qsgd_gather")
+        if half:
+            values = tf.cast(values, tf.float16)
         return values, _Context(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
                                 step=step.value)
 

@@ -364,7 +364,9 @@ class RandomK(_CompressorBase):
         error_feedback: keep unsent coordinates in a residual (default False).
         rescale: multiply sent values by n/k so the estimate is unbiased
             (default False; increases variance by n/k).
-        value_dtype: ``"float32"`` (default) or ``"float16"``.
+        value_dtype: ``"float32"`` (default) or ``"float16"``: values are sent
+            and summed as fp16 (half the bytes; the sum is rounded to fp16,
+            as with Horovod's ``Compression.fp16``).
         min_numel: smaller tensors are allreduced unchanged (default 10000).
         seed: the shared seed; must be equal on all ranks (checked).
     """
@@ -379,6 +381,8 @@ class RandomK(_CompressorBase):
         values = torch.as_tensor(self.codec.gather(
             as_array(flat), step=state.step, key=tensor_key(site.name),
             residual=None if state.residual is None else as_array(state.residual)), device=flat.device)
+        if self.codec.value_dtype == "float16":
+            values = values.half()  # exact: the codec rounded them to fp16; the allreduce sums in fp16
         return values, None, values.numel() * values.element_size()
 
     def _decode(self, tensor, ctx, received):

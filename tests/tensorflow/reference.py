@@ -18,6 +18,7 @@ KINDS = {
     "topk": ("TopK", {"ratio": 0.01}),
     "topk-gaussian": ("TopK", {"ratio": 0.01, "selector": "gaussian"}),
     "randomk-ef": ("RandomK", {"ratio": 0.05, "error_feedback": True}),
+    "randomk-fp16": ("RandomK", {"ratio": 0.05, "error_feedback": True, "value_dtype": "float16"}),
 }
 
 
@@ -78,6 +79,8 @@ class Reference:
         total = np.zeros(flat.size, np.float32)
         if self.randomk:
             values = self.codec.gather(flat, step=step, key=tensor_key(name), residual=residual)
+            if self.codec.value_dtype == "float16":  # sent and summed as fp16
+                values = values.astype(np.float16)
             reduced = hvd.allreduce(tf.constant(values), op=op, name=tag, prescale_factor=self.prescale,
                                     postscale_factor=self.postscale, process_set=self.process_set).numpy()
             self.codec.scatter_accumulate(np.ascontiguousarray(reduced, np.float32), total, step=step,

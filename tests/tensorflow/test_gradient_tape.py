@@ -100,6 +100,9 @@ def test_sum_predivide_groups_and_fp16(hvd_tf):
     run_and_compare(hvd, "topk", "eager", groups=1)
     # fp16 variables: encoded from the exact fp32 upcast, received as fp16.
     run_and_compare(hvd, "qsgd8", "function", dtype="float16")
+    # RandomK's fp16 values travel as fp16: 2 bytes for each of k = 960 + 600 values, 4 for the 300 biases
+    compressor = run_and_compare(hvd, "randomk-fp16", "function")
+    assert compressor.compression_stats()["bytes_sent"] == 3 * (2 * (960 + 600) + 4 * 300)
 
 
 @pytest.mark.ranks(2, timeout=180)

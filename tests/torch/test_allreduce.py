@@ -67,6 +67,23 @@ def test_random_k_sums_the_same_coordinates(hvd_torch):
     assert stats["bytes_sent"] == 500 * 4 and stats["bytes_uncompressed"] == 200000
 
 
+@pytest.mark.ranks(2)
+def test_random_k_fp16_values_travel_as_fp16(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import RandomK
+    hvd = hvd_torch
+    compressor = RandomK(ratio=0.01, value_dtype="float16")
+    # multiples of 1/4 below 512: exact in fp16, and so are the two ranks' sums
+    x = (torch.arange(50000) % 500).float() / 4 * (hvd.rank() + 1)
+    out = hvd.allreduce(x, name="rk16", op=hvd.Sum, compression=compressor)
+    assert out.dtype == torch.float32
+    picked = out.nonzero().reshape(-1)
+    assert 490 <= picked.numel() <= 500  # coordinates that are multiples of 500 are zero
+    assert torch.equal(out[picked], (picked % 500).float() / 4 * 3)
+    stats = compressor.compression_stats()
+    assert stats["bytes_sent"] == 500 * 2 and stats["bytes_uncompressed"] == 200000
+
+
 @pytest.mark.ranks(3)
 def test_process_set_excludes_the_third_rank():
     import horovod.torch as hvd
