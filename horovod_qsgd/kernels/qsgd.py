@@ -44,7 +44,7 @@ from ._dual import core, cpu_launcher, cuda_kernel, fmul32, fmul64
 from .half import bits_to_f32, f16_to_f32, f32_to_f16_up
 from .rng import field_uniform, paired_fields, paired_uniform
 
-__all__ = ["bucket_scale", "store_scale", "rounded_level_f32", "rounded_level", "rounded_code", "signed_level",
+__all__ = ["bucket_scale", "store_scale", "rounded_level_f32", "rounded_code", "signed_level",
            "level_code", "bucket_codes", "pack_group", "pack_span", "decode_span",
            "encode_fixed_cpu", "decode_fixed_cpu", "scales_from_f16_cpu",
            "scale_kernel", "code_kernel", "pack_kernel", "decode_kernel", "f16_scale_kernel"]
@@ -128,12 +128,6 @@ def rounded_level_f32(xi, scale, s32, stochastic, u):
 
 
 @core(inline=True)
-def rounded_level(xi, scale, s, s32, stochastic, u):
-    """Signed QSGD level of xi (int) for a scale with ``scale_ok(scale)``; ``u`` is its uniform."""
-    return int(rounded_level_f32(xi, scale, s32, stochastic, u))
-
-
-@core(inline=True)
 def rounded_code(xi, scale, s32, u):
     """Offset code ``level + s`` of xi, stochastically rounded with the uniform ``u``."""
     return np.uint8(np.int32(s32 + rounded_level_f32(xi, scale, s32, True, u)))
@@ -142,7 +136,7 @@ def rounded_code(xi, scale, s32, u):
 @core(inline=True)
 def signed_level(xi, scale, s, s32, stochastic, base, i):
     """Signed QSGD level of x[i] = xi for a scale with ``scale_ok(scale)``."""
-    return rounded_level(xi, scale, s, s32, stochastic, paired_uniform(base, i) if stochastic else _ZERO32)
+    return int(rounded_level_f32(xi, scale, s32, stochastic, paired_uniform(base, i) if stochastic else _ZERO32))
 
 
 @core(inline=True)

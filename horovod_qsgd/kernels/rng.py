@@ -8,8 +8,8 @@ as a float32 in [0, 1) (an exact multiple of 2**-24).
 
 QSGD's rounding, one uniform per coordinate, uses a *paired* stream: word
 ``p`` serves elements ``2p`` (bits 40..63) and ``2p + 1`` (bits 8..31), two
-disjoint 24-bit fields of one splitmix64 output (:func:`pair_uniforms`,
-:func:`paired_uniform`; :func:`paired_fields` draws a run of them in one
+disjoint 24-bit fields of one splitmix64 output (:func:`paired_uniform`
+for one element; :func:`paired_fields` draws a run of them in one
 vectorised loop).  It halves the hashing, the largest part of QSGD
 encoding after the levels themselves.
 
@@ -22,8 +22,7 @@ import numpy as np
 
 from ._dual import core
 
-__all__ = ["stream_base", "mix64", "uniform", "random_u32", "pair_uniforms", "paired_uniform",
-           "paired_fields", "field_uniform",
+__all__ = ["stream_base", "mix64", "uniform", "random_u32", "paired_uniform", "paired_fields", "field_uniform",
            "mix64_py", "uniform_py", "paired_uniform_py",
            "PURPOSE_ROUNDING", "PURPOSE_SAMPLE", "PURPOSE_RANDOMK"]
 
@@ -110,16 +109,8 @@ def uniform(base, i):
 
 
 @core(inline=True)
-def pair_uniforms(base, p):
-    """float32 uniforms of elements ``2p`` and ``2p + 1`` of the paired stream."""
-    h = mix64(base + (np.uint64(p) + _ONE) * _GOLDEN)
-    # through int64: the fields fit, and a signed conversion is one instruction
-    return np.float32(np.int64(h >> _S40)) * _INV24, np.float32(np.int64((h >> _S8) & _LOW24)) * _INV24
-
-
-@core(inline=True)
 def paired_uniform(base, i):
-    """Element ``i`` (int) of the paired stream: the value :func:`pair_uniforms` gives for it."""
+    """float32 uniform of element ``i`` (int) of the paired stream."""
     h = mix64(base + (np.uint64(i >> 1) + _ONE) * _GOLDEN)
     if i & 1:
         return np.float32((h >> _S8) & _LOW24) * _INV24
@@ -130,12 +121,12 @@ def paired_uniform(base, i):
 def paired_fields(base, p0, dst):
     """dst[j] = the 24-bit integer behind element ``2*p0 + j`` of the paired stream (j < dst.size, even).
 
-    :func:`field_uniform` turns it into the uniform :func:`pair_uniforms`
+    :func:`field_uniform` turns it into the uniform :func:`paired_uniform`
     gives.  A separate loop over words, stepping the counter by addition,
     vectorises (one multiply less per word), and lets the caller's loop over
     coordinates run without the pairs' interleaving: QSGD-4 encoding of 1M
-    values on one thread took 0.55 ms with pair_uniforms inside the loop,
-    0.47 ms this way.
+    values on one thread took 0.55 ms with one hash per pair inside the
+    coordinate loop, 0.47 ms this way.
     """
     z = base + (np.uint64(p0) + _ONE) * _GOLDEN
     for t in range(dst.size // 2):
