@@ -9,7 +9,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def test_cuda_paths_in_simulator_match_cpu_and_vectors():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "cudasim_check.py")], env=env,
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "cuda_check.py")], env=env,
                           capture_output=True, text=True, timeout=1100)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,10 +1,16 @@
-"""Run the CUDA code paths in numba's CUDA simulator and compare with the CPU.
+"""Run the CUDA code paths and compare them with the CPU, byte for byte.
 
-Started by test_kernel_cudasim.py in a subprocess with NUMBA_ENABLE_CUDASIM=1
-(the variable must be set before numba is imported).  Exits 0 when every
-CUDA payload, residual and decoded output is bit-identical to the CPU path
-and to the checked-in test vectors; prints the mismatches and exits 1
-otherwise.
+In CI, test_kernel_cudasim.py starts it in a subprocess with
+NUMBA_ENABLE_CUDASIM=1 (set before numba is imported): numba's CUDA
+simulator runs the kernels as Python, so only the small cases are run.  On a
+machine with a CUDA GPU, run it directly (``python tests/kernels/cuda_check.py``):
+the real kernels then also take tensors of a million elements and more,
+which cover multi-block launches, the sampled exact top-k path and the
+refinements of the approximate selectors at scale.
+
+Exits 0 when every CUDA payload, residual and decoded output is
+bit-identical to the CPU path and to the checked-in test vectors; prints the
+mismatches and exits 1 otherwise.
 """
 
 import os
@@ -14,13 +20,13 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 warnings.simplefilter("ignore", RuntimeWarning)  # uint64 wraparound in the simulated hash
 
 from numba import cuda  # noqa: E402
 
 from horovod_qsgd import kernels as K  # noqa: E402
-from horovod_qsgd.codecs import TopKCodec  # noqa: E402
+from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
 from horovod_qsgd.testdata import load_vectors, make_codec  # noqa: E402
 
 failures = []
@@ -85,11 +91,35 @@ def main():
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
     total = len(cases) + 5
+    if not SIMULATED:
+        total += run_large_cases(rng)
     if failures:
         print(f"{len(failures)} mismatches")
         return 1
-    print(f"OK: {total} CUDA-simulator checks bit-identical to the CPU path and the test vectors")
+    where = "CUDA-simulator" if SIMULATED else f"CUDA ({cuda.get_current_device().name})"
+    print(f"OK: {total} {where} checks bit-identical to the CPU path and the test vectors")
     return 0
+
+
+def run_large_cases(rng, n=1_000_003):
+    """Sizes the simulator cannot afford (real GPU only); returns the number of cases."""
+    # n: not a multiple of a bucket, of 8 or of a CUDA block
+    x = rng.standard_normal(n).astype(np.float32)
+    r = rng.standard_normal(n).astype(np.float32) * np.float32(0.1)
+    codecs = [
+        ("qsgd4_max_1M", QSGDCodec(bits=4), None),
+        ("qsgd2_l2_1M", QSGDCodec(bits=2, norm="l2", bucket_size=4096), None),
+        ("qsgd8_fp16_scale_1M", QSGDCodec(bits=8, scale_dtype="float16"), None),
+        ("qsgd3_deterministic_1M", QSGDCodec(bits=3, rounding="deterministic"), None),
+        ("qsgd2_elias_l2_1M", QSGDCodec(bits=2, norm="l2", bucket_size=8192, encoding="elias"), None),
+        ("topk_exact_ef_1M", TopKCodec(ratio=0.001), r),
+        ("topk_gaussian_ef_1M", TopKCodec(ratio=0.001, selector="gaussian"), r),
+        ("topk_sample_fp16_1M", TopKCodec(ratio=0.01, selector="sample", value_dtype="float16"), r),
+        ("randomk_ef_1M", RandomKCodec(ratio=0.01, error_feedback=True), r),
+    ]
+    for name, codec, residual in codecs:
+        run_case(name, codec, x, 11, 12, residual)
+    return len(codecs)
 
 
 if __name__ == "__main__":
