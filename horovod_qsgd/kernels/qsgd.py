@@ -6,14 +6,24 @@ rounded up).  Each coordinate gets a signed level ``l`` in ``[-s, s]`` with
 ``s = 2**(bits-1) - 1``::
 
     r = |x_i| / scale * s            (float32, with the *stored* scale)
-    l = floor(r) + [u_i < r - floor(r)]    stochastic (unbiased), u_i from rng
+    l = floor(r + (1 - 2**-24 - u_i))      stochastic (unbiased), u_i from rng
     l = floor(r) + [r - floor(r) >= 1/2]   deterministic (biased)
     l = min(l, s) * sign(x_i)
 
 ``u_i`` is element ``i`` of the paired stream (:mod:`.rng`: one hash
-serves two coordinates), a multiple of 2**-24, so a fractional part below
-2**-24 rounds up with probability 2**-24 instead of exactly its value (a
-bias below 2**-24 of one level).  The code of a coordinate is the offset level ``l + s`` in
+serves two coordinates), a multiple of 2**-24.  In exact arithmetic the
+stochastic rule rounds the fractional part ``f = r - floor(r)`` up with
+probability ``floor(2**24 f) / 2**24``: ``f`` itself when it is a multiple of
+2**-24 (always for r >= 1/2), otherwise a bias below 2**-24 of one level.
+The float32 sum adds one more: a sum within half a unit in the last place
+below an integer is rounded onto it, so a coordinate rounds up with an extra
+probability below ``ulp(s)/2`` (2**-22 of one level for 4 bits, 2**-18 for
+8 bits).  The sum is what makes the rule cheap, an addition and a truncation
+instead of a floor, a subtraction and a compare: QSGD-4 encoding of 1M
+values on one thread took 0.54 ms with ``u_i < f``, 0.49 ms this way, and of
+4M Gaussian values' codes at 2, 3 and 4 bits none differed, at 8 bits 4 did.
+
+The code of a coordinate is the offset level ``l + s`` in
 ``bits`` bits (``0 .. 2s``; 2 bits is ternary {0, 1, 2}).  Codes are packed
 LSB-first at exactly ``bits`` bits each, so a group of 8 coordinates is
 exactly ``bits`` bytes (one thread per group, no races); the last partial
@@ -44,8 +54,8 @@ from ._dual import core, cpu_launcher, cuda_kernel, fmul32, fmul64
 from .half import bits_to_f32, f16_to_f32, f32_to_f16_up
 from .rng import field_uniform, paired_fields, paired_uniform
 
-__all__ = ["bucket_scale", "store_scale", "rounded_level_f32", "rounded_code", "signed_level",
-           "level_code", "bucket_codes", "pack_group", "pack_span", "decode_span",
+__all__ = ["bucket_scale", "store_scale", "scaled_magnitude", "stochastic_floor", "rounded_level_f32",
+           "rounded_code", "signed_level", "level_code", "bucket_codes", "pack_group", "pack_span", "decode_span",
            "encode_fixed_cpu", "decode_fixed_cpu", "scales_from_f16_cpu",
            "scale_kernel", "code_kernel", "pack_kernel", "decode_kernel", "f16_scale_kernel"]
 
@@ -54,6 +64,7 @@ _DBL_MAX = np.float64(np.finfo(np.float64).max)
 _ZERO32 = np.float32(0.0)
 _HALF32 = np.float32(0.5)
 _ONE32 = np.float32(1.0)
+_TOP24 = np.float32(1.0 - 2.0 ** -24)  # the largest uniform: 1 - u is then a uniform too
 _ZERO64 = np.float64(0.0)
 _NAN32 = np.float32(np.nan)
 _FF = np.uint64(0xFF)
@@ -111,25 +122,38 @@ def scale_ok(scale):
 
 
 @core(inline=True)
-def rounded_level_f32(xi, scale, s32, stochastic, u):
-    """Signed QSGD level of xi, as an exact float32 integer, for a scale with ``scale_ok(scale)``.
+def scaled_magnitude(xi, scale, s32):
+    """r = |xi| / scale * s in float32."""
+    # fmul32: NVVM would fuse this product into the addition that follows (an
+    # FMA skips rounding r), and the GPU's codes would differ from the CPU's
+    return fmul32(abs(xi) / scale, s32)
 
-    Kept in float32 lanes throughout: integer levels made numba widen the
-    lanes to int64, and the encode loop ran 30% slower.
-    """
-    # fmul32: NVVM would fuse this product into the subtraction below (an FMA
-    # skips rounding r), and the GPU's codes would differ from the CPU's
-    r = fmul32(abs(xi) / scale, s32)
-    floor_r = np.float32(np.int32(r))  # r >= 0: truncation is floor (and vectorises, floorf does not)
-    frac = r - floor_r
-    up = u < frac if stochastic else frac >= _HALF32
-    lvl = min(floor_r + (_ONE32 if up else _ZERO32), s32)
+
+@core(inline=True)
+def stochastic_floor(r, u):
+    """floor(r + (1 - 2**-24 - u)) for r >= 0 (truncation is floor there, and vectorises)."""
+    return np.int32(r + (_TOP24 - u))
+
+
+@core(inline=True)
+def rounded_level_f32(xi, scale, s32, stochastic, u):
+    """Signed QSGD level of xi, as an exact float32 integer, for a scale with ``scale_ok(scale)``."""
+    r = scaled_magnitude(xi, scale, s32)
+    if stochastic:
+        lvl = min(np.float32(stochastic_floor(r, u)), s32)
+    else:
+        floor_r = np.float32(np.int32(r))
+        lvl = min(floor_r + (_ONE32 if r - floor_r >= _HALF32 else _ZERO32), s32)
     return -lvl if xi < _ZERO32 else lvl
 
 
 @core(inline=True)
 def rounded_code(xi, scale, s32, u):
-    """Offset code ``level + s`` of xi, stochastically rounded with the uniform ``u``."""
+    """Offset code ``level + s`` of xi, stochastically rounded with the uniform ``u``.
+
+    The sign is applied in float32 lanes: integer arithmetic there made
+    numba widen the lanes to int64, and the encode loop ran 30% slower.
+    """
     return np.uint8(np.int32(s32 + rounded_level_f32(xi, scale, s32, True, u)))
 
 

@@ -129,6 +129,36 @@ def test_stochastic_rounding_is_unbiased():
     assert np.all(np.abs(acc / T - x) <= bound)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_stochastic_rule_is_the_float32_sum_of_the_docstring(bits):
+    """Level of r = |x| / scale * s for uniforms u on the 2**-24 grid (kernels/qsgd.py's docstring).
+
+    The level is floor of the float32-rounded sum r + (1 - 2**-24 - u): it
+    rounds up when u < f - ulp/2 and down when u >= f + ulp/2 (f = r - floor(r),
+    ulp at s), and never leaves [-s, s].
+    """
+    from horovod_qsgd.kernels.qsgd import rounded_level_f32
+
+    g = 2.0 ** -24
+    s = 2 ** (bits - 1) - 1
+    s32 = np.float32(s)
+    scale = np.float32(s)  # then r == |x| exactly
+    half_ulp = math.ulp(float(s)) * 2.0 ** 29 / 2  # float32 ulp of s, halved
+    rng = np.random.default_rng(bits)
+    r = np.concatenate([rng.integers(0, 2 ** 24, 3000) * g * s, [0.0, s, 2.5 * g, 0.5, 1.0]])
+    r = r.astype(np.float32).astype(np.float64)  # float32 values; float64 sums of them and u are exact
+    for ri in r:
+        f = ri - math.floor(ri)
+        for u in {0.0, 1 - g, *(min(max(f + k * g, 0.0), 1 - g) for k in range(-3, 4)), rng.integers(0, 2 ** 24) * g}:
+            want = min(math.floor(np.float32(ri + (1 - g - u))), s)  # exact sum in float64, rounded once
+            got = rounded_level_f32(np.float32(ri), scale, s32, True, np.float32(u))
+            assert got == want and rounded_level_f32(np.float32(-ri), scale, s32, True, np.float32(u)) == -want
+            if u < f - half_ulp:
+                assert got == math.floor(ri) + 1
+            elif u >= f + half_ulp:
+                assert got == math.floor(ri)
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_variance_within_paper_bound_l2(bits):
     """E||Q(v) - v||^2 <= min(d/s^2, sqrt(d)/s) ||v||^2 per bucket (Lemma 3.1)."""
