@@ -13,7 +13,9 @@ torch doing the same work (``acc = x + r``, topk of ``acc.abs()``,
 ``r = acc`` with the sent entries zeroed).  The residual carries over
 between repetitions, as in training on a constant gradient, so the
 Gaussian threshold needs all three refinements there.  JIT warm-up runs
-first; times are medians of ``--reps`` repetitions (minimum in brackets).
+first; times are medians of max(``--reps``, 2e8 / n) repetitions (200 at
+1M, 8 at 25M; minimum in brackets): on this VM the time of a
+sub-millisecond call wanders by tens of percent from call to call.
 """
 
 import argparse
@@ -109,7 +111,7 @@ def main():
           f"torch {torch.__version__ if torch else '-'} threads={torch.get_num_threads() if torch else '-'}; "
           f"cpus={os.cpu_count()}")
     for n in (int(s) for s in args.sizes.split(",")):
-        bench_size(n, args.reps, torch)
+        bench_size(n, max(args.reps, 200_000_000 // n), torch)
 
 
 if __name__ == "__main__":
