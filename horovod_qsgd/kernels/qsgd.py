@@ -132,6 +132,8 @@ def scaled_magnitude(xi, scale, s32):
 @core(inline=True)
 def stochastic_floor(r, u):
     """floor(r + (1 - 2**-24 - u)) for r >= 0 (truncation is floor there, and vectorises)."""
+    # u = field * 2**-24 is exact, so NVVM fusing that product into this
+    # subtraction (an FMA) gives the same bits as the CPU
     return np.int32(r + (_TOP24 - u))
 
 
