@@ -69,6 +69,9 @@ def run_case(name, codec, x, step, key, residual, want_payload=None, want_residu
 
 
 def main():
+    if not SIMULATED and not cuda.is_available():
+        print("no CUDA GPU here: run on a machine with one, or with NUMBA_ENABLE_CUDASIM=1 for the simulator")
+        return 2
     cases = load_vectors()
     for c in cases:
         run_case(c["name"], make_codec(c["codec"], c["config"]), c["x"], c["step"], c["key"], c["residual"],
