@@ -34,7 +34,7 @@ def run_one(framework, name, rate, args, out_dir):
                str(args.num_iters), "--num-batches-per-iter", str(args.num_batches_per_iter),
                "--json-out", result_path, *benchmark_flags(name)]
         # One framework thread per rank, as the README advises for ranks sharing a machine: TensorFlow's
-        # default pools (a thread per core each) held up the host ops (Top-k 0.1% at 1 Gbit/s: 5.38x -> 6.03x).
+        # default pools (a thread per core each) held up the host ops (Top-k 0.1% at 1 Gbit/s: 5.38x -> 6.82x).
         netlab.run_horovod_job(job, rate, shaped=args.namespaces, timeout=args.timeout,
                                env=dict(os.environ, OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
                                         TF_NUM_INTEROP_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3"),
