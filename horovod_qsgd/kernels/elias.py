@@ -66,7 +66,7 @@ def bucket_nbits(xb, i0, scale, s, stochastic, base):
     nbits = 0
     prev = -1
     for j in range(xb.size):
-        lvl = signed_level(xb[j], scale, s, s32, stochastic, base, i0 + j)
+        lvl = signed_level(xb[j], scale, s32, stochastic, base, i0 + j)
         if lvl != 0:
             nbits += 2 * ilog2(j - prev) + 2 * ilog2(abs(lvl)) + 3
             prev = j
@@ -104,7 +104,7 @@ def bucket_write(xb, i0, scale, s, stochastic, base, dst):
     pos = 0
     prev = -1
     for j in range(xb.size):
-        lvl = signed_level(xb[j], scale, s, s32, stochastic, base, i0 + j)
+        lvl = signed_level(xb[j], scale, s32, stochastic, base, i0 + j)
         if lvl != 0:
             acc, nacc, pos = bw_gamma(dst, acc, nacc, pos, j - prev)
             acc, nacc, pos = bw_put(dst, acc, nacc, pos, 1 if lvl < 0 else 0, 1)

@@ -160,7 +160,7 @@ def rounded_code(xi, scale, s32, u):
 
 
 @core(inline=True)
-def signed_level(xi, scale, s, s32, stochastic, base, i):
+def signed_level(xi, scale, s32, stochastic, base, i):
     """Signed QSGD level of x[i] = xi for a scale with ``scale_ok(scale)``."""
     return int(rounded_level_f32(xi, scale, s32, stochastic, paired_uniform(base, i) if stochastic else _ZERO32))
 
@@ -169,7 +169,7 @@ def signed_level(xi, scale, s, s32, stochastic, base, i):
 def level_code(x, i, scale, s, s32, stochastic, base):
     """Offset code ``level + s`` (0 .. 2s) of x[i]; ``s`` when the scale is unusable."""
     if scale_ok(scale):
-        return signed_level(x[i], scale, s, s32, stochastic, base, i) + s
+        return signed_level(x[i], scale, s32, stochastic, base, i) + s
     return s
 
 
@@ -195,10 +195,10 @@ def bucket_codes(xb, i0, scale, s, stochastic, base, dst, fields):
         for j in range(even):
             dst[j] = rounded_code(xb[j], scale, s32, field_uniform(u[j]))
         if m % 2:
-            dst[m - 1] = np.uint8(signed_level(xb[m - 1], scale, s, s32, True, base, i0 + m - 1) + s)
+            dst[m - 1] = np.uint8(signed_level(xb[m - 1], scale, s32, True, base, i0 + m - 1) + s)
     else:
         for j in range(m):
-            dst[j] = np.uint8(signed_level(xb[j], scale, s, s32, stochastic, base, i0 + j) + s)
+            dst[j] = np.uint8(signed_level(xb[j], scale, s32, stochastic, base, i0 + j) + s)
 
 
 @core
