@@ -1,28 +1,43 @@
-"""Reading the concatenation of all ranks' payloads that an allgather returns."""
-from horovod_qsgd.codecs import HEADER_NBYTES, PayloadError, parse_header
+"""Reading what the collectives return: payloads walked and checked, decoded, scaled."""
+from horovod_qsgd.codecs import HEADER_NBYTES, PayloadError, pack_header, parse_header
 from horovod_qsgd.common.errors import CompressionMismatchError
 
+# Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
+# place of its payload, so that every rank waiting for it raises too instead of hanging.
+REFUSAL_CODEC_ID = 0
 
-def payload_spans(read_bytes, total_nbytes, num_ranks, codec, numel, tensor_name):
-    """Returns [(start, end)] of each rank's payload, in rank order.
 
-    ``read_bytes(start, length)`` returns host bytes of the gathered buffer (a
-    device buffer is read header by header). Every header is checked against
-    what this rank sent, so a rank with another codec, setting or tensor shape
-    raises here on every rank instead of decoding garbage.
+def refusal_notice():
+    """The 16 bytes a rank sends instead of a payload it cannot produce (see ``check_payloads``)."""
+    return pack_header(REFUSAL_CODEC_ID, 0, 0, HEADER_NBYTES)
+
+
+def check_payloads(read_bytes, total_nbytes, senders, numels, codec, tensor_name, what="payload"):
+    """[(start, end)] of the payloads concatenated in a received buffer, one per sender, in order.
+
+    ``read_bytes(start, length)`` returns host bytes of the buffer (a device
+    buffer is read header by header). Every header is checked against this
+    rank's codec and the element count ``numels[i]`` expected from
+    ``senders[i]``, so a rank with another codec, setting or tensor shape
+    raises here, on every rank, instead of decoding garbage.
     """
     spans, offset = [], 0
-    for rank in range(num_ranks):
+    for sender, numel in zip(senders, numels):
         if offset + HEADER_NBYTES > total_nbytes:
             raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: the gathered payloads end after {offset} bytes, "
-                f"before rank {rank}'s payload; a rank sent a truncated or foreign payload.")
+                f"horovod_qsgd: tensor {tensor_name!r}: the received {what}s end after {offset} bytes, "
+                f"before rank {sender}'s; a rank sent a truncated or foreign payload.")
         try:
             header = parse_header(read_bytes(offset, HEADER_NBYTES))
         except PayloadError as exc:
             raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: rank {rank} sent no horovod_qsgd payload ({exc}). "
+                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} sent no horovod_qsgd {what} ({exc}). "
                 "Every rank must use the same compression for this tensor.") from exc
+        if header.codec_id == REFUSAL_CODEC_ID:
+            raise CompressionMismatchError(
+                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} found a mismatch in what it received "
+                "and sent no result; its error names the rank and the difference. Every rank must use the "
+                "same model and compressor settings.")
         problems = []
         if header.codec_id != codec.codec_id:
             problems.append(f"codec id {header.codec_id} (here {codec.codec_id})")
@@ -32,15 +47,30 @@ def payload_spans(read_bytes, total_nbytes, num_ranks, codec, numel, tensor_name
             problems.append(f"{header.numel} elements (here {numel}): the tensor's shape differs")
         if problems:
             raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: rank {rank}'s payload does not match this rank's: "
+                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} does not match this rank's: "
                 + "; ".join(problems) + ". Every rank must use the same model and compressor settings.")
+        if offset + header.nbytes > total_nbytes:
+            raise CompressionMismatchError(
+                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
+                f"only {total_nbytes - offset} arrived.")
         spans.append((offset, offset + header.nbytes))
         offset += header.nbytes
     if offset != total_nbytes:
         raise CompressionMismatchError(
             f"horovod_qsgd: tensor {tensor_name!r}: {total_nbytes - offset} unexpected bytes after "
-            f"{num_ranks} payloads; the process set's size differs from what this rank expects.")
+            f"{len(senders)} {what}s; the process set's size differs from what this rank expects.")
     return spans
+
+
+def payload_spans(read_bytes, total_nbytes, num_ranks, codec, numel, tensor_name):
+    """[(start, end)] of each rank's payload in an allgather's result, in rank order (see check_payloads)."""
+    return check_payloads(read_bytes, total_nbytes, range(num_ranks), [numel] * num_ranks, codec, tensor_name)
+
+
+def decode_sum(codec, gathered, read_bytes, num_ranks, numel, tensor_name, total):
+    """Adds every rank's payload in an allgather's result, checked and decoded in rank order, to ``total``."""
+    for begin, end in payload_spans(read_bytes, gathered.size, num_ranks, codec, numel, tensor_name):
+        codec.decode_accumulate(gathered[begin:end], total)
 
 
 def reduction_scale(placeholder_value, num_ranks):

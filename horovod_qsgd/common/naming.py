@@ -2,6 +2,7 @@
 import zlib
 
 PAYLOAD_PREFIX = "horovod_qsgd.payload."
+SECOND_STAGE_PREFIX = "horovod_qsgd.sum."
 HANDSHAKE_NAME = "horovod_qsgd.handshake"
 
 

@@ -6,11 +6,18 @@ class CompressionStats:
     """Counters since the last reset. Thread-safe: torch hooks and TF ops call from several threads."""
 
     FIELDS = ("tensors_compressed", "tensors_passed_through", "bytes_uncompressed", "bytes_sent",
-              "encode_seconds", "wait_seconds", "decode_seconds")
+              "encode_seconds", "wait_seconds", "decode_seconds",
+              "tensors_two_stage", "bytes_sent_first_stage", "bytes_sent_second_stage")
 
     def __init__(self):
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(self.FIELDS, 0)
+        self._exchanges = {}
+
+    def note_exchange(self, tensor_name, exchange):
+        """Records which exchange a compressed tensor used ("allgather" or "two_stage")."""
+        with self._lock:
+            self._exchanges[tensor_name] = exchange
 
     def add(self, **increments):
         with self._lock:
@@ -30,9 +37,16 @@ class CompressionStats:
         link the small placeholder allreduce finishes long before the
         payload allgather; TensorFlow's graph waits before decoding starts,
         so it stays 0 there).
+
+        Two-stage exchange: ``tensors_two_stage`` tensors went that way;
+        ``bytes_sent_first_stage`` are the slices this rank sent to their
+        owners, ``bytes_sent_second_stage`` its re-encoded sums (both are in
+        ``bytes_sent`` too). ``exchanges`` maps each compressed tensor's name
+        to the exchange it used last.
         """
         with self._lock:
             stats = dict(self._counts)
+            stats["exchanges"] = dict(self._exchanges)
             if reset:
                 self._counts = dict.fromkeys(self.FIELDS, 0)
         sent = stats["bytes_sent"]

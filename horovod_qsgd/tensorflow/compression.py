@@ -41,11 +41,12 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec
 from horovod_qsgd.common.errors import CompressionMismatchError, UnsupportedCollectiveError
-from horovod_qsgd.common.exchange import payload_spans, reduction_scale
+from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_notice
 from horovod_qsgd.common.handshake import check_settings, settings_record
-from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, rank_key, tensor_key
+from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import share_cores
+from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, qsgd_codecs
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
 
@@ -92,11 +93,14 @@ class _Step:
 
 class _Context:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
-    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step")
+    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "stage", "flat", "process_set")
 
-    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None):
+    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, stage=None, flat=None,
+                 process_set=None):
         self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
         self.gathered, self.step = gathered, step
+        # two-stage exchange: gathered holds the first stage's received slices until decompress
+        self.stage, self.flat, self.process_set = stage, flat, process_set
 
 
 class _CompressorBase(tf.Module):
@@ -320,6 +324,7 @@ class _Runtime:
         self.variable_of_name = {}
         self.keep_alive = []
         self.pass_through_counters = []
+        self.refusals = {}  # tensor name -> the mismatch this rank found in a first stage, raised when decoding
 
 
 class _PassThroughCounter:
@@ -399,8 +404,22 @@ def values_gatherer(codec, key, on_gathered=None):
     return gather
 
 
+def _reader(buffer):
+    return lambda offset, length: buffer[offset:offset + length].tobytes()
+
+
 class PayloadCompressor(_CompressorBase):
-    """Sends each gradient as an allgathered payload; base of :class:`QSGD` and :class:`TopK`."""
+    """Sends each gradient as compressed payloads; base of :class:`QSGD` and :class:`TopK`.
+
+    ``second_codec`` (None: allgather only) encodes the owners' sums of the
+    two-stage exchange (:mod:`horovod_qsgd.common.two_stage`).
+    """
+
+    def __init__(self, codec, min_numel, exchange="allgather", second_codec=None):
+        # set first: the base class records settings(), which include them
+        self.exchange = exchange
+        self.second_codec = second_codec
+        super().__init__(codec, min_numel)
 
     @_adapter_method
     def compress(self, tensor):
@@ -408,47 +427,99 @@ class PayloadCompressor(_CompressorBase):
         if step is None:
             return self._pass_through(tensor)
         stats = self._runtime.stats
-        key = rank_key(step.name, step.site.process_set.rank() if step.site.process_set.included() else 0)
+        process_set = step.site.process_set
+        rank = process_set.rank() if process_set.included() else 0
+        num_ranks = process_set.size()
         placeholder_dtype = tensor.dtype if tensor.dtype in _PLACEHOLDER_DTYPES else tf.float32
         uncompressed, placeholder_nbytes = step.numel * tensor.dtype.size, placeholder_dtype.size
+        exchange = "allgather" if self.second_codec is None else choose_exchange(
+            self.exchange, self.codec, self.second_codec, step.numel, num_ranks)
+        stats.note_exchange(step.name, exchange)
+        placeholder = tf.ones([1], dtype=placeholder_dtype)
+        if exchange == "two_stage" and num_ranks > 1:
+            stage = TwoStage(self.codec, self.second_codec, step.name, step.numel, num_ranks, rank)
+
+            def encode_for_owners(x, step_value):
+                start = time.perf_counter()
+                out = np.zeros(stage.send_capacity(), dtype=np.uint8)
+                splits = stage.encode_for_owners(x, out, int(step_value))
+                used = sum(splits)
+                stats.add(tensors_compressed=1, tensors_two_stage=1, encode_seconds=time.perf_counter() - start,
+                          bytes_uncompressed=uncompressed, bytes_sent=used + placeholder_nbytes,
+                          bytes_sent_first_stage=used)
+                return out[:used], np.asarray(splits, dtype=np.int32)
+
+            slices, splits = tf.numpy_function(encode_for_owners, [step.flat, step.value], [tf.uint8, tf.int32],
+                                               stateful=False, name="horovod_qsgd_encode_slices")
+            slices.set_shape([None])
+            splits.set_shape([num_ranks])
+            step.variable.assign_add(1)
+            received, _ = hvd.alltoall(slices, splits=splits, name=_op_name(PAYLOAD_PREFIX + step.name),
+                                       process_set=process_set)
+            return placeholder, _Context(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
+                                         step=step.value, stage=stage, flat=step.flat, process_set=process_set)
 
         def on_encoded(nbytes, seconds):
             stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
                       bytes_sent=nbytes + placeholder_nbytes)
 
-        encode = payload_encoder(self.codec, key, step.numel, on_encoded)
+        encode = payload_encoder(self.codec, rank_key(step.name, rank), step.numel, on_encoded)
         payload = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
-        gathered = hvd.allgather(payload, name=_op_name(PAYLOAD_PREFIX + step.name),
-                                 process_set=step.site.process_set)
-        placeholder = tf.ones([1], dtype=placeholder_dtype)
-        return placeholder, _Context(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
-                                     gathered=gathered)
+        gathered = hvd.allgather(payload, name=_op_name(PAYLOAD_PREFIX + step.name), process_set=process_set)
+        return placeholder, _Context(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered)
+
+    def _second_stage(self, ctx):
+        """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives)."""
+        stage, stats, refusals = ctx.stage, self._runtime.stats, self._runtime.refusals
+
+        def sum_and_encode(received, flat, step_value):
+            start = time.perf_counter()
+            begin, end = stage.owned
+            total = np.array(flat[begin:end], dtype=np.float32)
+            try:
+                stage.accumulate_received(received, _reader(received), total)
+            except CompressionMismatchError as exc:
+                # Still take part in the allgather, with a refusal: the peers raise instead of waiting.
+                refusals[stage.name] = exc
+                out = np.frombuffer(refusal_notice(), dtype=np.uint8).copy()
+            else:
+                out = np.zeros(stage.owned_capacity(), dtype=np.uint8)
+                out = out[:stage.encode_owned(total, out, int(step_value))]
+            stats.add(bytes_sent=out.size, bytes_sent_second_stage=out.size,
+                      encode_seconds=time.perf_counter() - start)
+            return out
+
+        payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.flat, ctx.step], tf.uint8, stateful=False,
+                                    name="horovod_qsgd_encode_sum")
+        payload.set_shape([None])
+        return hvd.allgather(payload, name=_op_name(SECOND_STAGE_PREFIX + ctx.name), process_set=ctx.process_set)
 
     @_adapter_method
     def decompress(self, tensor, ctx):
         if ctx is _PASS_THROUGH:
             return tensor
-        codec, stats = self.codec, self._runtime.stats
+        codec, stats, refusals = self.codec, self._runtime.stats, self._runtime.refusals
         numel = ctx.shape.num_elements()
-        name, num_ranks = ctx.name, ctx.num_ranks
+        name, num_ranks, stage = ctx.name, ctx.num_ranks, ctx.stage
+        gathered = ctx.gathered if stage is None else self._second_stage(ctx)
 
         def decode(gathered, placeholder):
             start = time.perf_counter()
-
-            def read_bytes(offset, length):
-                return gathered[offset:offset + length].tobytes()
-
-            spans = payload_spans(read_bytes, gathered.size, num_ranks, codec, numel, name)
+            refusal = refusals.pop(name, None)
+            if refusal is not None:
+                raise refusal
             total = np.zeros(numel, dtype=np.float32)
-            for begin, end in spans:
-                codec.decode_accumulate(gathered[begin:end], total)
+            if stage is None:
+                decode_sum(codec, gathered, _reader(gathered), num_ranks, numel, name, total)
+            else:
+                stage.decode_gathered(gathered, _reader(gathered), total)
             scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
             if scale != 1.0:
                 total *= np.float32(scale)
             stats.add(decode_seconds=time.perf_counter() - start)
             return total
 
-        total = tf.numpy_function(decode, [ctx.gathered, tensor], tf.float32, stateful=False,
+        total = tf.numpy_function(decode, [gathered, tensor], tf.float32, stateful=False,
                                   name="horovod_qsgd_decode")
         result = tf.reshape(total, ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
@@ -498,9 +569,13 @@ class QSGD(PayloadCompressor):
     """
 
     def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
-                 rounding="stochastic", min_numel=10000, seed=0):
-        super().__init__(QSGDCodec(bits=bits, bucket_size=bucket_size, norm=norm, encoding=encoding,
-                                   scale_dtype=scale_dtype, rounding=rounding, seed=seed), min_numel)
+                 rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None):
+        codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
+                                              exchange, second_stage_bits)
+        super().__init__(codec, min_numel, exchange, second)
+
+    def settings(self):
+        return dict(super().settings(), exchange=self.exchange, second_stage_bits=self.second_codec.bits)
 
 
 class TopK(PayloadCompressor):

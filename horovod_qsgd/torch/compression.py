@@ -32,10 +32,11 @@ import torch
 
 from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import payload_spans, reduction_scale
-from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, rank_key, tensor_key
+from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_notice
+from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.torch.call_site import check_site, find_call_site
+from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, qsgd_codecs
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 STATE_FORMAT = 1
@@ -189,7 +190,7 @@ class _CompressorBase:
         state = self._state(site.name, flat.numel(), tensor.device, self.uses_residual)
         sent, handle, nbytes = self._encode(tensor, flat, site, state)
         out = flat if site.result_replaces_input and flat.data_ptr() == tensor.data_ptr() else None
-        ctx = _Pending(handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out)
+        ctx = self._make_context(handle, site, tensor, state, out)
         state.step += 1
         self._stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
                         bytes_uncompressed=tensor.numel() * tensor.element_size(), bytes_sent=nbytes)
@@ -210,6 +211,10 @@ class _CompressorBase:
         """Returns (tensor for the optimizer's allreduce, collective handle or None, bytes sent)."""
         raise NotImplementedError
 
+    def _make_context(self, handle, site, tensor, state, out):
+        """What ``decompress`` gets back from ``compress``."""
+        return _Pending(handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out)
+
     def _receive(self, ctx):
         """Waits for what ``_encode`` started besides the optimizer's allreduce; returns its result."""
         return None
@@ -226,23 +231,55 @@ class _CompressorBase:
     @staticmethod
     def _passed_through(tensor, ctx):
         """The decompressed tensor if ctx marks a pass-through, else None."""
-        if ctx is _PASS_THROUGH:
+        # None: Horovod reduced the tensor without calling compress (a sparse gradient it allgathers)
+        if ctx is _PASS_THROUGH or ctx is None:
             return tensor
         if isinstance(ctx, torch.dtype):
             return tensor.to(ctx)
         return None
 
 
+def _host_reader(buffer):
+    """``read_bytes(offset, length)`` of a (device or host) uint8 tensor, for the header checks."""
+    return lambda offset, length: bytes(buffer[offset:offset + length].cpu().numpy())
+
+
+class _TwoStagePending(_Pending):
+    """A tensor between its first-stage alltoall and the end of its second-stage allgather."""
+    __slots__ = ("stage", "flat", "process_set", "second_handle")
+
+    def __init__(self, handle, name, shape, dtype, num_ranks, step, out, stage, flat, process_set):
+        super().__init__(handle, name, shape, dtype, num_ranks, step, out)
+        self.stage, self.flat, self.process_set = stage, flat, process_set
+        self.second_handle = None
+
+
 class PayloadCompressor(_CompressorBase):
-    """Sends each gradient as an allgathered payload; base of :class:`QSGD` and :class:`TopK`."""
+    """Sends each gradient as compressed payloads; base of :class:`QSGD` and :class:`TopK`.
+
+    ``second_codec`` (None: allgather only) encodes the owners' sums of the
+    two-stage exchange (:mod:`horovod_qsgd.common.two_stage`).
+    """
 
     uses_residual = False
+
+    def __init__(self, codec, min_numel, exchange="allgather", second_codec=None):
+        super().__init__(codec, min_numel)
+        self.exchange = exchange
+        self.second_codec = second_codec
+        self._awaiting_second_stage = []
 
     def _key(self, name, process_set):
         return rank_key(name, process_set.rank())
 
     def _encode(self, tensor, flat, site, state):
-        out = torch.empty(self.codec.max_payload_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device)
+        num_ranks = site.process_set.size()
+        exchange = "allgather" if self.second_codec is None else choose_exchange(
+            self.exchange, self.codec, self.second_codec, flat.numel(), num_ranks)
+        self._stats.note_exchange(site.name, exchange)
+        if exchange == "two_stage" and num_ranks > 1:
+            return self._encode_two_stage(tensor, flat, site, state)
+        out = torch.zeros(self.codec.max_payload_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device)
         nbytes = self.codec.encode(as_array(flat), as_array(out), step=state.step,
                                    key=self._key(site.name, site.process_set),
                                    residual=None if state.residual is None else as_array(state.residual))
@@ -251,20 +288,78 @@ class PayloadCompressor(_CompressorBase):
         placeholder = self._placeholder(tensor)
         return placeholder, handle, nbytes + placeholder.element_size()
 
+    def _encode_two_stage(self, tensor, flat, site, state):
+        stage = TwoStage(self.codec, self.second_codec, site.name, flat.numel(), site.process_set.size(),
+                         site.process_set.rank())
+        out = torch.zeros(stage.send_capacity(), dtype=torch.uint8, device=flat.device)
+        splits = stage.encode_for_owners(as_array(flat), as_array(out), state.step)
+        used = sum(splits)
+        handle = hvd.alltoall_async(out[:used], splits=torch.tensor(splits, dtype=torch.int32),
+                                    name=PAYLOAD_PREFIX + site.name, process_set=site.process_set)
+        placeholder = self._placeholder(tensor)
+        self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used)
+        # flat is kept for the owner's unquantized slice; _make_context turns this into the pending entry
+        return placeholder, (handle, stage, flat), used + placeholder.element_size()
+
+    def _make_context(self, handle, site, tensor, state, out):
+        if not isinstance(handle, tuple):
+            return super()._make_context(handle, site, tensor, state, out)
+        first_handle, stage, flat = handle
+        ctx = _TwoStagePending(first_handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(),
+                               state.step, out, stage, flat, site.process_set)
+        with self._lock:
+            self._awaiting_second_stage.append(ctx)
+        return ctx
+
+    def _start_second_stages(self):
+        """Starts the second stage of every tensor whose first stage is under way, in name order.
+
+        Horovod's optimizer decompresses in hook order, which differs between
+        ranks, and collectives are matched by name: a rank that waited for
+        one tensor's allgather before starting the others' could wait for a
+        peer that waits for it. Starting all of them here, at the first
+        ``decompress`` after the step's ``compress`` calls, before waiting on
+        any, cannot deadlock in any order of calls.
+        """
+        with self._lock:
+            pending = sorted(self._awaiting_second_stage, key=lambda c: (c.process_set.process_set_id, c.name))
+            self._awaiting_second_stage = []
+        refused = None
+        for ctx in pending:
+            received, _ = hvd.synchronize(ctx.handle)
+            begin, end = ctx.stage.owned
+            total = ctx.flat[begin:end].clone()
+            ctx.flat = None
+            try:
+                ctx.stage.accumulate_received(as_array(received), _host_reader(received), as_array(total))
+            except CompressionMismatchError as exc:
+                # Still take part in the allgather, with a refusal: the peers raise instead of waiting.
+                refused = refused or exc
+                out = torch.frombuffer(bytearray(refusal_notice()), dtype=torch.uint8).to(total.device)
+                used = out.numel()
+            else:
+                out = torch.zeros(ctx.stage.owned_capacity(), dtype=torch.uint8, device=total.device)
+                used = ctx.stage.encode_owned(as_array(total), as_array(out), ctx.step)
+            ctx.second_handle = hvd.allgather_async(out[:used], name=SECOND_STAGE_PREFIX + ctx.name,
+                                                    process_set=ctx.process_set)
+            self._stats.add(bytes_sent_second_stage=used, bytes_sent=used)
+        if refused is not None:
+            raise refused
+
     def _receive(self, ctx):
+        if isinstance(ctx, _TwoStagePending):
+            if ctx.second_handle is None:
+                self._start_second_stages()
+            return hvd.synchronize(ctx.second_handle)
         return hvd.synchronize(ctx.handle)
 
     def _decode(self, tensor, ctx, gathered):
-        numel = ctx.shape.numel()
-
-        def read_bytes(offset, length):
-            return bytes(gathered[offset:offset + length].cpu().numpy())
-
-        spans = payload_spans(read_bytes, gathered.numel(), ctx.num_ranks, self.codec, numel, ctx.name)
         total = ctx.zeroed_output(gathered.device)
-        total_view = as_array(total)
-        for begin, end in spans:
-            self.codec.decode_accumulate(as_array(gathered[begin:end]), total_view)
+        if isinstance(ctx, _TwoStagePending):
+            ctx.stage.decode_gathered(as_array(gathered), _host_reader(gathered), as_array(total))
+        else:
+            decode_sum(self.codec, as_array(gathered), _host_reader(gathered), ctx.num_ranks, ctx.shape.numel(),
+                       ctx.name, as_array(total))
         scale = reduction_scale(tensor.reshape(-1)[0].item(), ctx.num_ranks)
         if scale != 1.0:
             total.mul_(scale)
@@ -280,8 +375,25 @@ class QSGD(PayloadCompressor):
     sends, for each coordinate, its sign and a level
     :math:`\ell_i \in \{0..s\}` with :math:`s = 2^{bits-1}-1`, where
     :math:`|v_i|/\|v\| \cdot s` is rounded up with probability equal to its
-    fractional part, so :math:`E[Q(v)] = v`. Every rank decodes every rank's
-    payload and averages (or sums).
+    fractional part, so :math:`E[Q(v)] = v`.
+
+    Exchange. ``"allgather"``: every rank receives every rank's payload and
+    decodes all N of them; it receives :math:`(N-1)P` bytes for a payload of
+    :math:`P`, so it pays off only for a few ranks. ``"two_stage"``: each rank
+    owns 1/N of the buckets; the slices go to their owners (one alltoall),
+    each owner adds its own unquantized slice and the N-1 decoded ones,
+    quantizes the sum again with ``second_stage_bits`` and the re-quantized
+    sums are allgathered: about :math:`(N-1)/N \cdot (P + P_2)` bytes per
+    rank, flat in N like a ring allreduce. ``"auto"`` (default) takes the
+    allgather at 2 ranks and for tensors under 65536 elements (one collective
+    instead of two) and the two stages otherwise. ``compression_stats()``
+    says which exchange each tensor used and the bytes of each stage.
+
+    The second quantization adds the variance of quantizing a sum of N
+    gradients, which does not shrink with N: with 4+4 bits the error of the
+    mean is several times that of the allgather (see
+    ``benchmarks/two_stage_error.py``). ``second_stage_bits=8`` brings it
+    close to the allgather's for :math:`(N-1)/N \cdot 0.5P` more bytes.
 
     Args:
         bits: wire bits per coordinate, 2..8 (2: ternary, 4: s=7, 8: s=127).
@@ -293,24 +405,31 @@ class QSGD(PayloadCompressor):
             Elias-coded sparse form; pays off with few levels, ``norm="l2"``
             and large buckets).
         scale_dtype: ``"float32"`` (default) or ``"float16"`` per-bucket scales.
-        rounding: ``"stochastic"`` (unbiased, default) or ``"nearest"``
-            (deterministic and biased).
+        rounding: ``"stochastic"`` (unbiased, default) or ``"deterministic"``
+            (round to the nearest level: no randomness, but biased).
         min_numel: tensors with fewer elements go through the ordinary
             allreduce unquantized (default 10000, as in the paper).
         seed: seed of the counter-based RNG (rounding depends on seed, step,
             tensor name, rank and element index).
+        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
+        second_stage_bits: bits of the owners' re-quantized sums (default:
+            ``bits``).
 
     Cost on the wire per rank and step: ``bits + 32/bucket_size`` bits per
-    coordinate plus a 16-byte header; 4 bits with bucket 512 is 4.0625 bits,
-    7.88x fewer than fp32. An allgather delivers every rank's payload to
-    every rank, so received bytes grow with the number of ranks, unlike a
-    ring allreduce: the saving is largest for few ranks and slow links.
+    coordinate plus a 16-byte header per payload; 4 bits with bucket 512 is
+    4.0625 bits, 7.88x fewer than fp32. Allgather at N ranks: N-1 payloads
+    received; two stages: 7.8x fewer bytes than a ring allreduce at any N
+    (4+4 bits).
     """
 
     def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
-                 rounding="stochastic", min_numel=10000, seed=0):
-        super().__init__(QSGDCodec(bits=bits, bucket_size=bucket_size, norm=norm, encoding=encoding,
-                                   scale_dtype=scale_dtype, rounding=rounding, seed=seed), min_numel)
+                 rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None):
+        codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
+                                              exchange, second_stage_bits)
+        super().__init__(codec, min_numel, exchange, second)
+
+    def settings(self):
+        return dict(super().settings(), exchange=self.exchange, second_stage_bits=self.second_codec.bits)
 
 
 class TopK(PayloadCompressor):

@@ -1,0 +1,171 @@
+r"""The two-stage exchange: compressed scatter-reduce, then an allgather of re-compressed sums.
+
+An allgather of whole payloads delivers N-1 payloads to every rank, so the
+bytes a rank receives grow with the number of ranks N. Here every rank *owns*
+1/N of the coordinates (a fixed, bucket-aligned split every rank computes
+alike, :func:`chunk_bounds`):
+
+1. each rank encodes the slice of its gradient that rank j owns, for every
+   j, and one ``alltoall`` delivers the slices to their owners;
+2. the owner adds its own slice (unquantized) and the N-1 decoded slices it
+   received, in rank order, encodes that sum again with the second-stage
+   codec, and one ``allgather`` delivers every owner's re-encoded sum to
+   every rank, which decodes them into place.
+
+A rank sends and receives about ``(N-1)/N`` of a first-stage payload and
+``(N-1)/N`` of a second-stage payload: flat in N, like a ring allreduce, at
+the cost of a second quantization of the sum. The owner decodes its own
+re-encoded sum like everybody else, so every rank ends with the same bits.
+
+Everything here works on codec arrays (numpy, or CUDA arrays for the CUDA
+kernels) and on the adapters' two callbacks: ``alloc(nbytes)`` for a zeroed
+uint8 buffer and ``zeros(n)`` / ``copy(src)`` for float32 arrays. The
+collectives themselves are the adapters' job.
+"""
+import zlib
+
+from horovod_qsgd.common.exchange import check_payloads
+
+EXCHANGES = ("allgather", "two_stage", "auto")
+# Below this many elements a tensor stays on one collective under exchange="auto": an alltoall is not
+# fused by Horovod, so a second collective costs a round trip that small tensors cannot win back.
+AUTO_TWO_STAGE_MIN_NUMEL = 1 << 16
+
+
+def qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed, exchange, second_stage_bits):
+    """(first-stage codec, second-stage codec, exchange) for a QSGD compressor's arguments, validated."""
+    from horovod_qsgd.codecs import QSGDCodec
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r} is not supported; allowed values: "
+                         + ", ".join(repr(e) for e in EXCHANGES))
+    first = QSGDCodec(bits=bits, bucket_size=bucket_size, norm=norm, encoding=encoding, scale_dtype=scale_dtype,
+                      rounding=rounding, seed=seed)
+    second = first if second_stage_bits is None or second_stage_bits == bits else QSGDCodec(
+        bits=second_stage_bits, bucket_size=bucket_size, norm=norm, encoding=encoding, scale_dtype=scale_dtype,
+        rounding=rounding, seed=seed)
+    return first, second, exchange
+
+
+def chunk_bounds(numel, num_ranks, unit):
+    """[(begin, end)] of the coordinates each rank owns, in rank order.
+
+    Chunks are whole multiples of ``unit`` (a QSGD bucket) except the last
+    non-empty one, as equal as possible; with fewer units than ranks, the
+    last ranks own empty chunks.
+    """
+    units = -(-numel // unit)
+    return [(min(numel, (r * units // num_ranks) * unit), min(numel, ((r + 1) * units // num_ranks) * unit))
+            for r in range(num_ranks)]
+
+
+def sender_key(name, sender, owner):
+    """RNG key of the slice ``sender`` encodes for ``owner``: independent noise per rank and chunk."""
+    return zlib.crc32(f"{name}@rank{sender}>owner{owner}".encode("utf-8"))
+
+
+def owner_key(name, owner):
+    """RNG key of the sum ``owner`` re-encodes in the second stage."""
+    return zlib.crc32(f"{name}@owner{owner}".encode("utf-8"))
+
+
+def stage_nbytes(first_codec, second_codec, numel, num_ranks):
+    """Bytes one rank sends in (first stage, second stage) for fixed-size payloads.
+
+    Rank r sends the N-1 slices it does not own in the first stage and its
+    own re-encoded chunk in the second (the allgather returns N-1 chunks
+    to it). Every rank's total is within a bucket of the mean.
+    """
+    bounds = chunk_bounds(numel, num_ranks, _unit(first_codec))
+    sizes1 = [first_codec.max_payload_nbytes(e - b) for b, e in bounds]
+    sizes2 = [second_codec.max_payload_nbytes(e - b) for b, e in bounds]
+    return (sum(sizes1) * (num_ranks - 1) / num_ranks, sum(sizes2) * (num_ranks - 1) / num_ranks)
+
+
+def choose_exchange(mode, first_codec, second_codec, numel, num_ranks):
+    """"allgather" or "two_stage" for one tensor; ``mode="auto"`` picks the one that moves fewer bytes.
+
+    Per rank and step, the allgather receives N-1 whole payloads; the two
+    stages receive about (N-1)/N of a first- and of a second-stage payload
+    each. At 2 ranks the two are equal and the allgather wins (one
+    collective, one quantization); from 3 ranks the two stages move fewer
+    bytes, for tensors of at least ``AUTO_TWO_STAGE_MIN_NUMEL`` elements.
+    """
+    if mode != "auto":
+        return mode
+    if num_ranks < 3 or numel < AUTO_TWO_STAGE_MIN_NUMEL:
+        return "allgather"
+    allgather = (num_ranks - 1) * first_codec.max_payload_nbytes(numel)
+    return "two_stage" if sum(stage_nbytes(first_codec, second_codec, numel, num_ranks)) < allgather \
+        else "allgather"
+
+
+def _unit(codec):
+    return getattr(codec, "bucket_size", 1)
+
+
+class TwoStage:
+    """One tensor's two-stage exchange on one rank: what to send, what to sum, what to decode.
+
+    ``first`` encodes the slices sent to their owners, ``second`` the
+    owners' sums; ``name`` is the tensor's name (equal on every rank). The
+    caller allocates every buffer (zeroed uint8 payload buffers of the
+    capacities below, float32 sums) and runs the collectives.
+    """
+
+    def __init__(self, first, second, name, numel, num_ranks, rank):
+        self.first, self.second = first, second
+        self.name, self.numel, self.num_ranks, self.rank = name, numel, num_ranks, rank
+        self.bounds = chunk_bounds(numel, num_ranks, _unit(first))
+        self.owned = self.bounds[rank]
+
+    def send_capacity(self):
+        """Bytes of the buffer :meth:`encode_for_owners` writes into."""
+        return sum(self.first.max_payload_nbytes(e - b) for j, (b, e) in enumerate(self.bounds) if j != self.rank)
+
+    def encode_for_owners(self, x, out, step):
+        """Encodes the slices of x for every other owner into ``out``, in rank order; returns the splits.
+
+        ``splits[j]`` is the number of bytes for rank j (0 for this rank,
+        which keeps its own slice unquantized), as an alltoall takes them;
+        they add up to the bytes used at the start of ``out``.
+        """
+        splits, offset = [], 0
+        for owner, (begin, end) in enumerate(self.bounds):
+            if owner == self.rank:
+                splits.append(0)
+                continue
+            slot = out[offset:offset + self.first.max_payload_nbytes(end - begin)]
+            used = self.first.encode(x[begin:end], slot, step=step, key=sender_key(self.name, self.rank, owner))
+            splits.append(used)
+            offset += used
+        return splits
+
+    def accumulate_received(self, received, read_bytes, total):
+        """Adds the slices the other ranks sent this owner, decoded in rank order, to ``total``.
+
+        ``total`` holds this rank's own slice of the gradient on entry (float32,
+        ``owned`` length); ``read_bytes(start, length)`` reads host bytes of
+        ``received`` for the header checks.
+        """
+        begin, end = self.owned
+        senders = [r for r in range(self.num_ranks) if r != self.rank]
+        spans = check_payloads(read_bytes, received.size, senders, [end - begin] * len(senders), self.first,
+                               self.name, "first-stage slice")
+        for start, stop in spans:
+            self.first.decode_accumulate(received[start:stop], total)
+
+    def owned_capacity(self):
+        """Bytes of the buffer :meth:`encode_owned` writes into."""
+        begin, end = self.owned
+        return self.second.max_payload_nbytes(end - begin)
+
+    def encode_owned(self, total, out, step):
+        """Encodes the owner's sum into ``out``; returns the bytes used."""
+        return self.second.encode(total, out, step=step, key=owner_key(self.name, self.rank))
+
+    def decode_gathered(self, gathered, read_bytes, out):
+        """Adds every owner's decoded sum into its chunk of ``out`` (float32, zeros on entry)."""
+        spans = check_payloads(read_bytes, gathered.size, range(self.num_ranks),
+                               [e - b for b, e in self.bounds], self.second, self.name, "second-stage sum")
+        for (start, stop), (begin, end) in zip(spans, self.bounds):
+            self.second.decode_accumulate(gathered[start:stop], out[begin:end])
