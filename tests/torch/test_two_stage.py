@@ -1,46 +1,16 @@
 """QSGD's two-stage exchange (alltoall of slices to their owners, allgather of re-encoded sums) on 2-4 ranks.
 
-The reference for every rank's result is built in the test from all ranks'
-gradients (each rank can regenerate every rank's input from its seed) with
-the codecs alone: each sender's slice encoded with its key and decoded, the
-owner's sum formed in rank order with its own slice unquantized, that sum
-encoded with the second-stage codec and decoded. Equality is bitwise.
+Every rank's result is compared bitwise with tests/two_stage_reference.py,
+built from all ranks' gradients with the codecs alone.
 """
 import numpy as np
 import pytest
 
+from tests.two_stage_reference import bounds as _bounds
+from tests.two_stage_reference import gradient as _gradient
+from tests.two_stage_reference import reference as _reference
+
 RANKS_3_AND_4 = [pytest.param(3, marks=pytest.mark.ranks(3)), pytest.param(4, marks=pytest.mark.ranks(4))]
-
-
-def _gradient(rank, numel, step=0):
-    return np.random.default_rng(100 * rank + step).standard_normal(numel).astype(np.float32)
-
-
-def _bounds(numel, num_ranks, bucket):
-    """Owned chunks written out again from the rule in the docstring: bucket-aligned, as equal as possible."""
-    buckets = -(-numel // bucket)
-    cuts = [min(numel, (r * buckets // num_ranks) * bucket) for r in range(num_ranks + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def _reference(first, second, name, grads, step, bucket):
-    """The averaged result every rank must get, from the codecs alone."""
-    import zlib
-    num_ranks, numel = len(grads), grads[0].size
-    result = np.zeros(numel, np.float32)
-    for owner, (begin, end) in enumerate(_bounds(numel, num_ranks, bucket)):
-        total = grads[owner][begin:end].copy()
-        for sender in range(num_ranks):
-            if sender == owner:
-                continue
-            buf = np.zeros(first.max_payload_nbytes(end - begin), np.uint8)
-            key = zlib.crc32(f"{name}@rank{sender}>owner{owner}".encode())
-            used = first.encode(grads[sender][begin:end], buf, step=step, key=key)
-            first.decode_accumulate(buf[:used], total)
-        buf = np.zeros(second.max_payload_nbytes(end - begin), np.uint8)
-        used = second.encode(total, buf, step=step, key=zlib.crc32(f"{name}@owner{owner}".encode()))
-        second.decode_accumulate(buf[:used], result[begin:end])
-    return result
 
 
 def _same_on_every_rank(hvd, tensor, name):
@@ -182,3 +152,24 @@ def test_exchange_argument_is_checked():
         QSGD(exchange="ring")
     with pytest.raises(ValueError, match="bits"):
         QSGD(second_stage_bits=1)
+
+
+@pytest.mark.ranks(2)
+def test_sparse_embedding_gradients_pass_through(hvd_torch):
+    # Horovod allreduces sparse gradients itself (sparse_as_dense=False) and then calls decompress(output, None).
+    import torch
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 16, sparse=True), torch.nn.Flatten(),
+                                torch.nn.Linear(32, 1000))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=QSGD(bits=8))
+    model(torch.tensor([[hvd.rank(), 7]])).sum().backward()
+    opt.step()
+    grad = model[0].weight.grad
+    assert grad.is_sparse
+    # Rows 0 and 1 were looked up on one rank each, row 7 on both: Horovod averaged the sparse gradient.
+    dense = grad.to_dense()
+    assert torch.count_nonzero(dense.abs().sum(dim=1)).item() == 3
+    assert _same_on_every_rank(hvd, dense, "check.embedding")
