@@ -30,6 +30,9 @@ def parse_args(description, argv=None):
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--selector", default="exact")
     parser.add_argument("--min-numel", type=int, default=10000)
+    parser.add_argument("--exchange", default="auto", choices=["auto", "allgather", "two_stage"],
+                        help="QSGD's exchange")
+    parser.add_argument("--second-stage-bits", type=int, default=None, help="QSGD's second-stage bits")
     parser.add_argument("--json-out", help="write the measurements here (rank 0)")
     return parser.parse_args(argv)
 
@@ -40,7 +43,8 @@ def make_compression(args, adapter):
         "none": lambda: adapter.NoCompression,
         "fp16": lambda: adapter.FP16,
         "qsgd": lambda: adapter.QSGD(bits=args.bits, bucket_size=args.bucket_size, norm=args.norm,
-                                     encoding=args.encoding, min_numel=args.min_numel),
+                                     encoding=args.encoding, min_numel=args.min_numel, exchange=args.exchange,
+                                     second_stage_bits=args.second_stage_bits),
         "topk": lambda: adapter.TopK(ratio=args.ratio, selector=args.selector, min_numel=args.min_numel),
         "randomk": lambda: adapter.RandomK(ratio=args.ratio, error_feedback=True, min_numel=args.min_numel),
     }
@@ -97,7 +101,7 @@ def run(args, job):
 
     stats = stats_of() if stats_of else {}
     summed = {k: job.sum_over_ranks(f"benchmark.stats.{k}", float(v))
-              for k, v in sorted(stats.items()) if k != "compression_ratio"}
+              for k, v in sorted(stats.items()) if k not in ("compression_ratio", "exchanges")}
     if job.rank != 0:
         return
     step_seconds = float(np.median(step_times))
@@ -110,6 +114,8 @@ def run(args, job):
         "wire_bytes_per_step": wire_bytes / steps,
         "control_bytes_per_step": control_rate * step_seconds,
         "payload_bytes_per_step": summed.get("bytes_sent", 0.0) / steps,
+        "first_stage_bytes_per_step": summed.get("bytes_sent_first_stage", 0.0) / steps,
+        "second_stage_bytes_per_step": summed.get("bytes_sent_second_stage", 0.0) / steps,
         "encode_seconds_per_step": summed.get("encode_seconds", 0.0) / job.size / steps,
         "decode_seconds_per_step": summed.get("decode_seconds", 0.0) / job.size / steps,
         "wait_seconds_per_step": summed.get("wait_seconds", 0.0) / job.size / steps,

@@ -19,21 +19,31 @@ def bounds(numel, num_ranks, bucket):
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def reference(first, second, name, grads, step, bucket):
-    """The summed result every rank must get (Sum; Average multiplies it by 1/N), from the codecs alone."""
+def reference(first, second, name, grads, step, unit, residuals=None, owner_residuals=None):
+    """The summed result every rank must get (Sum; Average multiplies it by 1/N), from the codecs alone.
+
+    With error feedback (top-k), ``residuals[r]`` (full length) and
+    ``owner_residuals[r]`` (rank r's chunk) are every rank's state before the
+    step and are updated in place, as the ranks update theirs.
+    """
     import zlib
     num_ranks, numel = len(grads), grads[0].size
     result = np.zeros(numel, np.float32)
-    for owner, (begin, end) in enumerate(bounds(numel, num_ranks, bucket)):
+    for owner, (begin, end) in enumerate(bounds(numel, num_ranks, unit)):
         total = grads[owner][begin:end].copy()
+        if residuals is not None:
+            total += residuals[owner][begin:end]
+            residuals[owner][begin:end] = 0
         for sender in range(num_ranks):
             if sender == owner:
                 continue
             buf = np.zeros(first.max_payload_nbytes(end - begin), np.uint8)
             key = zlib.crc32(f"{name}@rank{sender}>owner{owner}".encode())
-            used = first.encode(grads[sender][begin:end], buf, step=step, key=key)
+            used = first.encode(grads[sender][begin:end], buf, step=step, key=key,
+                                residual=None if residuals is None else residuals[sender][begin:end])
             first.decode_accumulate(buf[:used], total)
         buf = np.zeros(second.max_payload_nbytes(end - begin), np.uint8)
-        used = second.encode(total, buf, step=step, key=zlib.crc32(f"{name}@owner{owner}".encode()))
+        used = second.encode(total, buf, step=step, key=zlib.crc32(f"{name}@owner{owner}".encode()),
+                             residual=None if owner_residuals is None else owner_residuals[owner])
         second.decode_accumulate(buf[:used], result[begin:end])
     return result

@@ -32,12 +32,23 @@ EXCHANGES = ("allgather", "two_stage", "auto")
 AUTO_TWO_STAGE_MIN_NUMEL = 1 << 16
 
 
-def qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed, exchange, second_stage_bits):
-    """(first-stage codec, second-stage codec, exchange) for a QSGD compressor's arguments, validated."""
-    from horovod_qsgd.codecs import QSGDCodec
+def owner_residual_size(numel, num_ranks, rank, codec):
+    """Elements of the owner-side residual one rank keeps for a tensor (its owned chunk)."""
+    begin, end = chunk_bounds(numel, num_ranks, _unit(codec))[rank]
+    return end - begin
+
+
+def check_exchange(exchange):
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} is not supported; allowed values: "
                          + ", ".join(repr(e) for e in EXCHANGES))
+    return exchange
+
+
+def qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed, exchange, second_stage_bits):
+    """(first-stage codec, second-stage codec, exchange) for a QSGD compressor's arguments, validated."""
+    from horovod_qsgd.codecs import QSGDCodec
+    check_exchange(exchange)
     first = QSGDCodec(bits=bits, bucket_size=bucket_size, norm=norm, encoding=encoding, scale_dtype=scale_dtype,
                       rounding=rounding, seed=seed)
     second = first if second_stage_bits is None or second_stage_bits == bits else QSGDCodec(
@@ -122,12 +133,15 @@ class TwoStage:
         """Bytes of the buffer :meth:`encode_for_owners` writes into."""
         return sum(self.first.max_payload_nbytes(e - b) for j, (b, e) in enumerate(self.bounds) if j != self.rank)
 
-    def encode_for_owners(self, x, out, step):
+    def encode_for_owners(self, x, out, step, residual=None):
         """Encodes the slices of x for every other owner into ``out``, in rank order; returns the splits.
 
         ``splits[j]`` is the number of bytes for rank j (0 for this rank,
-        which keeps its own slice unquantized), as an alltoall takes them;
-        they add up to the bytes used at the start of ``out``.
+        which keeps its own slice uncompressed), as an alltoall takes them;
+        they add up to the bytes used at the start of ``out``. ``residual``:
+        the sender's error-feedback residual (top-k), updated in place in the
+        other owners' chunks; the caller moves its own chunk's residual into
+        its own contribution.
         """
         splits, offset = [], 0
         for owner, (begin, end) in enumerate(self.bounds):
@@ -135,7 +149,8 @@ class TwoStage:
                 splits.append(0)
                 continue
             slot = out[offset:offset + self.first.max_payload_nbytes(end - begin)]
-            used = self.first.encode(x[begin:end], slot, step=step, key=sender_key(self.name, self.rank, owner))
+            used = self.first.encode(x[begin:end], slot, step=step, key=sender_key(self.name, self.rank, owner),
+                                     residual=None if residual is None else residual[begin:end])
             splits.append(used)
             offset += used
         return splits
@@ -143,8 +158,8 @@ class TwoStage:
     def accumulate_received(self, received, read_bytes, total):
         """Adds the slices the other ranks sent this owner, decoded in rank order, to ``total``.
 
-        ``total`` holds this rank's own slice of the gradient on entry (float32,
-        ``owned`` length); ``read_bytes(start, length)`` reads host bytes of
+        ``total`` holds this rank's own slice of the gradient (plus its
+        residual there, for top-k) on entry (float32, ``owned`` length); ``read_bytes(start, length)`` reads host bytes of
         ``received`` for the header checks.
         """
         begin, end = self.owned
@@ -159,9 +174,14 @@ class TwoStage:
         begin, end = self.owned
         return self.second.max_payload_nbytes(end - begin)
 
-    def encode_owned(self, total, out, step):
-        """Encodes the owner's sum into ``out``; returns the bytes used."""
-        return self.second.encode(total, out, step=step, key=owner_key(self.name, self.rank))
+    def encode_owned(self, total, out, step, owner_residual=None):
+        """Encodes the owner's sum into ``out``; returns the bytes used.
+
+        ``owner_residual`` (top-k): what earlier steps' sums did not send,
+        added to this one and updated in place (error feedback on the owner).
+        """
+        return self.second.encode(total, out, step=step, key=owner_key(self.name, self.rank),
+                                  residual=owner_residual)
 
     def decode_gathered(self, gathered, read_bytes, out):
         """Adds every owner's decoded sum into its chunk of ``out`` (float32, zeros on entry)."""

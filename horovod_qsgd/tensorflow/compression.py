@@ -31,6 +31,7 @@ import json
 import re
 import threading
 import time
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -46,7 +47,7 @@ from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import share_cores
-from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, qsgd_codecs
+from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
 
@@ -117,6 +118,8 @@ class _CompressorBase(tf.Module):
         # Tracked by tf.train.Checkpoint: state name -> variable.
         self._steps = {}
         self._residuals = {}
+        self._owner_residuals = {}  # two-stage exchange with error feedback: this rank's owned chunk
+        self._owner_layouts = {}    # int64 [ranks, rank] each owner residual belongs to
         self._settings = _new_variable(self._settings_json(), "horovod_qsgd_settings", tf.string)
         self._runtime = _Runtime()
 
@@ -226,6 +229,23 @@ class _CompressorBase(tf.Module):
                 "tensors share a name.")
         return var
 
+    def _owner_residual_variables(self, name, size, layout):
+        """(owner residual, layout) variables of a tensor; recreated (with a warning) for another rank count."""
+        with self._runtime.lock, tf.init_scope():
+            var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
+            saved = None if layout_var is None else [int(v) for v in layout_var.numpy()]
+            if var is not None and (var.shape.num_elements() != size or saved != layout):
+                warnings.warn(f"horovod_qsgd: tensor {name!r}: the owner-side residual was saved as rank "
+                              f"{saved[1]} of {saved[0]}, this is rank {layout[1]} of {layout[0]}; it is reset "
+                              "to zeros (its unsent mass is lost once).")
+                var = None
+            if var is None:
+                var = self._owner_residuals[name] = _new_variable(np.zeros(size, np.float32),
+                                                                  f"{name}/owner_residual", tf.float32)
+                layout_var = self._owner_layouts[name] = _new_variable(np.array(layout, np.int64),
+                                                                       f"{name}/owner_layout", tf.int64)
+        return var
+
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
         """Step counters and residuals by tensor name (numpy), plus the settings they belong to.
@@ -237,6 +257,10 @@ class _CompressorBase(tf.Module):
         tensors = {name: {"step": int(var.numpy()), "residual": None} for name, var in self._steps.items()}
         for name, var in self._residuals.items():
             tensors.setdefault(name, {"step": 0})["residual"] = var.numpy().copy()
+        for name, var in self._owner_residuals.items():
+            entry = tensors.setdefault(name, {"step": 0, "residual": None})
+            entry["owner_residual"] = var.numpy().copy()
+            entry["owner_layout"] = [int(v) for v in self._owner_layouts[name].numpy()]
         return {"format": STATE_FORMAT, "compressor": type(self).__name__, "settings": self.settings(),
                 "tensors": tensors}
 
@@ -249,6 +273,12 @@ class _CompressorBase(tf.Module):
                              f"this compressor has {self.settings()}; build it with the same arguments.")
         for name, entry in state["tensors"].items():
             self._step_variable(name).assign(entry["step"])
+            if entry.get("owner_residual") is not None:
+                with self._runtime.lock:
+                    self._owner_residuals[name] = _new_variable(np.asarray(entry["owner_residual"], np.float32),
+                                                                f"{name}/owner_residual", tf.float32)
+                    self._owner_layouts[name] = _new_variable(np.asarray(entry["owner_layout"], np.int64),
+                                                              f"{name}/owner_layout", tf.int64)
             if entry.get("residual") is not None:
                 residual = np.asarray(entry["residual"], dtype=np.float32)
                 self._residual_variable(name, residual.size).assign(residual)
@@ -439,25 +469,42 @@ class PayloadCompressor(_CompressorBase):
         if exchange == "two_stage" and num_ranks > 1:
             stage = TwoStage(self.codec, self.second_codec, step.name, step.numel, num_ranks, rank)
 
-            def encode_for_owners(x, step_value):
+            residual_var = self._residual_variable(step.name, step.numel) if self.uses_residual else None
+
+            def encode_for_owners(x, step_value, residual=None):
                 start = time.perf_counter()
                 out = np.zeros(stage.send_capacity(), dtype=np.uint8)
-                splits = stage.encode_for_owners(x, out, int(step_value))
+                residual = None if residual is None else residual.copy()
+                splits = stage.encode_for_owners(x, out, int(step_value), residual)
                 used = sum(splits)
+                # This rank's own chunk stays uncompressed: its gradient, plus (top-k) its residual there.
+                begin, end = stage.owned
+                own = np.array(x[begin:end], dtype=np.float32)
+                if residual is not None:
+                    own += residual[begin:end]
+                    residual[begin:end] = 0
                 stats.add(tensors_compressed=1, tensors_two_stage=1, encode_seconds=time.perf_counter() - start,
                           bytes_uncompressed=uncompressed, bytes_sent=used + placeholder_nbytes,
                           bytes_sent_first_stage=used)
-                return out[:used], np.asarray(splits, dtype=np.int32)
+                outputs = (out[:used], np.asarray(splits, dtype=np.int32), own)
+                return outputs if residual is None else outputs + (residual,)
 
-            slices, splits = tf.numpy_function(encode_for_owners, [step.flat, step.value], [tf.uint8, tf.int32],
-                                               stateful=False, name="horovod_qsgd_encode_slices")
+            inputs = [step.flat, step.value] + ([] if residual_var is None else [residual_var.read_value()])
+            outputs = tf.numpy_function(encode_for_owners, inputs,
+                                        [tf.uint8, tf.int32, tf.float32] + ([] if residual_var is None else [tf.float32]),
+                                        stateful=False, name="horovod_qsgd_encode_slices")
+            slices, splits, own = outputs[:3]
             slices.set_shape([None])
             splits.set_shape([num_ranks])
+            own.set_shape([stage.owned[1] - stage.owned[0]])
+            if residual_var is not None:
+                outputs[3].set_shape(step.flat.shape)
+                residual_var.assign(outputs[3])
             step.variable.assign_add(1)
             received, _ = hvd.alltoall(slices, splits=splits, name=_op_name(PAYLOAD_PREFIX + step.name),
                                        process_set=process_set)
             return placeholder, _Context(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
-                                         step=step.value, stage=stage, flat=step.flat, process_set=process_set)
+                                         step=step.value, stage=stage, flat=own, process_set=process_set)
 
         def on_encoded(nbytes, seconds):
             stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
@@ -471,11 +518,15 @@ class PayloadCompressor(_CompressorBase):
     def _second_stage(self, ctx):
         """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives)."""
         stage, stats, refusals = ctx.stage, self._runtime.stats, self._runtime.refusals
-
-        def sum_and_encode(received, flat, step_value):
-            start = time.perf_counter()
+        owner_var = None
+        if self.uses_residual:
             begin, end = stage.owned
-            total = np.array(flat[begin:end], dtype=np.float32)
+            owner_var = self._owner_residual_variables(ctx.name, end - begin, [stage.num_ranks, stage.rank])
+
+        def sum_and_encode(received, own, step_value, owner_residual=None):
+            start = time.perf_counter()
+            total = np.array(own, dtype=np.float32)
+            owner_residual = None if owner_residual is None else owner_residual.copy()
             try:
                 stage.accumulate_received(received, _reader(received), total)
             except CompressionMismatchError as exc:
@@ -484,13 +535,21 @@ class PayloadCompressor(_CompressorBase):
                 out = np.frombuffer(refusal_notice(), dtype=np.uint8).copy()
             else:
                 out = np.zeros(stage.owned_capacity(), dtype=np.uint8)
-                out = out[:stage.encode_owned(total, out, int(step_value))]
+                out = out[:stage.encode_owned(total, out, int(step_value), owner_residual)]
             stats.add(bytes_sent=out.size, bytes_sent_second_stage=out.size,
                       encode_seconds=time.perf_counter() - start)
-            return out
+            return out if owner_residual is None else (out, owner_residual)
 
-        payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.flat, ctx.step], tf.uint8, stateful=False,
-                                    name="horovod_qsgd_encode_sum")
+        if owner_var is None:
+            payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.flat, ctx.step], tf.uint8,
+                                        stateful=False, name="horovod_qsgd_encode_sum")
+        else:
+            payload, new_owner = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.flat, ctx.step,
+                                                                    owner_var.read_value()],
+                                                   [tf.uint8, tf.float32], stateful=False,
+                                                   name="horovod_qsgd_encode_sum")
+            new_owner.set_shape(owner_var.shape)
+            owner_var.assign(new_owner)
         payload.set_shape([None])
         return hvd.allgather(payload, name=_op_name(SECOND_STAGE_PREFIX + ctx.name), process_set=ctx.process_set)
 
@@ -612,11 +671,14 @@ class TopK(PayloadCompressor):
     """
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0):
-        super().__init__(TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype,
-                                   error_feedback=error_feedback, seed=seed, sample_ratio=sample_ratio),
-                         min_numel)
+                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
+        codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
+                          seed=seed, sample_ratio=sample_ratio)
         self.uses_residual = bool(error_feedback)
+        super().__init__(codec, min_numel, check_exchange(exchange), codec)
+
+    def settings(self):
+        return dict(super().settings(), exchange=self.exchange)
 
 
 class RandomK(_CompressorBase):

@@ -26,6 +26,7 @@ ordinary allreduce unchanged.
 """
 import threading
 import time
+import warnings
 
 import horovod.torch as hvd
 import torch
@@ -36,7 +37,7 @@ from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_no
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.torch.call_site import check_site, find_call_site
-from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, qsgd_codecs
+from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 STATE_FORMAT = 1
@@ -59,11 +60,18 @@ def _flat_fp32(tensor):
 
 
 class _TensorState:
-    """What training depends on per tensor: the RNG step counter and the error-feedback residual."""
+    """What training depends on per tensor: the RNG step counter and the error-feedback residuals.
 
-    def __init__(self, step=0, residual=None):
+    ``owner_residual``: with the two-stage exchange and error feedback, what
+    this rank's owned chunk of the sum did not send; ``owner_layout`` the
+    (ranks, rank) it belongs to.
+    """
+
+    def __init__(self, step=0, residual=None, owner_residual=None, owner_layout=None):
         self.step = step
         self.residual = residual
+        self.owner_residual = owner_residual
+        self.owner_layout = owner_layout
 
 
 class _Pending:
@@ -144,9 +152,12 @@ class _CompressorBase:
         (e.g. ``torch.save(c.state_dict(), f"compressor.{hvd.rank()}.pt")``)
         to resume bit-exactly.
         """
+        def copy(t):
+            return None if t is None else t.clone()
+
         return {"format": STATE_FORMAT, "compressor": type(self).__name__, "settings": self.settings(),
-                "tensors": {name: {"step": s.step,
-                                   "residual": None if s.residual is None else s.residual.clone()}
+                "tensors": {name: {"step": s.step, "residual": copy(s.residual),
+                                   "owner_residual": copy(s.owner_residual), "owner_layout": s.owner_layout}
                             for name, s in self._states.items()}}
 
     def load_state_dict(self, state):
@@ -156,7 +167,11 @@ class _CompressorBase:
         if state["settings"] != self.settings():
             raise ValueError(f"horovod_qsgd: the checkpoint was written with settings {state['settings']}, "
                              f"this compressor has {self.settings()}; build it with the same arguments.")
-        self._states = {name: _TensorState(t["step"], None if t["residual"] is None else t["residual"].clone())
+        def copy(t):
+            return None if t is None else t.clone()
+
+        self._states = {name: _TensorState(t["step"], copy(t["residual"]), copy(t.get("owner_residual")),
+                                           t.get("owner_layout"))
                         for name, t in state["tensors"].items()}
 
     # -- statistics -------------------------------------------------------------------------
@@ -246,11 +261,12 @@ def _host_reader(buffer):
 
 class _TwoStagePending(_Pending):
     """A tensor between its first-stage alltoall and the end of its second-stage allgather."""
-    __slots__ = ("stage", "flat", "process_set", "second_handle")
+    __slots__ = ("stage", "own", "process_set", "state", "second_handle")
 
-    def __init__(self, handle, name, shape, dtype, num_ranks, step, out, stage, flat, process_set):
+    def __init__(self, handle, name, shape, dtype, num_ranks, step, out, stage, own, process_set, state):
         super().__init__(handle, name, shape, dtype, num_ranks, step, out)
-        self.stage, self.flat, self.process_set = stage, flat, process_set
+        self.stage, self.process_set, self.state = stage, process_set, state
+        self.own = own  # this rank's own chunk, uncompressed: the start of the owner's sum
         self.second_handle = None
 
 
@@ -292,21 +308,29 @@ class PayloadCompressor(_CompressorBase):
         stage = TwoStage(self.codec, self.second_codec, site.name, flat.numel(), site.process_set.size(),
                          site.process_set.rank())
         out = torch.zeros(stage.send_capacity(), dtype=torch.uint8, device=flat.device)
-        splits = stage.encode_for_owners(as_array(flat), as_array(out), state.step)
+        residual = state.residual
+        splits = stage.encode_for_owners(as_array(flat), as_array(out), state.step,
+                                         None if residual is None else as_array(residual))
         used = sum(splits)
+        # This rank's own chunk stays uncompressed: its gradient, plus (top-k) the residual it had there.
+        begin, end = stage.owned
+        own = flat[begin:end].clone()
+        if residual is not None:
+            own += residual[begin:end]
+            residual[begin:end] = 0
         handle = hvd.alltoall_async(out[:used], splits=torch.tensor(splits, dtype=torch.int32),
                                     name=PAYLOAD_PREFIX + site.name, process_set=site.process_set)
         placeholder = self._placeholder(tensor)
         self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used)
-        # flat is kept for the owner's unquantized slice; _make_context turns this into the pending entry
-        return placeholder, (handle, stage, flat), used + placeholder.element_size()
+        # _make_context turns this into the pending entry
+        return placeholder, (handle, stage, own), used + placeholder.element_size()
 
     def _make_context(self, handle, site, tensor, state, out):
         if not isinstance(handle, tuple):
             return super()._make_context(handle, site, tensor, state, out)
-        first_handle, stage, flat = handle
+        first_handle, stage, own = handle
         ctx = _TwoStagePending(first_handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(),
-                               state.step, out, stage, flat, site.process_set)
+                               state.step, out, stage, own, site.process_set, state)
         with self._lock:
             self._awaiting_second_stage.append(ctx)
         return ctx
@@ -327,9 +351,7 @@ class PayloadCompressor(_CompressorBase):
         refused = None
         for ctx in pending:
             received, _ = hvd.synchronize(ctx.handle)
-            begin, end = ctx.stage.owned
-            total = ctx.flat[begin:end].clone()
-            ctx.flat = None
+            total, ctx.own = ctx.own, None
             try:
                 ctx.stage.accumulate_received(as_array(received), _host_reader(received), as_array(total))
             except CompressionMismatchError as exc:
@@ -339,12 +361,29 @@ class PayloadCompressor(_CompressorBase):
                 used = out.numel()
             else:
                 out = torch.zeros(ctx.stage.owned_capacity(), dtype=torch.uint8, device=total.device)
-                used = ctx.stage.encode_owned(as_array(total), as_array(out), ctx.step)
+                owner_residual = self._owner_residual(ctx, total)
+                used = ctx.stage.encode_owned(as_array(total), as_array(out), ctx.step,
+                                              None if owner_residual is None else as_array(owner_residual))
             ctx.second_handle = hvd.allgather_async(out[:used], name=SECOND_STAGE_PREFIX + ctx.name,
                                                     process_set=ctx.process_set)
             self._stats.add(bytes_sent_second_stage=used, bytes_sent=used)
         if refused is not None:
             raise refused
+
+    def _owner_residual(self, ctx, total):
+        """The owner-side residual of ctx's tensor (error feedback only), reset if the ranks changed."""
+        if not self.uses_residual:
+            return None
+        state, layout = ctx.state, [ctx.stage.num_ranks, ctx.stage.rank]
+        if state.owner_residual is not None and list(state.owner_layout or []) != layout:
+            warnings.warn(f"horovod_qsgd: tensor {ctx.name!r}: the owner-side residual was saved as rank "
+                          f"{state.owner_layout[1]} of {state.owner_layout[0]}, this is rank {layout[1]} of "
+                          f"{layout[0]}; it is reset to zeros (its unsent mass is lost once).")
+            state.owner_residual = None
+        if state.owner_residual is None:
+            state.owner_residual = torch.zeros_like(total)
+            state.owner_layout = layout
+        return state.owner_residual
 
     def _receive(self, ctx):
         if isinstance(ctx, _TwoStagePending):
@@ -440,6 +479,24 @@ class TopK(PayloadCompressor):
     magnitudes of the sum are sent as (int32 index, value) pairs and the rest
     stays in the residual: ``sent + r_new == grad + r_old`` exactly.
 
+    Exchange. ``"allgather"``: every rank receives every rank's k pairs,
+    :math:`(N-1) \cdot 8k` bytes, and the result has up to :math:`Nk`
+    nonzeros. ``"two_stage"``: each rank owns 1/N of the coordinates; a rank
+    selects, in every other owner's chunk, the top ``ratio`` of its
+    ``grad + r`` there (with error feedback: what it does not send stays in
+    ``r``, so no chunk can receive more than its share, whatever the
+    gradient), and one alltoall delivers them. The owner adds its own chunk
+    of ``grad + r`` (uncompressed) and the received pairs, adds its
+    *owner-side residual*, selects the top ``ratio`` of that sum and keeps
+    the rest in the owner-side residual; the owners' selections are
+    allgathered. Nothing is lost: ``sent + sum of all residuals`` equals the
+    sum of all gradients. About :math:`2 (N-1)/N \cdot 8k` bytes per rank,
+    flat in N, and about k nonzeros in the result. ``"auto"`` (default):
+    the allgather at 2 ranks and for tensors under 65536 elements, the two
+    stages otherwise. The owner-side residual is per-rank state of the
+    owned chunk; it is in ``state_dict()`` and is reset (with a warning)
+    when the job resumes with another number of ranks.
+
     Args:
         ratio: fraction of coordinates sent (default 0.01).
         selector: ``"exact"`` (exactly the k largest, default), ``"gaussian"``
@@ -452,6 +509,7 @@ class TopK(PayloadCompressor):
         sample_ratio: fraction of coordinates the ``"sample"`` selector reads.
         min_numel: smaller tensors are allreduced unchanged (default 10000).
         seed: seed for the ``"sample"`` selector.
+        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
 
     Cost on the wire per rank and step: a fixed capacity of entries (k for
     exact, somewhat more for the approximate selectors) times 8 bytes (6 with
@@ -463,11 +521,14 @@ class TopK(PayloadCompressor):
     uses_residual = True
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0):
-        super().__init__(TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype,
-                                   error_feedback=error_feedback, seed=seed, sample_ratio=sample_ratio),
-                         min_numel)
+                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
+        codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
+                          seed=seed, sample_ratio=sample_ratio)
+        super().__init__(codec, min_numel, check_exchange(exchange), codec)
         self.uses_residual = bool(error_feedback)
+
+    def settings(self):
+        return dict(super().settings(), exchange=self.exchange)
 
 
 class RandomK(_CompressorBase):

@@ -74,3 +74,37 @@ def test_sparse_embedding_gradients_pass_through(hvd_tf):
     assert isinstance(sparse, tf.IndexedSlices)
     assert sorted(sparse.indices.numpy().tolist()) == [0, 1, 7, 7]
     assert np.array_equal(full.numpy(), np.full((16, 1000), 4.0, np.float32))  # constant: quantized exactly
+
+
+@pytest.mark.ranks(3, timeout=240)
+def test_top_k_two_stage_in_a_function_equals_the_reference_and_the_torch_adapter(hvd_tf):
+    import tensorflow as tf
+    import torch
+    import horovod.torch as hvd_torch
+    from horovod_qsgd.codecs import TopKCodec
+    import horovod_qsgd.tensorflow as tf_adapter
+    import horovod_qsgd.torch as torch_adapter
+    from tests.two_stage_reference import bounds
+    hvd = hvd_tf
+    hvd_torch.init()
+    numel, me = 100_003, hvd.rank()
+    compressor = tf_adapter.TopK(ratio=0.01)  # auto: two stages at 3 ranks
+    twin = torch_adapter.TopK(ratio=0.01)
+    codec = TopKCodec(ratio=0.01)
+    residuals = [np.zeros(numel, np.float32) for _ in range(3)]
+    owner_residuals = [np.zeros(e - b, np.float32) for b, e in bounds(numel, 3, 1)]
+
+    @tf.function
+    def traced(x):
+        return hvd.allreduce(x, name="t", op=hvd.Sum, compression=compressor)
+
+    for step in range(3):
+        grads = [gradient(r, numel, step) for r in range(3)]
+        got = traced(tf.constant(grads[me])).numpy()
+        assert np.array_equal(got, reference(codec, codec, "t", grads, step, 1, residuals, owner_residuals)), step
+        from_torch = hvd_torch.allreduce(torch.from_numpy(grads[me]), name="t", op=hvd_torch.Sum, compression=twin)
+        assert np.array_equal(from_torch.numpy(), got), step
+    state = compressor.state_dict()["tensors"]["t"]
+    assert np.array_equal(state["residual"], residuals[me])
+    assert np.array_equal(state["owner_residual"], owner_residuals[me]) and state["owner_layout"] == [3, me]
+    assert compressor.compression_stats()["exchanges"] == {"t": "two_stage"}

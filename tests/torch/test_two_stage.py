@@ -173,3 +173,97 @@ def test_sparse_embedding_gradients_pass_through(hvd_torch):
     dense = grad.to_dense()
     assert torch.count_nonzero(dense.abs().sum(dim=1)).item() == 3
     assert _same_on_every_rank(hvd, dense, "check.embedding")
+
+
+@pytest.mark.parametrize("num_ranks", RANKS_3_AND_4)
+def test_top_k_two_stage_matches_the_reference_and_loses_nothing(hvd_torch, num_ranks):
+    # Three steps of Sum: every rank's result is bitwise the reference (which carries every rank's sender
+    # and owner residuals), and the results plus all residuals add up to all gradients (error feedback).
+    import torch
+    from horovod_qsgd.codecs import TopKCodec
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    numel = 100_003
+    compressor = TopK(ratio=0.01, exchange="two_stage")
+    codec = TopKCodec(ratio=0.01)
+    chunks = _bounds(numel, num_ranks, 1)
+    residuals = [np.zeros(numel, np.float32) for _ in range(num_ranks)]
+    owner_residuals = [np.zeros(e - b, np.float32) for b, e in chunks]
+    delivered = np.zeros(numel, np.float64)
+    for step in range(3):
+        grads = [_gradient(r, numel, step) for r in range(num_ranks)]
+        result = hvd.allreduce(torch.from_numpy(grads[hvd.rank()]), name="t", op=hvd.Sum, compression=compressor)
+        want = _reference(codec, codec, "t", grads, step, 1, residuals, owner_residuals)
+        assert np.array_equal(result.numpy(), want), step
+        delivered += result.numpy()
+        # about k nonzeros (each owner sends its share of k), not up to N * k as the allgather would
+        assert np.count_nonzero(want) == sum(codec.k(e - b) for b, e in chunks)
+    everything = sum(_gradient(r, numel, s).astype(np.float64) for r in range(num_ranks) for s in range(3))
+    kept = sum(r.astype(np.float64) for r in residuals) + np.concatenate(owner_residuals)
+    np.testing.assert_allclose(delivered + kept, everything, rtol=0, atol=1e-4)
+    state = compressor.state_dict()["tensors"]["t"]
+    me = hvd.rank()
+    assert np.array_equal(state["residual"].numpy(), residuals[me])
+    assert np.array_equal(state["owner_residual"].numpy(), owner_residuals[me])
+    assert state["owner_layout"] == [num_ranks, me]
+
+
+@pytest.mark.ranks(3)
+def test_top_k_chunk_with_all_the_mass_receives_only_its_share(hvd_torch):
+    # Every rank's largest values lie in rank 0's chunk: the alltoall still carries exactly each owner's
+    # capacity (the bytes do not depend on the data), and the rest waits in the senders' residuals.
+    import torch
+    from horovod_qsgd.codecs import TopKCodec
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    numel = 90_000
+    grad = _gradient(hvd.rank(), numel) * np.float32(1e-3)
+    grad[:30_000] *= np.float32(1e6)
+    compressor = TopK(ratio=0.01, exchange="two_stage")
+    result = hvd.allreduce(torch.from_numpy(grad), name="t", op=hvd.Sum, compression=compressor).numpy()
+    codec, chunks, me = TopKCodec(ratio=0.01), _bounds(numel, 3, 1), hvd.rank()
+    stats = compressor.compression_stats()
+    assert stats["bytes_sent_first_stage"] == sum(codec.max_payload_nbytes(e - b)
+                                                  for j, (b, e) in enumerate(chunks) if j != me)
+    for b, e in chunks:
+        assert np.count_nonzero(result[b:e]) == codec.k(e - b)  # 300 per chunk, whatever the mass
+    residual = compressor.state_dict()["tensors"]["t"]["residual"].numpy()
+    assert np.count_nonzero(residual[:30_000]) == (0 if me == 0 else 30_000 - codec.k(30_000))
+
+
+@pytest.mark.ranks(3)
+def test_owner_residual_from_another_rank_count_is_reset_with_a_warning(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    compressor = TopK(ratio=0.01, exchange="two_stage")
+    hvd.allreduce(torch.from_numpy(_gradient(hvd.rank(), 90_000)), name="t", compression=compressor)
+    state = compressor.state_dict()
+    state["tensors"]["t"]["owner_layout"] = [4, hvd.rank()]  # as if saved by a 4-rank job
+    resumed = TopK(ratio=0.01, exchange="two_stage")
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="saved as rank .* of 4, this is rank .* of 3; it is reset"):
+        hvd.allreduce(torch.from_numpy(_gradient(hvd.rank(), 90_000)), name="t", compression=resumed)
+    assert resumed.state_dict()["tensors"]["t"]["owner_layout"] == [3, hvd.rank()]
+
+
+@pytest.mark.ranks(3)
+def test_residual_from_an_allgather_run_is_delivered_once(hvd_torch):
+    # A residual saved by a job that used the allgather (here: ones everywhere, as a 2-rank job leaves it)
+    # also covers this rank's own chunk, which the two-stage sender never encodes: it must join the owner's
+    # sum exactly once. With zero gradients, results plus all residuals must equal the loaded residuals.
+    import torch
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    numel = 90_000
+    compressor = TopK(ratio=0.01, exchange="two_stage")
+    hvd.allreduce(torch.zeros(numel), name="t", compression=compressor)
+    state = compressor.state_dict()
+    state["tensors"]["t"]["residual"] = torch.ones(numel)
+    state["tensors"]["t"]["owner_residual"] = None
+    compressor.load_state_dict(state)
+    result = hvd.allreduce(torch.zeros(numel), name="t", op=hvd.Sum, compression=compressor)
+    after = compressor.state_dict()["tensors"]["t"]
+    left = hvd.allreduce(after["residual"], name="left", op=hvd.Sum)
+    owned = hvd.allgather(after["owner_residual"], name="owned")
+    assert torch.equal(result + left + owned, torch.full((numel,), 3.0))
