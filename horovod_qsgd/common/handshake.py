@@ -7,6 +7,8 @@ names what differs.
 """
 import json
 
+import numpy as np
+
 from horovod_qsgd import __version__
 from horovod_qsgd.common.errors import CompressionMismatchError
 
@@ -43,3 +45,21 @@ def check_settings(records):
         "horovod_qsgd: ranks use different compression settings:\n" + "\n".join(lines) +
         "\nEvery rank must build the compressor with the same arguments and run the same "
         "horovod_qsgd version.")
+
+
+def verify_settings(compressor, settings, allgather, name):
+    """Exchanges every rank's settings record and raises on all ranks if they differ.
+
+    ``allgather(array, name)`` is the adapter's allgather of a 1-D numpy
+    array over the process set, returning the ranks' arrays concatenated in
+    rank order (numpy); it is called twice, for the record lengths (int64)
+    and for the records (uint8).
+    """
+    record = np.frombuffer(settings_record(compressor, settings), dtype=np.uint8)
+    lengths = allgather(np.array([record.size], dtype=np.int64), f"{name}.lengths")
+    records = allgather(record, f"{name}.records")
+    chunks, offset = [], 0
+    for length in np.asarray(lengths).tolist():
+        chunks.append(np.asarray(records[offset:offset + length]).tobytes())
+        offset += length
+    check_settings(chunks)

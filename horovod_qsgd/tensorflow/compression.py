@@ -41,17 +41,18 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec
-from horovod_qsgd.common.errors import CompressionMismatchError, UnsupportedCollectiveError
+from horovod_qsgd.common.call_site import check_compressible
+from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_notice
-from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
+from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import share_cores
 from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
 
-STATE_FORMAT = 1
 _PASS_THROUGH = None  # Horovod's own compressors use None as "nothing to undo" too
 _PLACEHOLDER_DTYPES = (tf.float16, tf.float32, tf.float64)
 
@@ -152,17 +153,9 @@ class _CompressorBase(tf.Module):
                 or tensor.shape.num_elements() < self.min_numel)
 
     def _check_site(self, site):
-        if site.name is None:
-            raise ValueError(
-                "horovod_qsgd: hvd.allreduce(..., compression=...) called eagerly needs name= for tensors "
-                "that are compressed: the payload is exchanged under a name derived from it, and names "
-                "must be equal on every rank. (Inside tf.function, DistributedGradientTape and "
-                "DistributedOptimizer the name comes from the variable or the graph.)")
-        if site.op is not None and site.op == hvd.Adasum:
-            raise UnsupportedCollectiveError(
-                f"horovod_qsgd: tensor {site.name!r}: op=hvd.Adasum cannot be combined with payload "
-                "compression (Adasum needs the full gradients). Use op=hvd.Average or hvd.Sum, or "
-                "compression=hvd.Compression.none with Adasum.")
+        check_compressible(site.name, site.op is not None and site.op == hvd.Adasum, unnamed_hint=(
+            " (Called eagerly; inside tf.function, DistributedGradientTape and DistributedOptimizer the name "
+            "comes from the variable or the graph.)"))
 
     def _handshake(self, process_set):
         """Once per process set, eagerly (also while a function is traced): all ranks compare settings."""
@@ -172,16 +165,11 @@ class _CompressorBase(tf.Module):
         share_cores(hvd.local_size())
         with tf.init_scope():
             self._check_restored_settings()
-            record = np.frombuffer(settings_record(type(self).__name__, self.settings()), dtype=np.uint8)
-            lengths = hvd.allgather(tf.constant([record.size], dtype=tf.int64),
-                                    name=f"{HANDSHAKE_NAME}.lengths", process_set=process_set)
-            records = hvd.allgather(tf.constant(record), name=f"{HANDSHAKE_NAME}.records",
-                                    process_set=process_set).numpy()
-            chunks, offset = [], 0
-            for length in lengths.numpy().tolist():
-                chunks.append(records[offset:offset + length].tobytes())
-                offset += length
-            check_settings(chunks)
+
+            def allgather(array, name):
+                return hvd.allgather(tf.constant(array), name=name, process_set=process_set).numpy()
+
+            verify_settings(type(self).__name__, self.settings(), allgather, HANDSHAKE_NAME)
         self._runtime.verified_process_sets.add(key)
 
     def _check_restored_settings(self):
@@ -261,16 +249,10 @@ class _CompressorBase(tf.Module):
             entry = tensors.setdefault(name, {"step": 0, "residual": None})
             entry["owner_residual"] = var.numpy().copy()
             entry["owner_layout"] = [int(v) for v in self._owner_layouts[name].numpy()]
-        return {"format": STATE_FORMAT, "compressor": type(self).__name__, "settings": self.settings(),
-                "tensors": tensors}
+        return dict(state_header(type(self).__name__, self.settings()), tensors=tensors)
 
     def load_state_dict(self, state):
-        if state.get("format") != STATE_FORMAT or state.get("compressor") != type(self).__name__:
-            raise ValueError(f"horovod_qsgd: cannot load a {state.get('compressor')!r} state (format "
-                             f"{state.get('format')}) into {type(self).__name__} (format {STATE_FORMAT}).")
-        if state["settings"] != self.settings():
-            raise ValueError(f"horovod_qsgd: the state was written with settings {state['settings']}, "
-                             f"this compressor has {self.settings()}; build it with the same arguments.")
+        check_loadable(state, type(self).__name__, self.settings())
         for name, entry in state["tensors"].items():
             self._step_variable(name).assign(entry["step"])
             if entry.get("owner_residual") is not None:
@@ -593,9 +575,25 @@ class QSGD(PayloadCompressor):
     sends, for each coordinate, its sign and a level
     :math:`\ell_i \in \{0..s\}` with :math:`s = 2^{bits-1}-1`, where
     :math:`|v_i|/\|v\| \cdot s` is rounded up with probability equal to its
-    fractional part, so :math:`E[Q(v)] = v`. Every rank decodes every rank's
-    payload and averages (or sums). The payload bytes are those of
-    ``horovod_qsgd.torch.QSGD`` for the same input, step and key.
+    fractional part, so :math:`E[Q(v)] = v`.
+
+    Exchange. ``"allgather"``: every rank receives every rank's payload and
+    decodes all N of them; it receives :math:`(N-1)P` bytes for a payload of
+    :math:`P`, so it pays off only for a few ranks. ``"two_stage"``: each rank
+    owns 1/N of the buckets; the slices go to their owners (one alltoall),
+    each owner adds its own unquantized slice and the N-1 decoded ones,
+    quantizes the sum again with ``second_stage_bits`` and the re-quantized
+    sums are allgathered: about :math:`(N-1)/N \cdot (P + P_2)` bytes per
+    rank, flat in N like a ring allreduce. ``"auto"`` (default) takes the
+    allgather at 2 ranks and for tensors under 65536 elements (one collective
+    instead of two) and the two stages otherwise. ``compression_stats()``
+    says which exchange each tensor used and the bytes of each stage.
+
+    The second quantization adds the variance of quantizing a sum of N
+    gradients, which does not shrink with N: with 4+4 bits the error of the
+    mean is several times that of the allgather (see
+    ``benchmarks/two_stage_error.py``). ``second_stage_bits=8`` brings it
+    close to the allgather's for :math:`(N-1)/N \cdot 0.5P` more bytes.
 
     Args:
         bits: wire bits per coordinate, 2..8 (2: ternary, 4: s=7, 8: s=127).
@@ -607,24 +605,27 @@ class QSGD(PayloadCompressor):
             Elias-coded sparse form; pays off with few levels, ``norm="l2"``
             and large buckets).
         scale_dtype: ``"float32"`` (default) or ``"float16"`` per-bucket scales.
-        rounding: ``"stochastic"`` (unbiased, default) or ``"nearest"``
-            (deterministic and biased).
+        rounding: ``"stochastic"`` (unbiased, default) or ``"deterministic"``
+            (round to the nearest level: no randomness, but biased).
         min_numel: tensors with fewer elements go through the ordinary
             allreduce unquantized (default 10000, as in the paper).
         seed: seed of the counter-based RNG (rounding depends on seed, step,
             variable name, rank and element index).
+        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
+        second_stage_bits: bits of the owners' re-quantized sums (default:
+            ``bits``).
 
     State: one int64 step counter per compressed gradient (a ``tf.Variable``;
     checkpoint the compressor with ``tf.train.Checkpoint`` to resume
-    bit-exactly).
+    bit-exactly). The payload bytes are those of ``horovod_qsgd.torch.QSGD``
+    for the same input, step and name. Encoding and decoding run on the host
+    (``tf.numpy_function``).
 
     Cost on the wire per rank and step: ``bits + 32/bucket_size`` bits per
-    coordinate plus a 16-byte header; 4 bits with bucket 512 is 4.0625 bits,
-    7.88x fewer than fp32. An allgather delivers every rank's payload to
-    every rank, so received bytes grow with the number of ranks, unlike a
-    ring allreduce: the saving is largest for few ranks and slow links.
-    Compute: one encode of the local gradient and one decode per rank, on the
-    host (``tf.numpy_function``), each a fraction of a memcpy of the gradient.
+    coordinate plus a 16-byte header per payload; 4 bits with bucket 512 is
+    4.0625 bits, 7.88x fewer than fp32. Allgather at N ranks: N-1 payloads
+    received; two stages: 7.8x fewer bytes than a ring allreduce at any N
+    (4+4 bits).
     """
 
     def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
@@ -645,6 +646,24 @@ class TopK(PayloadCompressor):
     magnitudes of the sum are sent as (int32 index, value) pairs and the rest
     stays in the residual: ``sent + r_new == grad + r_old`` exactly.
 
+    Exchange. ``"allgather"``: every rank receives every rank's k pairs,
+    :math:`(N-1) \cdot 8k` bytes, and the result has up to :math:`Nk`
+    nonzeros. ``"two_stage"``: each rank owns 1/N of the coordinates; a rank
+    selects, in every other owner's chunk, the top ``ratio`` of its
+    ``grad + r`` there (with error feedback: what it does not send stays in
+    ``r``, so no chunk can receive more than its share, whatever the
+    gradient), and one alltoall delivers them. The owner adds its own chunk
+    of ``grad + r`` (uncompressed) and the received pairs, adds its
+    *owner-side residual*, selects the top ``ratio`` of that sum and keeps
+    the rest in the owner-side residual; the owners' selections are
+    allgathered. Nothing is lost: ``sent + sum of all residuals`` equals the
+    sum of all gradients. About :math:`2 (N-1)/N \cdot 8k` bytes per rank,
+    flat in N, and about k nonzeros in the result. ``"auto"`` (default):
+    the allgather at 2 ranks and for tensors under 65536 elements, the two
+    stages otherwise. The owner-side residual is per-rank state of the
+    owned chunk; it is in ``state_dict()`` and is reset (with a warning)
+    when the job resumes with another number of ranks.
+
     Args:
         ratio: fraction of coordinates sent (default 0.01).
         selector: ``"exact"`` (exactly the k largest, default), ``"gaussian"``
@@ -657,17 +676,15 @@ class TopK(PayloadCompressor):
         sample_ratio: fraction of coordinates the ``"sample"`` selector reads.
         min_numel: smaller tensors are allreduced unchanged (default 10000).
         seed: seed for the ``"sample"`` selector.
-
-    State: per compressed gradient an int64 step counter and, with error
-    feedback, an fp32 residual of the gradient's size (``tf.Variable``\ s,
-    saved by ``tf.train.Checkpoint``; residuals differ between ranks, so every
-    rank saves its own checkpoint).
+        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
 
     Cost on the wire per rank and step: a fixed capacity of entries (k for
     exact, somewhat more for the approximate selectors) times 8 bytes (6 with
     fp16 values) plus a 16-byte header: at ratio 0.01, 0.08 bytes per
-    coordinate instead of 4. Memory: one fp32 copy of every compressed
-    gradient for the residual.
+    coordinate instead of 4. The residual costs one fp32 copy of every
+    compressed gradient in memory, and it is per-rank state: per compressed
+    gradient an int64 step counter and the fp32 residuals are ``tf.Variable``\ s,
+    saved by ``tf.train.Checkpoint``; every rank saves its own.
     """
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",

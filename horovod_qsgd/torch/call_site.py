@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import horovod.torch as hvd
 import torch
 
+from horovod_qsgd.common.call_site import check_compressible
 from horovod_qsgd.common.errors import UnsupportedCollectiveError
 
 _MPI_OPS = "horovod.torch.mpi_ops"
@@ -85,13 +86,4 @@ def find_call_site(tensor):
 
 def check_site(site):
     """Raises unless a payload can be exchanged for this call: it needs a name and a summing op."""
-    if site.name is None:
-        raise ValueError(
-            "horovod_qsgd: hvd.allreduce(..., compression=...) needs name= for tensors that are "
-            "compressed: the payload is exchanged under a name derived from it, and names must be "
-            "equal on every rank.")
-    if site.op == hvd.Adasum:
-        raise UnsupportedCollectiveError(
-            f"horovod_qsgd: tensor {site.name!r}: op=hvd.Adasum cannot be combined with payload "
-            "compression (Adasum needs the full gradients). Use op=hvd.Average or hvd.Sum, or "
-            "compression=hvd.Compression.none with Adasum.")
+    check_compressible(site.name, site.op == hvd.Adasum)

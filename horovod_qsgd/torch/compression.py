@@ -35,12 +35,12 @@ from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_notice
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
+from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.torch.call_site import check_site, find_call_site
 from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
-STATE_FORMAT = 1
 _PASS_THROUGH = object()
 # Horovod's torch collectives have no bfloat16 kernels: such tensors travel as fp32.
 _HOROVOD_FLOATS = (torch.float16, torch.float32, torch.float64)
@@ -155,18 +155,12 @@ class _CompressorBase:
         def copy(t):
             return None if t is None else t.clone()
 
-        return {"format": STATE_FORMAT, "compressor": type(self).__name__, "settings": self.settings(),
-                "tensors": {name: {"step": s.step, "residual": copy(s.residual),
+        return dict(state_header(type(self).__name__, self.settings()), tensors={name: {"step": s.step, "residual": copy(s.residual),
                                    "owner_residual": copy(s.owner_residual), "owner_layout": s.owner_layout}
-                            for name, s in self._states.items()}}
+                            for name, s in self._states.items()})
 
     def load_state_dict(self, state):
-        if state.get("format") != STATE_FORMAT or state.get("compressor") != type(self).__name__:
-            raise ValueError(f"horovod_qsgd: cannot load a {state.get('compressor')!r} state (format "
-                             f"{state.get('format')}) into {type(self).__name__} (format {STATE_FORMAT}).")
-        if state["settings"] != self.settings():
-            raise ValueError(f"horovod_qsgd: the checkpoint was written with settings {state['settings']}, "
-                             f"this compressor has {self.settings()}; build it with the same arguments.")
+        check_loadable(state, type(self).__name__, self.settings())
         def copy(t):
             return None if t is None else t.clone()
 

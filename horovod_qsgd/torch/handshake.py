@@ -2,7 +2,7 @@
 import horovod.torch as hvd
 import torch
 
-from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.threads import share_cores
 
 
@@ -13,8 +13,9 @@ def check_settings_across_ranks(kind, settings, name, process_set):
     this rank's kernels its share of the machine's cores.
     """
     share_cores(hvd.local_size())
-    record = torch.frombuffer(bytearray(settings_record(kind, settings)), dtype=torch.uint8)
-    lengths = hvd.allgather(torch.tensor([record.numel()], dtype=torch.int64),
-                            name=f"{name}.lengths", process_set=process_set)
-    records = hvd.allgather(record, name=f"{name}.records", process_set=process_set)
-    check_settings([bytes(c.numpy()) for c in torch.split(records, lengths.tolist())])
+
+    def allgather(array, collective_name):
+        return hvd.allgather(torch.from_numpy(array.copy()), name=collective_name,
+                             process_set=process_set).numpy()
+
+    verify_settings(kind, settings, allgather, name)
