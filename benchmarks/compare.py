@@ -20,7 +20,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import netlab, report  # noqa: E402
-from benchmarks.compressors import SPECS, benchmark_flags  # noqa: E402
+from benchmarks.compressors import STANDARD, benchmark_flags  # noqa: E402
 
 QUICK = ["none", "fp16", "qsgd-4bit", "topk-1%", "gaussiank-0.1%", "randomk-1%"]
 
@@ -64,7 +64,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the short main job: 1gbit, 6 compressors")
     parser.add_argument("--frameworks", default="pytorch", help="pytorch, tensorflow or both, comma-separated")
     parser.add_argument("--model", default="mlp25m")
-    parser.add_argument("--compressors", default=",".join(SPECS))
+    parser.add_argument("--compressors", default=",".join(STANDARD))
     parser.add_argument("--rates", default="1gbit", help="comma-separated tc rates, 'none' for unshaped")
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)

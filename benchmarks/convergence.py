@@ -294,8 +294,8 @@ def main():
             report(json.load(f), epoch=args.epoch)
         return
     if args.compressors is None:
-        from benchmarks.compressors import SPECS
-        args.compressors = ",".join(SPECS)
+        from benchmarks.compressors import STANDARD
+        args.compressors = ",".join(STANDARD)
     run_study(args)
 
 

@@ -31,7 +31,7 @@ def parse_args(description, argv=None):
     parser.add_argument("--selector", default="exact")
     parser.add_argument("--min-numel", type=int, default=10000)
     parser.add_argument("--exchange", default="auto", choices=["auto", "allgather", "two_stage"],
-                        help="QSGD's exchange")
+                        help="QSGD's and TopK's exchange")
     parser.add_argument("--second-stage-bits", type=int, default=None, help="QSGD's second-stage bits")
     parser.add_argument("--json-out", help="write the measurements here (rank 0)")
     return parser.parse_args(argv)
@@ -45,7 +45,8 @@ def make_compression(args, adapter):
         "qsgd": lambda: adapter.QSGD(bits=args.bits, bucket_size=args.bucket_size, norm=args.norm,
                                      encoding=args.encoding, min_numel=args.min_numel, exchange=args.exchange,
                                      second_stage_bits=args.second_stage_bits),
-        "topk": lambda: adapter.TopK(ratio=args.ratio, selector=args.selector, min_numel=args.min_numel),
+        "topk": lambda: adapter.TopK(ratio=args.ratio, selector=args.selector, min_numel=args.min_numel,
+                                     exchange=args.exchange),
         "randomk": lambda: adapter.RandomK(ratio=args.ratio, error_feedback=True, min_numel=args.min_numel),
     }
     return kinds[args.compression]()

@@ -16,6 +16,13 @@ PyTorch twins in :mod:`horovod_qsgd.torch`:
    multiplies it by ``placeholder / num_ranks`` (sum or average, whatever the
    caller asked Horovod for).
 
+From 3 ranks, large tensors take the two-stage exchange instead
+(:mod:`horovod_qsgd.common.two_stage`): ``compress`` alltoalls the slices
+each owner needs, ``decompress`` sums and re-encodes this rank's owned
+chunk, allgathers it and decodes the owners' sums (TensorFlow's executor
+starts the collectives as their inputs are ready, so no order of calls can
+deadlock them).
+
 :class:`RandomK` returns the k values every rank selects with a shared seed
 and lets Horovod's allreduce sum them.
 

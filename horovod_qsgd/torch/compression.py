@@ -18,6 +18,13 @@ work like this:
    against its own, decodes all payloads in rank order into one fp32 sum and
    multiplies it by ``placeholder / num_ranks``.
 
+From 3 ranks, large tensors take the two-stage exchange instead
+(:mod:`horovod_qsgd.common.two_stage`): ``compress`` starts an
+``hvd.alltoall_async`` of the slices each owner needs; the first
+``decompress`` of a step sums and re-encodes this rank's owned chunk of
+every pending tensor and starts their allgathers, in name order; each
+``decompress`` then decodes the owners' sums.
+
 :class:`RandomK` needs none of this: every rank picks the same coordinates
 from a shared seed, so the optimizer's own allreduce sums the selected values.
 
@@ -253,6 +260,14 @@ def _host_reader(buffer):
     return lambda offset, length: bytes(buffer[offset:offset + length].cpu().numpy())
 
 
+class _FirstStage:
+    """What ``_encode`` started for a two-stage tensor: the alltoall, the plan, this rank's own chunk."""
+    __slots__ = ("handle", "stage", "own")
+
+    def __init__(self, handle, stage, own):
+        self.handle, self.stage, self.own = handle, stage, own
+
+
 class _TwoStagePending(_Pending):
     """A tensor between its first-stage alltoall and the end of its second-stage allgather."""
     __slots__ = ("stage", "own", "process_set", "state", "second_handle")
@@ -316,15 +331,13 @@ class PayloadCompressor(_CompressorBase):
                                     name=PAYLOAD_PREFIX + site.name, process_set=site.process_set)
         placeholder = self._placeholder(tensor)
         self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used)
-        # _make_context turns this into the pending entry
-        return placeholder, (handle, stage, own), used + placeholder.element_size()
+        return placeholder, _FirstStage(handle, stage, own), used + placeholder.element_size()
 
     def _make_context(self, handle, site, tensor, state, out):
-        if not isinstance(handle, tuple):
+        if not isinstance(handle, _FirstStage):
             return super()._make_context(handle, site, tensor, state, out)
-        first_handle, stage, own = handle
-        ctx = _TwoStagePending(first_handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(),
-                               state.step, out, stage, own, site.process_set, state)
+        ctx = _TwoStagePending(handle.handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(),
+                               state.step, out, handle.stage, handle.own, site.process_set, state)
         with self._lock:
             self._awaiting_second_stage.append(ctx)
         return ctx

@@ -267,3 +267,62 @@ def test_residual_from_an_allgather_run_is_delivered_once(hvd_torch):
     left = hvd.allreduce(after["residual"], name="left", op=hvd.Sum)
     owned = hvd.allgather(after["owner_residual"], name="owned")
     assert torch.equal(result + left + owned, torch.full((numel,), 3.0))
+
+
+@pytest.mark.ranks(4, timeout=150)
+def test_two_stages_in_a_process_set_of_three_with_groups_and_predivide(hvd_torch):
+    # Ranks 1-3 form the process set (owners are set ranks 0-2); rank 0 waits outside. The optimizer groups
+    # the two weights and pre-divides: the result must still be the reference average over the three.
+    import horovod.torch as hvd
+    import torch
+    from horovod_qsgd.codecs import QSGDCodec
+    from horovod_qsgd.torch import QSGD
+    trio = hvd.ProcessSet([1, 2, 3])
+    hvd.init(process_sets=[trio])
+    if hvd.rank() == 0:
+        hvd.barrier()
+        return
+    try:
+        numel = 70_001
+        me = trio.rank()
+        params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(2)]
+        compressor = QSGD(bits=4)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), named_parameters=[("a", params[0]),
+                                       ("b", params[1])], compression=compressor, process_set=trio,
+                                       groups=[params], gradient_predivide_factor=2.0)
+        grads = {name: [_gradient(r + 7 * i, numel) for r in range(3)] for i, name in enumerate("ab")}
+        for p, name in zip(params, "ab"):
+            p.grad = torch.from_numpy(grads[name][me].copy())
+        opt.synchronize()
+        codec = QSGDCodec(bits=4)
+        for p, name in zip(params, "ab"):
+            want = _reference(codec, codec, name, grads[name], 0, 512) * np.float32(1 / 3)
+            assert np.array_equal(p.grad.numpy(), want), name
+        assert compressor.compression_stats()["exchanges"] == {"a": "two_stage", "b": "two_stage"}
+    finally:
+        hvd.barrier()
+
+
+@pytest.mark.ranks(3)
+def test_resume_from_state_dict_is_bit_exact_with_the_owner_residual(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    numel, me = 90_000, hvd.rank()
+
+    def step(compressor, s):
+        return hvd.allreduce(torch.from_numpy(_gradient(me, numel, s)), name="t", compression=compressor)
+
+    running = TopK(ratio=0.01, exchange="two_stage")
+    for s in range(2):
+        step(running, s)
+    saved = running.state_dict()
+    assert saved["tensors"]["t"]["owner_residual"].abs().sum() > 0  # the owner kept something back
+    uninterrupted = [step(running, s) for s in (2, 3)]
+    resumed = TopK(ratio=0.01, exchange="two_stage")
+    resumed.load_state_dict(saved)
+    after_resume = [step(resumed, s) for s in (2, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, after_resume))
+    fresh = TopK(ratio=0.01, exchange="two_stage")
+    fresh.load_state_dict(dict(saved, tensors={"t": dict(saved["tensors"]["t"], owner_residual=None)}))
+    assert not torch.equal(step(fresh, 2), uninterrupted[0])  # so the owner residual is what made it exact
