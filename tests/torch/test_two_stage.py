@@ -270,16 +270,17 @@ def test_residual_from_an_allgather_run_is_delivered_once(hvd_torch):
 
 
 @pytest.mark.ranks(4, timeout=150)
-def test_two_stages_in_a_process_set_of_three_with_groups_and_predivide(hvd_torch):
-    # Ranks 1-3 form the process set (owners are set ranks 0-2); rank 0 waits outside. The optimizer groups
-    # the two weights and pre-divides: the result must still be the reference average over the three.
+def test_two_stages_in_a_process_set_of_three_with_groups_and_predivide():
+    # Ranks 0-2 form the process set; rank 3 waits outside (Horovod's optimizer broadcasts the groups from
+    # global rank 0, which must be in the set). The optimizer groups the two weights and pre-divides: the
+    # result must still be the reference average over the three.
     import horovod.torch as hvd
     import torch
     from horovod_qsgd.codecs import QSGDCodec
     from horovod_qsgd.torch import QSGD
-    trio = hvd.ProcessSet([1, 2, 3])
+    trio = hvd.ProcessSet([0, 1, 2])
     hvd.init(process_sets=[trio])
-    if hvd.rank() == 0:
+    if hvd.rank() == 3:
         hvd.barrier()
         return
     try:
