@@ -327,3 +327,24 @@ def test_resume_from_state_dict_is_bit_exact_with_the_owner_residual(hvd_torch):
     fresh = TopK(ratio=0.01, exchange="two_stage")
     fresh.load_state_dict(dict(saved, tensors={"t": dict(saved["tensors"]["t"], owner_residual=None)}))
     assert not torch.equal(step(fresh, 2), uninterrupted[0])  # so the owner residual is what made it exact
+
+
+@pytest.mark.ranks(3)
+def test_backward_passes_per_step_sends_the_accumulated_gradient_once(hvd_torch):
+    import torch
+    from horovod_qsgd.codecs import QSGDCodec
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    numel, me = 70_001, hvd.rank()
+    param = torch.nn.Parameter(torch.zeros(numel))
+    compressor = QSGD(bits=4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([param], lr=1.0), named_parameters=[("w", param)],
+                                   compression=compressor, backward_passes_per_step=2, op=hvd.Sum)
+    parts = [[_gradient(r, numel, s) for s in range(2)] for r in range(3)]
+    for s in range(2):
+        (param * torch.from_numpy(parts[me][s])).sum().backward()
+    opt.synchronize()
+    accumulated = [p[0] + p[1] for p in parts]  # float32, as autograd accumulates them
+    codec = QSGDCodec(bits=4)
+    assert np.array_equal(param.grad.numpy(), _reference(codec, codec, "w", accumulated, 0, 512))
+    assert compressor.compression_stats()["tensors_two_stage"] == 1
