@@ -14,13 +14,17 @@ alike, :func:`chunk_bounds`):
 
 A rank sends and receives about ``(N-1)/N`` of a first-stage payload and
 ``(N-1)/N`` of a second-stage payload: flat in N, like a ring allreduce, at
-the cost of a second quantization of the sum. The owner decodes its own
+the cost of a second compression of the sum. The owner decodes its own
 re-encoded sum like everybody else, so every rank ends with the same bits.
 
+Top-k runs the same two stages with error feedback on both sides: a sender
+selects within each owner's chunk (what it does not send stays in its
+residual, so no chunk receives more than its share) and moves its own
+chunk's residual into its own contribution; the owner selects from its sum
+plus an owner-side residual, which keeps what the owner did not send.
+
 Everything here works on codec arrays (numpy, or CUDA arrays for the CUDA
-kernels) and on the adapters' two callbacks: ``alloc(nbytes)`` for a zeroed
-uint8 buffer and ``zeros(n)`` / ``copy(src)`` for float32 arrays. The
-collectives themselves are the adapters' job.
+kernels) that the adapters allocate; the collectives are the adapters' job.
 """
 import zlib
 
@@ -32,13 +36,8 @@ EXCHANGES = ("allgather", "two_stage", "auto")
 AUTO_TWO_STAGE_MIN_NUMEL = 1 << 16
 
 
-def owner_residual_size(numel, num_ranks, rank, codec):
-    """Elements of the owner-side residual one rank keeps for a tensor (its owned chunk)."""
-    begin, end = chunk_bounds(numel, num_ranks, _unit(codec))[rank]
-    return end - begin
-
-
 def check_exchange(exchange):
+    """``exchange``, or ValueError naming the allowed values."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} is not supported; allowed values: "
                          + ", ".join(repr(e) for e in EXCHANGES))

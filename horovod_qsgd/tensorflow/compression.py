@@ -47,7 +47,7 @@ from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
-from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec
+from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common.call_site import check_compressible
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_notice
@@ -102,14 +102,14 @@ class _Step:
 
 class _Context:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
-    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "stage", "flat", "process_set")
+    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "stage", "own", "process_set")
 
-    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, stage=None, flat=None,
+    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, stage=None, own=None,
                  process_set=None):
         self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
         self.gathered, self.step = gathered, step
-        # two-stage exchange: gathered holds the first stage's received slices until decompress
-        self.stage, self.flat, self.process_set = stage, flat, process_set
+        # two-stage exchange: gathered holds the first stage's received slices, own this rank's own chunk
+        self.stage, self.own, self.process_set = stage, own, process_set
 
 
 class _CompressorBase(tf.Module):
@@ -225,7 +225,7 @@ class _CompressorBase(tf.Module):
         return var
 
     def _owner_residual_variables(self, name, size, layout):
-        """(owner residual, layout) variables of a tensor; recreated (with a warning) for another rank count."""
+        """The owner-side residual variable of a tensor; recreated (with a warning) for another rank count."""
         with self._runtime.lock, tf.init_scope():
             var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
             saved = None if layout_var is None else [int(v) for v in layout_var.numpy()]
@@ -493,7 +493,7 @@ class PayloadCompressor(_CompressorBase):
             received, _ = hvd.alltoall(slices, splits=splits, name=_op_name(PAYLOAD_PREFIX + step.name),
                                        process_set=process_set)
             return placeholder, _Context(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
-                                         step=step.value, stage=stage, flat=own, process_set=process_set)
+                                         step=step.value, stage=stage, own=own, process_set=process_set)
 
         def on_encoded(nbytes, seconds):
             stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
@@ -530,10 +530,10 @@ class PayloadCompressor(_CompressorBase):
             return out if owner_residual is None else (out, owner_residual)
 
         if owner_var is None:
-            payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.flat, ctx.step], tf.uint8,
+            payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step], tf.uint8,
                                         stateful=False, name="horovod_qsgd_encode_sum")
         else:
-            payload, new_owner = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.flat, ctx.step,
+            payload, new_owner = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step,
                                                                     owner_var.read_value()],
                                                    [tf.uint8, tf.float32], stateful=False,
                                                    name="horovod_qsgd_encode_sum")
@@ -597,10 +597,12 @@ class QSGD(PayloadCompressor):
     says which exchange each tensor used and the bytes of each stage.
 
     The second quantization adds the variance of quantizing a sum of N
-    gradients, which does not shrink with N: with 4+4 bits the error of the
-    mean is several times that of the allgather (see
-    ``benchmarks/two_stage_error.py``). ``second_stage_bits=8`` brings it
-    close to the allgather's for :math:`(N-1)/N \cdot 0.5P` more bytes.
+    gradients, which does not shrink with N: with 4+4 bits the relative
+    error of the averaged gradient is 0.21 at 8 ranks against the
+    allgather's 0.09 (``benchmarks/two_stage_error.py``).
+    ``second_stage_bits=8`` brings it to 0.085, below the allgather's, for
+    :math:`(N-1)/N \cdot 0.5P` more bytes. On digits neither showed in
+    accuracy at 4 or 8 ranks (``benchmarks/results/convergence-two-stage``).
 
     Args:
         bits: wire bits per coordinate, 2..8 (2: ternary, 4: s=7, 8: s=127).
