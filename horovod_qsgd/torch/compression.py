@@ -44,8 +44,8 @@ from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_no
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.torch.call_site import check_site, find_call_site
 from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
+from horovod_qsgd.torch.call_site import check_site, find_call_site
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 _PASS_THROUGH = object()
@@ -59,6 +59,10 @@ def as_array(tensor):
         from numba import cuda
         return cuda.as_cuda_array(tensor)
     return tensor.numpy()
+
+
+def _clone(tensor):
+    return None if tensor is None else tensor.clone()
 
 
 def _flat_fp32(tensor):
@@ -159,19 +163,14 @@ class _CompressorBase:
         (e.g. ``torch.save(c.state_dict(), f"compressor.{hvd.rank()}.pt")``)
         to resume bit-exactly.
         """
-        def copy(t):
-            return None if t is None else t.clone()
-
-        return dict(state_header(type(self).__name__, self.settings()), tensors={name: {"step": s.step, "residual": copy(s.residual),
-                                   "owner_residual": copy(s.owner_residual), "owner_layout": s.owner_layout}
-                            for name, s in self._states.items()})
+        return dict(state_header(type(self).__name__, self.settings()), tensors={
+            name: {"step": s.step, "residual": _clone(s.residual), "owner_residual": _clone(s.owner_residual),
+                   "owner_layout": s.owner_layout}
+            for name, s in self._states.items()})
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
-        def copy(t):
-            return None if t is None else t.clone()
-
-        self._states = {name: _TensorState(t["step"], copy(t["residual"]), copy(t.get("owner_residual")),
+        self._states = {name: _TensorState(t["step"], _clone(t["residual"]), _clone(t.get("owner_residual")),
                                            t.get("owner_layout"))
                         for name, t in state["tensors"].items()}
 
