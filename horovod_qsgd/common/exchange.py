@@ -62,14 +62,10 @@ def check_payloads(read_bytes, total_nbytes, senders, numels, codec, tensor_name
     return spans
 
 
-def payload_spans(read_bytes, total_nbytes, num_ranks, codec, numel, tensor_name):
-    """[(start, end)] of each rank's payload in an allgather's result, in rank order (see check_payloads)."""
-    return check_payloads(read_bytes, total_nbytes, range(num_ranks), [numel] * num_ranks, codec, tensor_name)
-
-
 def decode_sum(codec, gathered, read_bytes, num_ranks, numel, tensor_name, total):
     """Adds every rank's payload in an allgather's result, checked and decoded in rank order, to ``total``."""
-    for begin, end in payload_spans(read_bytes, gathered.size, num_ranks, codec, numel, tensor_name):
+    for begin, end in check_payloads(read_bytes, gathered.size, range(num_ranks), [numel] * num_ranks, codec,
+                                     tensor_name):
         codec.decode_accumulate(gathered[begin:end], total)
 
 

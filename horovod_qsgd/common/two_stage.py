@@ -36,6 +36,13 @@ EXCHANGES = ("allgather", "two_stage", "auto")
 AUTO_TWO_STAGE_MIN_NUMEL = 1 << 16
 
 
+def owner_layout_changed(tensor_name, saved, layout):
+    """The warning when an owner-side residual saved as rank saved[1] of saved[0] meets rank layout[1] of layout[0]."""
+    return (f"horovod_qsgd: tensor {tensor_name!r}: the owner-side residual was saved as rank {saved[1]} of "
+            f"{saved[0]}, this is rank {layout[1]} of {layout[0]}; it is reset to zeros (its unsent mass is "
+            "lost once).")
+
+
 def check_exchange(exchange):
     """``exchange``, or ValueError naming the allowed values."""
     if exchange not in EXCHANGES:

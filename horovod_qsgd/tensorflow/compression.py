@@ -56,7 +56,8 @@ from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_ST
 from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import share_cores
-from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
+from horovod_qsgd.common.two_stage import (TwoStage, check_exchange, choose_exchange, owner_layout_changed,
+                                           qsgd_codecs)
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
 
@@ -230,9 +231,7 @@ class _CompressorBase(tf.Module):
             var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
             saved = None if layout_var is None else [int(v) for v in layout_var.numpy()]
             if var is not None and (var.shape.num_elements() != size or saved != layout):
-                warnings.warn(f"horovod_qsgd: tensor {name!r}: the owner-side residual was saved as rank "
-                              f"{saved[1]} of {saved[0]}, this is rank {layout[1]} of {layout[0]}; it is reset "
-                              "to zeros (its unsent mass is lost once).")
+                warnings.warn(owner_layout_changed(name, saved, layout))
                 var = None
             if var is None:
                 var = self._owner_residuals[name] = _new_variable(np.zeros(size, np.float32),
@@ -440,6 +439,9 @@ class PayloadCompressor(_CompressorBase):
         self.second_codec = second_codec
         super().__init__(codec, min_numel)
 
+    def settings(self):
+        return dict(super().settings(), exchange=self.exchange)
+
     @_adapter_method
     def compress(self, tensor):
         step = self._begin(tensor)
@@ -644,7 +646,7 @@ class QSGD(PayloadCompressor):
         super().__init__(codec, min_numel, exchange, second)
 
     def settings(self):
-        return dict(super().settings(), exchange=self.exchange, second_stage_bits=self.second_codec.bits)
+        return dict(super().settings(), second_stage_bits=self.second_codec.bits)
 
 
 class TopK(PayloadCompressor):
@@ -702,9 +704,6 @@ class TopK(PayloadCompressor):
                           seed=seed, sample_ratio=sample_ratio)
         self.uses_residual = bool(error_feedback)
         super().__init__(codec, min_numel, check_exchange(exchange), codec)
-
-    def settings(self):
-        return dict(super().settings(), exchange=self.exchange)
 
 
 class RandomK(_CompressorBase):

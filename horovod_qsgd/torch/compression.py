@@ -44,7 +44,8 @@ from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_no
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
+from horovod_qsgd.common.two_stage import (TwoStage, check_exchange, choose_exchange, owner_layout_changed,
+                                           qsgd_codecs)
 from horovod_qsgd.torch.call_site import check_site, find_call_site
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
@@ -293,6 +294,9 @@ class PayloadCompressor(_CompressorBase):
         self.second_codec = second_codec
         self._awaiting_second_stage = []
 
+    def settings(self):
+        return dict(super().settings(), exchange=self.exchange)
+
     def _key(self, name, process_set):
         return rank_key(name, process_set.rank())
 
@@ -382,9 +386,7 @@ class PayloadCompressor(_CompressorBase):
             return None
         state, layout = ctx.state, [ctx.stage.num_ranks, ctx.stage.rank]
         if state.owner_residual is not None and list(state.owner_layout or []) != layout:
-            warnings.warn(f"horovod_qsgd: tensor {ctx.name!r}: the owner-side residual was saved as rank "
-                          f"{state.owner_layout[1]} of {state.owner_layout[0]}, this is rank {layout[1]} of "
-                          f"{layout[0]}; it is reset to zeros (its unsent mass is lost once).")
+            warnings.warn(owner_layout_changed(ctx.name, state.owner_layout, layout))
             state.owner_residual = None
         if state.owner_residual is None:
             state.owner_residual = torch.zeros_like(total)
@@ -476,7 +478,7 @@ class QSGD(PayloadCompressor):
         super().__init__(codec, min_numel, exchange, second)
 
     def settings(self):
-        return dict(super().settings(), exchange=self.exchange, second_stage_bits=self.second_codec.bits)
+        return dict(super().settings(), second_stage_bits=self.second_codec.bits)
 
 
 class TopK(PayloadCompressor):
@@ -534,9 +536,6 @@ class TopK(PayloadCompressor):
                           seed=seed, sample_ratio=sample_ratio)
         super().__init__(codec, min_numel, check_exchange(exchange), codec)
         self.uses_residual = bool(error_feedback)
-
-    def settings(self):
-        return dict(super().settings(), exchange=self.exchange)
 
 
 class RandomK(_CompressorBase):
