@@ -26,12 +26,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import netlab  # noqa: E402
+from benchmarks.compressors import benchmark_flags, build  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = [("uncompressed", ["--compression", "none"]),
-           ("QSGD(bits=4)", ["--compression", "qsgd", "--bits", "4"]),
-           ("QSGD(bits=4, exchange='allgather')", ["--compression", "qsgd", "--bits", "4", "--exchange", "allgather"]),
-           ("TopK(ratio=0.01)", ["--compression", "topk", "--ratio", "0.01"])]
+# (configuration in benchmarks/compressors.py, label in the table)
+CONFIGS = [("none", "uncompressed"), ("qsgd-4bit", "QSGD(bits=4)"),
+           ("qsgd-4bit-allgather", "QSGD(bits=4, exchange='allgather')"), ("topk-1%", "TopK(ratio=0.01)")]
 
 
 def run(framework, ranks, flags, model, tmp):
@@ -47,7 +47,7 @@ def run(framework, ranks, flags, model, tmp):
         return json.load(f)
 
 
-def formula(model, ranks, config):
+def formula(model, ranks, name):
     """Bytes all ranks put on the wire per step, from the model's tensor sizes and the codecs alone.
 
     Ring allreduce (Gloo): ``2 (N-1)/N`` of the buffer per rank. Allgather: every
@@ -57,7 +57,7 @@ def formula(model, ranks, config):
     from benchmarks.models_torch import build_model
     from horovod_qsgd.common.two_stage import chunk_bounds, choose_exchange
     import horovod_qsgd.torch as adapter
-    compressor = None if config == "uncompressed" else eval(config, {}, vars(adapter))  # noqa: S307 - our table
+    compressor = None if name == "none" else build(name, adapter)
     total = 0.0
     for p in build_model(model).parameters():
         n = p.numel()
@@ -90,16 +90,16 @@ def main():
     rows = []
     for ranks in (int(r) for r in args.ranks.split(",")):
         base = None
-        for name, flags in CONFIGS:
-            result = run(args.framework, ranks, flags, args.model, tmp)
+        for name, label in CONFIGS:
+            result = run(args.framework, ranks, benchmark_flags(name), args.model, tmp)
             wire = result["wire_bytes_per_step"]
             base = base or wire
-            row = dict(ranks=ranks, config=name, wire_mb=wire / 1e6, formula_mb=formula(args.model, ranks, name) / 1e6,
+            row = dict(ranks=ranks, config=label, wire_mb=wire / 1e6, formula_mb=formula(args.model, ranks, name) / 1e6,
                        reduction=base / wire, control_mb=result["control_bytes_per_step"] / 1e6,
                        first_stage_mb=result["first_stage_bytes_per_step"] / 1e6,
                        second_stage_mb=result["second_stage_bytes_per_step"] / 1e6)
             rows.append(row)
-            print(f"{ranks} ranks  {name:36s} {row['wire_mb']:8.2f} MB/step  {row['reduction']:6.1f}x fewer  "
+            print(f"{ranks} ranks  {label:36s} {row['wire_mb']:8.2f} MB/step  {row['reduction']:6.1f}x fewer  "
                   f"formula {row['formula_mb']:8.2f} MB ({100 * (row['wire_mb'] / row['formula_mb'] - 1):+.1f}%)",
                   flush=True)
     os.makedirs(args.out, exist_ok=True)
