@@ -1,7 +1,9 @@
-"""Compare compressors under ``horovodrun -np 2`` on a real, shaped network.
+"""Compare compressors under ``horovodrun`` on a real, shaped network, at one or several rank counts.
 
     python benchmarks/compare.py --quick            # the README's main job, a few minutes
     python benchmarks/compare.py --rates 100mbit,1gbit,10gbit,none --out benchmarks/results/full
+    python benchmarks/compare.py --ranks 2,4,8 --exchanges allgather,two_stage,auto --model mlp10m \
+        --compressors none,qsgd-4bit,topk-1% --out benchmarks/results/scaling
 
 Each configuration runs the synthetic benchmark in a fresh private network
 namespace whose loopback is shaped with ``tc`` to the given rate (``none``:
@@ -9,6 +11,17 @@ unshaped), and reports throughput, step time, bytes on the wire per step
 (counted by the namespace's /proc/net/dev) and the time spent encoding and
 decoding. Without root (no namespaces) it runs on the host's loopback,
 unshaped, and says so.
+
+``--ranks``: all N ranks of a run share one namespace, so its shaped rate is
+shared by every rank's traffic (a switch would give each rank its own link;
+``benchmarks/scaling.py`` models both). Ranks beyond the cores oversubscribe
+them, which stretches every rank's compute; the comparison therefore first
+times one rank's compute alone (``-np 1``, uncompressed, one thread) and
+records it beside each run as ``compute_alone_seconds``.
+
+``--exchanges``: QSGD and Top-k run once per exchange (``auto`` keeps the
+configuration's name, the others are appended to it); compressors without an
+exchange run once.
 """
 import argparse
 import csv
@@ -20,42 +33,86 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import netlab, report  # noqa: E402
-from benchmarks.compressors import STANDARD, benchmark_flags  # noqa: E402
+from benchmarks.compressors import SPECS, STANDARD, benchmark_flags  # noqa: E402
 
 QUICK = ["none", "fp16", "qsgd-4bit", "topk-1%", "gaussiank-0.1%", "randomk-1%"]
 
 
-def run_one(framework, name, rate, args, out_dir):
-    result_path = os.path.join(out_dir, f"{framework}-{args.model}-{name}-{rate}.json")
+EXCHANGING = {"QSGD", "TopK"}  # the classes that take exchange=
+
+
+def configurations(names, exchanges):
+    """[(label, configuration name, exchange or None)]: one per exchange for QSGD and Top-k."""
+    rows = []
+    for name in names:
+        if SPECS[name][0] not in EXCHANGING or "exchange" in (SPECS[name][1] or {}):
+            rows.append((name, name, None))
+            continue
+        for exchange in exchanges:
+            rows.append((name if exchange == "auto" else f"{name}-{exchange}", name, exchange))
+    return rows
+
+
+def run_one(framework, label, name, exchange, ranks, rate, args, out_dir):
+    suffix = "" if ranks == 2 and len(args.ranks) == 1 else f"-{ranks}ranks"
+    result_path = os.path.join(out_dir, f"{framework}-{args.model}-{label}-{rate}{suffix}.json")
     if not (args.reuse and os.path.exists(result_path)):
         script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
-        job = [*netlab.HOROVODRUN, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
+        flags = benchmark_flags(name) + (["--exchange", exchange] if exchange else [])
+        job = [*netlab.HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
                script, "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters",
                str(args.num_iters), "--num-batches-per-iter", str(args.num_batches_per_iter),
-               "--json-out", result_path, *benchmark_flags(name)]
+               "--json-out", result_path, *flags]
         # One framework thread per rank, as the README advises for ranks sharing a machine: TensorFlow's
         # default pools (a thread per core each) held up the host ops (Top-k 0.1% at 1 Gbit/s: 5.38x -> 6.82x).
         netlab.run_horovod_job(job, rate, shaped=args.namespaces, timeout=args.timeout,
-                               env=dict(os.environ, OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-                                        TF_NUM_INTEROP_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3"),
-                               what=f"{framework} {name} at {rate}")
+                               env=ONE_THREAD_ENV, what=f"{framework} {label} at {rate}, {ranks} ranks")
     with open(result_path) as f:
-        return dict(json.load(f), name=name, rate=rate)
+        return dict(json.load(f), name=label, configuration=name, exchange=exchange or "-", rate=rate,
+                    ranks=ranks, cores=os.cpu_count())
+
+
+# One framework thread per rank, as the README advises for ranks sharing a machine: TensorFlow's
+# default pools (a thread per core each) held up the host ops (Top-k 0.1% at 1 Gbit/s: 5.38x -> 6.82x).
+ONE_THREAD_ENV = dict(os.environ, OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+                      TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def compute_alone(framework, args, out_dir):
+    """Step time of one rank alone (uncompressed, one thread, no peer): the compute a rank would take
+    with a core of its own, to set against the oversubscribed runs."""
+    path = os.path.join(out_dir, f"{framework}-{args.model}-compute-alone.json")
+    if not (args.reuse and os.path.exists(path)):
+        script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
+        job = [*netlab.HOROVODRUN, "-np", "1", "-H", "localhost:1", "--gloo", sys.executable, script,
+               "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
+               "--num-batches-per-iter", str(args.num_batches_per_iter), "--json-out", path]
+        netlab.run_horovod_job(job, "none", shaped=args.namespaces, timeout=args.timeout, env=ONE_THREAD_ENV,
+                               what=f"{framework} compute alone")
+    with open(path) as f:
+        return json.load(f)["step_seconds"]
 
 
 def print_table(results):
-    baseline = {(r["framework"], r["rate"]): r for r in results if r["name"] == "none"}
-    header = (f"{'rate':>8} {'compressor':<15} {'img/s':>8} {'step s':>8} {'wire MB/step':>13} "
-              f"{'bytes vs none':>13} {'speedup':>8} {'enc+dec':>8}")
+    baseline = {(r["framework"], r["rate"], r["ranks"]): r for r in results if r["name"] == "none"}
+    several = len({r["ranks"] for r in results}) > 1
+    header = (f"{'ranks':>5} {'rate':>8} {'compressor':<24} {'img/s':>8} {'step s':>8} {'wire MB/step':>13} "
+              f"{'bytes vs none':>13} {'speedup':>8} {'enc+dec':>8} {'wait':>6}")
     print(header)
     print("-" * len(header))
     for r in results:
-        base = baseline.get((r["framework"], r["rate"]))
+        base = baseline.get((r["framework"], r["rate"], r["ranks"]))
         fewer = f"{base['wire_bytes_per_step'] / r['wire_bytes_per_step']:.1f}x" if base else "-"
         speedup = f"{r['img_sec_total'] / base['img_sec_total']:.2f}x" if base else "-"
         codec_share = (r["encode_seconds_per_step"] + r["decode_seconds_per_step"]) / r["step_seconds"]
-        print(f"{r['rate']:>8} {r['name']:<15} {r['img_sec_total']:>8.1f} {r['step_seconds']:>8.3f} "
-              f"{r['wire_bytes_per_step'] / 1e6:>13.2f} {fewer:>13} {speedup:>8} {codec_share:>7.0%}")
+        wait_share = r["wait_seconds_per_step"] / r["step_seconds"]
+        print(f"{r['ranks']:>5} {r['rate']:>8} {r['name']:<24} {r['img_sec_total']:>8.1f} {r['step_seconds']:>8.3f} "
+              f"{r['wire_bytes_per_step'] / 1e6:>13.2f} {fewer:>13} {speedup:>8} {codec_share:>7.0%} "
+              f"{wait_share:>5.0%}")
+    if several:
+        alone = {r["compute_alone_seconds"] for r in results}
+        print(f"one rank's compute alone (one thread, no peer): {', '.join(f'{a:.3f}' for a in alone)} s; "
+              f"{os.cpu_count()} cores, so N ranks stretch it about max(1, N/{os.cpu_count()})x")
     sys.stdout.flush()
 
 
@@ -66,7 +123,9 @@ def main():
     parser.add_argument("--model", default="mlp25m")
     parser.add_argument("--compressors", default=",".join(STANDARD))
     parser.add_argument("--rates", default="1gbit", help="comma-separated tc rates, 'none' for unshaped")
-    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--ranks", "--np", default="2", help="comma-separated rank counts, e.g. 2,4,8")
+    parser.add_argument("--exchanges", default="auto",
+                        help="QSGD's and Top-k's exchanges to run, comma-separated: allgather, two_stage, auto")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--num-batches-per-iter", type=int, default=2)
@@ -90,27 +149,43 @@ def main():
     unknown = set(frameworks) - {"pytorch", "tensorflow"}
     if unknown:
         parser.error(f"unknown framework(s) {sorted(unknown)}; use pytorch and/or tensorflow")
+    unknown = set(names) - set(SPECS)
+    if unknown:
+        parser.error(f"unknown compressor(s) {sorted(unknown)}; choose from {', '.join(SPECS)}")
+    exchanges = args.exchanges.split(",")
+    if set(exchanges) - {"allgather", "two_stage", "auto"}:
+        parser.error(f"unknown exchange(s) in {args.exchanges!r}; use allgather, two_stage and/or auto")
+    try:
+        args.ranks = [int(n) for n in str(args.ranks).split(",")]
+    except ValueError:
+        parser.error(f"--ranks takes comma-separated integers, not {args.ranks!r}")
     os.makedirs(args.out, exist_ok=True)
     results, started = [], time.time()
-    total = len(frameworks) * len(rates) * len(names)
+    configs = configurations(names, exchanges)
+    total = len(frameworks) * len(args.ranks) * len(rates) * len(configs)
     for framework in frameworks:
-        for rate in rates:
-            for name in names:
-                print(f"[{len(results) + 1}/{total}] {framework} {name} at {rate} "
-                      f"({time.time() - started:.0f} s so far)", flush=True)
-                results.append(run_one(framework, name, rate, args, args.out))
+        alone = compute_alone(framework, args, args.out) if len(args.ranks) > 1 or args.ranks[0] > 2 else None
+        for ranks in args.ranks:
+            for rate in rates:
+                for label, name, exchange in configs:
+                    print(f"[{len(results) + 1}/{total}] {framework} {label} at {rate}, {ranks} ranks "
+                          f"({time.time() - started:.0f} s so far)", flush=True)
+                    results.append(dict(run_one(framework, label, name, exchange, ranks, rate, args, args.out),
+                                        compute_alone_seconds=alone))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted(set().union(*results)))
         writer.writeheader()
         writer.writerows(results)
-    print(f"\n{args.frameworks}, model {args.model}, {args.np} ranks; wire bytes are both ranks' traffic on "
-          "the namespace's loopback, whose shaped rate both directions share.")
+    ranks_text = ", ".join(map(str, args.ranks))
+    print(f"\n{args.frameworks}, model {args.model}, {ranks_text} ranks; wire bytes are all ranks' traffic on "
+          "the namespace's loopback, whose shaped rate every direction shares.")
     for framework in frameworks:
         print(f"\n{framework}")
         print_table([r for r in results if r["framework"] == framework])
-    report.write(results, args.out)
+    if len(args.ranks) == 1:
+        report.write(results, args.out)
 
 
 if __name__ == "__main__":

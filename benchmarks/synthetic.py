@@ -4,6 +4,7 @@ Each framework script builds its model and one training step, then hands
 ``run`` a :class:`Job` with the few framework-specific operations.
 """
 import argparse
+import collections
 import json
 import timeit
 from dataclasses import dataclass
@@ -120,6 +121,8 @@ def run(args, job):
         "encode_seconds_per_step": summed.get("encode_seconds", 0.0) / job.size / steps,
         "decode_seconds_per_step": summed.get("decode_seconds", 0.0) / job.size / steps,
         "wait_seconds_per_step": summed.get("wait_seconds", 0.0) / job.size / steps,
+        # how many compressed tensors took each exchange (rank 0; "auto" decides per tensor)
+        "exchanges_used": dict(collections.Counter(stats.get("exchanges", {}).values())),
     }
     log(f"Wire bytes per step (loopback, all ranks): {result['wire_bytes_per_step'] / 1e6:.2f} MB, "
         f"of which Horovod's idle coordination about {result['control_bytes_per_step'] / 1e6:.2f} MB")
