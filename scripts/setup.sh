@@ -35,4 +35,15 @@ else
 fi
 
 "$PYTHON" scripts/build_horovod.py
+
+# pyenv's shims learn of new console scripts (horovodrun) only on 'pyenv rehash'.
+if ! command -v horovodrun >/dev/null && command -v pyenv >/dev/null; then
+  pyenv rehash || true
+fi
+if ! command -v horovodrun >/dev/null; then
+  scripts_dir=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+  say "horovodrun is installed in $scripts_dir, which is not on PATH: run"
+  say "  export PATH=\"$scripts_dir:\$PATH\""
+  say "or call it as: $PYTHON -m horovod.runner.launch -np 2 -H localhost:2 --gloo ..."
+fi
 say "ready"
