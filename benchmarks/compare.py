@@ -15,9 +15,11 @@ unshaped, and says so.
 ``--ranks``: all N ranks of a run share one namespace, so its shaped rate is
 shared by every rank's traffic (a switch would give each rank its own link;
 ``benchmarks/scaling.py`` models both). Ranks beyond the cores oversubscribe
-them, which stretches every rank's compute; the comparison therefore first
-times one rank's compute alone (``-np 1``, uncompressed, one thread) and
-records it beside each run as ``compute_alone_seconds``.
+them, which stretches every rank's compute by more than N / cores (their
+caches and Horovod's threads compete too). So the comparison also times the
+compute alone: one rank (``compute_alone_seconds``) and N ranks training
+without exchanging anything (``--local-only``, ``compute_shared_seconds``),
+recorded beside every run.
 
 ``--exchanges``: QSGD and Top-k run once per exchange (``auto`` keeps the
 configuration's name, the others are appended to it); compressors without an
@@ -78,24 +80,24 @@ ONE_THREAD_ENV = dict(os.environ, OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1
                       TF_CPP_MIN_LOG_LEVEL="3")
 
 
-def compute_alone(framework, args, out_dir):
-    """Step time of one rank alone (uncompressed, one thread, no peer): the compute a rank would take
-    with a core of its own, to set against the oversubscribed runs."""
-    path = os.path.join(out_dir, f"{framework}-{args.model}-compute-alone.json")
+def compute_shared(framework, ranks, args, out_dir):
+    """Step time of each of ``ranks`` ranks training locally (no gradient exchange, one thread each): the
+    compute a rank takes while that many ranks share this machine's cores."""
+    path = os.path.join(out_dir, f"{framework}-{args.model}-compute-{ranks}ranks.json")
     if not (args.reuse and os.path.exists(path)):
         script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
-        job = [*netlab.HOROVODRUN, "-np", "1", "-H", "localhost:1", "--gloo", sys.executable, script,
+        job = [*netlab.HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable, script,
                "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
-               "--num-batches-per-iter", str(args.num_batches_per_iter), "--json-out", path]
+               "--num-batches-per-iter", str(args.num_batches_per_iter), "--local-only", "--json-out", path]
         netlab.run_horovod_job(job, "none", shaped=args.namespaces, timeout=args.timeout, env=ONE_THREAD_ENV,
-                               what=f"{framework} compute alone")
+                               what=f"{framework} compute of {ranks} ranks")
     with open(path) as f:
         return json.load(f)["step_seconds"]
 
 
 def print_table(results):
     baseline = {(r["framework"], r["rate"], r["ranks"]): r for r in results if r["name"] == "none"}
-    several = len({r["ranks"] for r in results}) > 1
+    several = results[0].get("compute_alone_seconds") is not None
     header = (f"{'ranks':>5} {'rate':>8} {'compressor':<24} {'img/s':>8} {'step s':>8} {'wire MB/step':>13} "
               f"{'bytes vs none':>13} {'speedup':>8} {'enc+dec':>8} {'wait':>6}")
     print(header)
@@ -110,9 +112,11 @@ def print_table(results):
               f"{r['wire_bytes_per_step'] / 1e6:>13.2f} {fewer:>13} {speedup:>8} {codec_share:>7.0%} "
               f"{wait_share:>5.0%}")
     if several:
-        alone = {r["compute_alone_seconds"] for r in results}
-        print(f"one rank's compute alone (one thread, no peer): {', '.join(f'{a:.3f}' for a in alone)} s; "
-              f"{os.cpu_count()} cores, so N ranks stretch it about max(1, N/{os.cpu_count()})x")
+        alone = results[0]["compute_alone_seconds"]
+        shared = {r["ranks"]: r["compute_shared_seconds"] for r in results}
+        print(f"a rank's compute (forward, backward, SGD update; one thread, no exchange): alone {alone:.3f} s; "
+              + ", ".join(f"with {n} ranks on {os.cpu_count()} cores {t:.3f} s ({t / alone:.1f}x)"
+                          for n, t in shared.items()))
     sys.stdout.flush()
 
 
@@ -164,14 +168,16 @@ def main():
     configs = configurations(names, exchanges)
     total = len(frameworks) * len(args.ranks) * len(rates) * len(configs)
     for framework in frameworks:
-        alone = compute_alone(framework, args, args.out) if len(args.ranks) > 1 or args.ranks[0] > 2 else None
+        several = len(args.ranks) > 1 or args.ranks[0] > 2
+        alone = compute_shared(framework, 1, args, args.out) if several else None
         for ranks in args.ranks:
+            shared = compute_shared(framework, ranks, args, args.out) if several else None
             for rate in rates:
                 for label, name, exchange in configs:
                     print(f"[{len(results) + 1}/{total}] {framework} {label} at {rate}, {ranks} ranks "
                           f"({time.time() - started:.0f} s so far)", flush=True)
                     results.append(dict(run_one(framework, label, name, exchange, ranks, rate, args, args.out),
-                                        compute_alone_seconds=alone))
+                                        compute_alone_seconds=alone, compute_shared_seconds=shared))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:

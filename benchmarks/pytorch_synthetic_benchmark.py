@@ -28,9 +28,10 @@ def main(argv=None):
     torch.manual_seed(0)
     model = build_model(args.model)
     compression = synthetic.make_compression(args, adapter)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                         named_parameters=model.named_parameters(),
-                                         compression=compression)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if not args.local_only:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     data = torch.randn(args.batch_size, *input_shape(args.model))
     target = torch.randint(0, 1000 if args.model.startswith("mlp") else 10, (args.batch_size,))

@@ -34,6 +34,8 @@ def parse_args(description, argv=None):
     parser.add_argument("--exchange", default="auto", choices=["auto", "allgather", "two_stage"],
                         help="QSGD's and TopK's exchange")
     parser.add_argument("--second-stage-bits", type=int, default=None, help="QSGD's second-stage bits")
+    parser.add_argument("--local-only", action="store_true",
+                        help="train without exchanging gradients: each rank's compute while N ranks share the machine")
     parser.add_argument("--json-out", help="write the measurements here (rank 0)")
     return parser.parse_args(argv)
 

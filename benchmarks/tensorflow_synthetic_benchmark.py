@@ -39,7 +39,8 @@ def main(argv=None):
     def train_step():
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(target, model(data)))
-        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        if not args.local_only:
+            tape = hvd.DistributedGradientTape(tape, compression=compression)
         for v, g in zip(variables, tape.gradient(loss, variables)):
             v.assign_sub(0.01 * g)
 

@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import netlab  # noqa: E402
-from benchmarks.compressors import benchmark_flags, build  # noqa: E402
+from benchmarks.compressors import SPECS, benchmark_flags  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (configuration in benchmarks/compressors.py, label in the table)
@@ -52,27 +52,13 @@ def formula(model, ranks, name):
 
     Ring allreduce (Gloo): ``2 (N-1)/N`` of the buffer per rank. Allgather: every
     payload forwarded N-1 times. Two stages: every first-stage slice sent once
-    (alltoall), every owner's second-stage payload forwarded N-1 times.
+    (alltoall), every owner's second-stage payload forwarded N-1 times. The
+    per-rank terms are :func:`benchmarks.scaling.tensor_traffic`'s.
     """
     from benchmarks.models_torch import build_model
-    from horovod_qsgd.common.two_stage import chunk_bounds, choose_exchange
-    import horovod_qsgd.torch as adapter
-    compressor = None if name == "none" else build(name, adapter)
-    total = 0.0
-    for p in build_model(model).parameters():
-        n = p.numel()
-        if compressor is None or n < compressor.min_numel:
-            total += 8 * n * (ranks - 1)  # fp32 ring allreduce, all ranks
-            continue
-        first, second = compressor.codec, compressor.second_codec
-        total += 8 * (ranks - 1)  # the one-element fp32 placeholder's allreduce
-        if choose_exchange(compressor.exchange, first, second, n, ranks) == "allgather":
-            total += ranks * (ranks - 1) * first.max_payload_nbytes(n)
-        else:
-            chunks = chunk_bounds(n, ranks, getattr(first, "bucket_size", 1))
-            total += (ranks - 1) * sum(first.max_payload_nbytes(e - b) + second.max_payload_nbytes(e - b)
-                                       for b, e in chunks)
-    return total
+    from benchmarks.scaling import tensor_traffic
+    exchange = SPECS[name][1].get("exchange", "auto") if SPECS[name][1] else "auto"
+    return ranks * sum(tensor_traffic(name, exchange, p.numel(), ranks)[0] for p in build_model(model).parameters())
 
 
 def main():
