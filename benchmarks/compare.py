@@ -55,44 +55,42 @@ def configurations(names, exchanges):
     return rows
 
 
-def run_one(framework, label, name, exchange, ranks, rate, args, out_dir):
-    suffix = "" if ranks == 2 and len(args.ranks) == 1 else f"-{ranks}ranks"
-    result_path = os.path.join(out_dir, f"{framework}-{args.model}-{label}-{rate}{suffix}.json")
-    if not (args.reuse and os.path.exists(result_path)):
-        script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
-        flags = benchmark_flags(name) + (["--exchange", exchange] if exchange else [])
-        job = [*netlab.HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
-               script, "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters",
-               str(args.num_iters), "--num-batches-per-iter", str(args.num_batches_per_iter),
-               "--json-out", result_path, *flags]
-        # One framework thread per rank, as the README advises for ranks sharing a machine: TensorFlow's
-        # default pools (a thread per core each) held up the host ops (Top-k 0.1% at 1 Gbit/s: 5.38x -> 6.82x).
-        netlab.run_horovod_job(job, rate, shaped=args.namespaces, timeout=args.timeout,
-                               env=ONE_THREAD_ENV, what=f"{framework} {label} at {rate}, {ranks} ranks")
-    with open(result_path) as f:
-        return dict(json.load(f), name=label, configuration=name, exchange=exchange or "-", rate=rate,
-                    ranks=ranks, cores=os.cpu_count())
-
-
 # One framework thread per rank, as the README advises for ranks sharing a machine: TensorFlow's
 # default pools (a thread per core each) held up the host ops (Top-k 0.1% at 1 Gbit/s: 5.38x -> 6.82x).
 ONE_THREAD_ENV = dict(os.environ, OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
                       TF_CPP_MIN_LOG_LEVEL="3")
 
 
+def measure(framework, ranks, rate, args, result_path, flags, what):
+    """The result of the synthetic benchmark on ``ranks`` ranks at ``rate``; taken from ``result_path`` with
+    ``--reuse`` when it is there."""
+    if not (args.reuse and os.path.exists(result_path)):
+        script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
+        job = [*netlab.HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
+               script, "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters",
+               str(args.num_iters), "--num-batches-per-iter", str(args.num_batches_per_iter),
+               "--json-out", result_path, *flags]
+        netlab.run_horovod_job(job, rate, shaped=args.namespaces, timeout=args.timeout, env=ONE_THREAD_ENV,
+                               what=what)
+    with open(result_path) as f:
+        return json.load(f)
+
+
+def run_one(framework, label, name, exchange, ranks, rate, args, out_dir):
+    suffix = "" if ranks == 2 and len(args.ranks) == 1 else f"-{ranks}ranks"
+    result_path = os.path.join(out_dir, f"{framework}-{args.model}-{label}-{rate}{suffix}.json")
+    flags = benchmark_flags(name) + (["--exchange", exchange] if exchange else [])
+    result = measure(framework, ranks, rate, args, result_path, flags, f"{framework} {label} at {rate}, {ranks} ranks")
+    return dict(result, name=label, configuration=name, exchange=exchange or "-", rate=rate, ranks=ranks,
+                cores=os.cpu_count())
+
+
 def compute_shared(framework, ranks, args, out_dir):
     """Step time of each of ``ranks`` ranks training locally (no gradient exchange, one thread each): the
     compute a rank takes while that many ranks share this machine's cores."""
     path = os.path.join(out_dir, f"{framework}-{args.model}-compute-{ranks}ranks.json")
-    if not (args.reuse and os.path.exists(path)):
-        script = os.path.join(ROOT, "benchmarks", f"{framework}_synthetic_benchmark.py")
-        job = [*netlab.HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable, script,
-               "--model", args.model, "--batch-size", str(args.batch_size), "--num-iters", str(args.num_iters),
-               "--num-batches-per-iter", str(args.num_batches_per_iter), "--local-only", "--json-out", path]
-        netlab.run_horovod_job(job, "none", shaped=args.namespaces, timeout=args.timeout, env=ONE_THREAD_ENV,
-                               what=f"{framework} compute of {ranks} ranks")
-    with open(path) as f:
-        return json.load(f)["step_seconds"]
+    return measure(framework, ranks, "none", args, path, ["--local-only"],
+                   f"{framework} compute of {ranks} ranks")["step_seconds"]
 
 
 def print_table(results):

@@ -75,7 +75,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -99,19 +98,14 @@ PROJECTED = [("none", None), ("qsgd-4bit", "allgather"), ("qsgd-4bit", "two_stag
 
 def measure_codecs(size=CODEC_SIZE, reps=7):
     """Seconds per coordinate (per sent entry for "sparse_accumulate") of each codec step, one thread."""
+    from benchmarks.kernel_benchmark import timeit
     from horovod_qsgd import kernels
     from horovod_qsgd.codecs import QSGDCodec, TopKCodec
     kernels.set_cpu_threads(1)
     x = np.random.default_rng(0).standard_normal(size).astype(np.float32)
 
     def median_seconds(fn):
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
+        return timeit(fn, reps)[0]
 
     costs = {}
     qsgd = QSGDCodec(bits=4, bucket_size=512)
@@ -153,64 +147,53 @@ def _codecs(name):
 
 
 def tensor_traffic(name, exchange, n, ranks):
-    """(bytes a rank receives, on average over ranks, [(collective, bytes)]) for one tensor of ``n`` elements."""
+    """(bytes a rank receives, on average over ranks, [(collective, bytes)], exchange taken or None when the
+    tensor goes through Horovod's allreduce) for one tensor of ``n`` elements."""
     from horovod_qsgd.common.two_stage import choose_exchange, chunk_bounds, stage_nbytes
+    ring = 2 * (ranks - 1) / ranks * 4 * n, [("allreduce", 4 * n)], None
     if name == "none":
-        return 2 * (ranks - 1) / ranks * 4 * n, [("allreduce", 4 * n)]
+        return ring
     compressor, first, second = _codecs(name)
     if n < compressor.min_numel:
-        return 2 * (ranks - 1) / ranks * 4 * n, [("allreduce", 4 * n)]
+        return ring
     chosen = choose_exchange(exchange, first, second, n, ranks)
     placeholder = 2 * (ranks - 1) / ranks * 4  # the one-element allreduce Horovod's protocol needs
     if chosen == "allgather":
         b = first.max_payload_nbytes(n)
-        return placeholder + (ranks - 1) * b, [("allreduce", 4), ("allgather", b)]
+        return placeholder + (ranks - 1) * b, [("allreduce", 4), ("allgather", b)], chosen
     first_stage, second_stage = stage_nbytes(first, second, n, ranks)  # the mean over ranks
     owned = chunk_bounds(n, ranks, getattr(first, "bucket_size", 1))[0]
-    return placeholder + first_stage + second_stage, [("allreduce", 4), ("alltoall", None),
-                                                      ("allgather", second.max_payload_nbytes(owned[1] - owned[0]))]
+    return (placeholder + first_stage + second_stage,
+            [("allreduce", 4), ("alltoall", None), ("allgather", second.max_payload_nbytes(owned[1] - owned[0]))],
+            chosen)
 
 
-def message_steps(collectives, ranks):
-    """Sequential message steps of one step's collectives: fused allreduces and allgathers, unfused alltoalls."""
-    fused = {"allreduce": 0, "allgather": 0}
-    steps = 0
-    for kind, nbytes in collectives:
-        if kind == "alltoall":
-            steps += ranks - 1
-        else:
-            fused[kind] += nbytes
-    steps += 2 * (ranks - 1) * max(1, math.ceil(fused["allreduce"] / FUSION_BYTES))
-    if fused["allgather"]:
-        steps += (ranks - 1) * max(1, math.ceil(fused["allgather"] * ranks / FUSION_BYTES))
-    return steps
+def collective_counts(collectives, ranks):
+    """(sequential message steps, separately negotiated collectives) of one step's collectives.
 
+    Horovod fuses allreduces and allgathers into 64 MiB buffers (an allgather's
+    holds all N payloads) and runs each alltoall alone: a fused allreduce is
+    ``2 (N-1)`` message steps, a fused allgather and an alltoall ``N-1`` each.
+    """
+    def buffers(nbytes):
+        return max(1, math.ceil(nbytes / FUSION_BYTES)) if nbytes else 0
 
-def collective_rounds(collectives):
-    """Collectives Horovod negotiates separately in one step: fused allreduces, fused allgathers, each alltoall."""
-    fused = {"allreduce": 0, "allgather": 0}
-    rounds = 0
-    for kind, nbytes in collectives:
-        if kind == "alltoall":
-            rounds += 1
-        else:
-            fused[kind] += nbytes
-    return rounds + sum(max(1, math.ceil(b / FUSION_BYTES)) for b in fused.values() if b)
+    alltoalls = sum(kind == "alltoall" for kind, _ in collectives)
+    allreduces = buffers(sum(b for kind, b in collectives if kind == "allreduce"))
+    allgathers = buffers(ranks * sum(b for kind, b in collectives if kind == "allgather"))
+    return 2 * (ranks - 1) * allreduces + (ranks - 1) * (allgathers + alltoalls), allreduces + allgathers + alltoalls
 
 
 def step_terms(name, exchange, tensor_sizes, ranks, costs):
     """(codec seconds, bytes received per rank, message steps, collective rounds) of one step."""
-    from horovod_qsgd.common.two_stage import choose_exchange
     codec, received, collectives = 0.0, 0.0, []
-    compressor = None if name == "none" else _codecs(name)[0]
     for n in tensor_sizes:
-        r, c = tensor_traffic(name, exchange, n, ranks)
+        r, c, chosen = tensor_traffic(name, exchange, n, ranks)
         received += r
         collectives += c
-        if compressor is not None and n >= compressor.min_numel:
-            chosen = choose_exchange(exchange, compressor.codec, compressor.second_codec, n, ranks)
+        if chosen is not None:
             codec += codec_seconds(costs, name, chosen, n, ranks)
-    return codec, received, message_steps(collectives, ranks), collective_rounds(collectives)
+    return (codec, received, *collective_counts(collectives, ranks))
 
 
 # ----------------------------------------------------------------------------- the measured runs
@@ -297,8 +280,8 @@ def projected_terms(costs, params, models=MODELS, ranks_list=RANKS):
 
 def cluster_step_seconds(term, gbit, latency_seconds, codec_scale=1.0):
     """A rank's step with a full-duplex link of its own: compute + codec + bytes / rate + latency."""
-    compute, codec, received, steps, rounds = term
-    return compute + codec_scale * codec + received * 8 / (gbit * 1e9) + latency_seconds * steps
+    fixed, received = _fixed_and_bytes(term, latency_seconds, codec_scale)
+    return fixed + received * 8 / (gbit * 1e9)
 
 
 def project(terms, latency_seconds, rates=RATES_GBIT, codec_scale=1.0):
@@ -328,7 +311,8 @@ def crossover_gbit(terms, latency_seconds, model, ranks, name, exchange, codec_s
 
 
 def _fixed_and_bytes(term, latency_seconds, codec_scale):
-    compute, codec, received, steps, rounds = term
+    """(the step's seconds that do not depend on the link rate, bytes received) of a projected term."""
+    compute, codec, received, steps, _ = term
     return compute + codec_scale * codec + latency_seconds * steps, received
 
 
