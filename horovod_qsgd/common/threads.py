@@ -1,6 +1,8 @@
-"""How many kernel threads each rank gets when several ranks share a machine."""
+"""How many kernel threads each rank gets when several ranks share a machine, and the warning when the
+framework's own threads oversubscribe it."""
 import os
 import threading
+import warnings
 
 _lock = threading.Lock()
 _decided = False
@@ -54,7 +56,6 @@ def warn_if_oversubscribed(framework, framework_threads, local_size, fix):
     how, with ``{share}`` for the threads per rank that would fit.
     """
     global _warned_oversubscribed
-    import warnings
     with _lock:
         if _warned_oversubscribed:
             return
