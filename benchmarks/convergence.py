@@ -161,13 +161,16 @@ FRAMEWORKS = {"pytorch": ("horovod.torch", "horovod_qsgd.torch", train_digits_to
               "tensorflow": ("horovod.tensorflow", "horovod_qsgd.tensorflow", train_digits_tf)}
 
 
-def summarize(results, epoch=None):
-    """Per configuration: test accuracy over seeds (mean, std error, min, max) and the paired delta vs none.
+def summarize(results, epoch=None, metric="accuracy", goal_configs=GOAL_CONFIGS, tolerance=GOAL_POINTS,
+              higher_is_better=True):
+    """Per configuration: ``metric`` over seeds (mean, std error, min, max) and the paired delta vs none.
 
-    At the end of training, or after ``epoch`` epochs (1-based).
+    At the end of training, or at record ``epoch`` (1-based). ``goal`` says
+    whether a configuration of ``goal_configs`` ends within ``tolerance`` of
+    uncompressed (only falling behind counts).
     """
     at = -1 if epoch is None else epoch - 1
-    finals = {name: {r["seed"]: r["accuracy"][at] for r in runs} for name, runs in results.items()}
+    finals = {name: {r["seed"]: r[metric][at] for r in runs} for name, runs in results.items()}
     base = finals.get("none")
     rows = []
     for name, by_seed in finals.items():
@@ -176,11 +179,11 @@ def summarize(results, epoch=None):
                "max": float(final.max()),
                "delta": None, "delta_se": None, "goal": None}
         if base is not None and name != "none":
-            paired = np.array([acc - base[seed] for seed, acc in by_seed.items() if seed in base])
+            paired = np.array([value - base[seed] for seed, value in by_seed.items() if seed in base])
             row["delta"] = float(final.mean() - np.mean(list(base.values())))
             row["delta_se"] = _std_error(paired)
-            if name in GOAL_CONFIGS:
-                row["goal"] = row["delta"] >= -GOAL_POINTS
+            if name in goal_configs:
+                row["goal"] = row["delta"] >= -tolerance if higher_is_better else row["delta"] <= tolerance
         rows.append(row)
     return rows
 
@@ -189,15 +192,15 @@ def _std_error(values):
     return float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan")
 
 
-def format_table(rows):
+def format_table(rows, label="accuracy %", tolerance=GOAL_POINTS, digits=2):
     """A markdown table of :func:`summarize`'s rows."""
-    lines = ["| compressor | accuracy % | ± s.e. | spread (min–max) | vs none (± s.e. paired) "
-             f"| within {GOAL_POINTS} |", "|---|---|---|---|---|---|"]
+    lines = [f"| compressor | {label} | ± s.e. | spread (min–max) | vs none (± s.e. paired) "
+             f"| within {tolerance} |", "|---|---|---|---|---|---|"]
     for r in rows:
-        delta = "" if r["delta"] is None else f"{r['delta']:+.2f} ± {r['delta_se']:.2f}"
+        delta = "" if r["delta"] is None else f"{r['delta']:+.{digits}f} ± {r['delta_se']:.{digits}f}"
         goal = "" if r["goal"] is None else ("yes" if r["goal"] else "**no**")
-        lines.append(f"| {r['name']} | {r['mean']:.2f} | {r['se']:.2f} | {r['min']:.2f}–{r['max']:.2f} "
-                     f"| {delta} | {goal} |")
+        lines.append(f"| {r['name']} | {r['mean']:.{digits}f} | {r['se']:.{digits}f} "
+                     f"| {r['min']:.{digits}f}–{r['max']:.{digits}f} | {delta} | {goal} |")
     return "\n".join(lines)
 
 
