@@ -117,7 +117,10 @@ class _Context:
 class _CompressorBase(tf.Module):
     """Settings handshake, per-gradient state variables, checkpoints and statistics."""
 
-    uses_residual = False
+    @property
+    def error_feedback(self):
+        """True when what a step does not send is kept in a residual and added to the next step's gradient."""
+        return bool(getattr(self.codec, "error_feedback", False))
 
     def __init__(self, codec, min_numel):
         super().__init__(name=type(self).__name__)
@@ -320,7 +323,7 @@ class _CompressorBase(tf.Module):
 
     def _on_host(self, step, fn, out_dtype, op_name):
         """Runs ``fn`` through :func:`host_op`; advances the step counter and the residual variable."""
-        residual_var = self._residual_variable(step.name, step.numel) if self.uses_residual else None
+        residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
         out, new_residual = host_op(fn, step.flat, step.value,
                                     None if residual_var is None else residual_var.read_value(),
                                     out_dtype, op_name)
@@ -467,7 +470,7 @@ class PayloadCompressor(_CompressorBase):
         if exchange == "two_stage" and num_ranks > 1:
             stage = TwoStage(self.codec, self.second_codec, step.name, step.numel, num_ranks, rank)
 
-            residual_var = self._residual_variable(step.name, step.numel) if self.uses_residual else None
+            residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
 
             def encode_for_owners(x, step_value, residual=None):
                 start = time.perf_counter()
@@ -517,7 +520,7 @@ class PayloadCompressor(_CompressorBase):
         """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives)."""
         stage, stats, refusals = ctx.stage, self._runtime.stats, self._runtime.refusals
         owner_var = None
-        if self.uses_residual:
+        if self.error_feedback:
             begin, end = stage.owned
             owner_var = self._owner_residual_variables(ctx.name, end - begin, [stage.num_ranks, stage.rank])
 
@@ -709,7 +712,6 @@ class TopK(PayloadCompressor):
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
-        self.uses_residual = bool(error_feedback)
         super().__init__(codec, min_numel, check_exchange(exchange), codec)
 
 
@@ -740,7 +742,6 @@ class RandomK(_CompressorBase):
                  min_numel=10000, seed=0):
         super().__init__(RandomKCodec(ratio=ratio, seed=seed, value_dtype=value_dtype,
                                       error_feedback=error_feedback, rescale=rescale), min_numel)
-        self.uses_residual = bool(error_feedback)
 
     @_adapter_method
     def compress(self, tensor):

@@ -1,6 +1,6 @@
 """Checked-in test vectors: small inputs, codec configs and the exact payload bytes.
 
-``vectors.npz`` is produced by ``tests/kernels/make_vectors.py`` (run it with
+``vectors.npz`` is produced by ``scripts/make_vectors.py`` (run it with
 ``--write`` to regenerate, which is a deliberate wire-format change: bump
 ``WIRE_VERSION`` or explain why the bytes moved).  Each case records the
 codec class and config, the float32 input, step, key, the residual before

@@ -46,20 +46,13 @@ from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import (TwoStage, check_exchange, choose_exchange, owner_layout_changed,
                                            qsgd_codecs)
+from horovod_qsgd.torch.arrays import as_array
 from horovod_qsgd.torch.call_site import check_site, find_call_site
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 _PASS_THROUGH = object()
 # Horovod's torch collectives have no bfloat16 kernels: such tensors travel as fp32.
 _HOROVOD_FLOATS = (torch.float16, torch.float32, torch.float64)
-
-
-def as_array(tensor):
-    """A zero-copy numpy (CPU) or CUDA-array-interface (GPU) view of a contiguous tensor."""
-    if tensor.is_cuda:
-        from numba import cuda
-        return cuda.as_cuda_array(tensor)
-    return tensor.numpy()
 
 
 def _clone(tensor):
@@ -86,7 +79,7 @@ class _TensorState:
         self.owner_layout = owner_layout
 
 
-class _Pending:
+class _InFlight:
     __slots__ = ("handle", "name", "shape", "dtype", "num_ranks", "step", "out")
 
     def __init__(self, handle, name, shape, dtype, num_ranks, step, out):
@@ -108,6 +101,11 @@ class _Pending:
 
 class _CompressorBase:
     """Settings handshake, per-tensor state, checkpoints and statistics shared by all compressors."""
+
+    @property
+    def error_feedback(self):
+        """True when what a step does not send is kept in a residual and added to the next step's gradient."""
+        return bool(getattr(self.codec, "error_feedback", False))
 
     def __init__(self, codec, min_numel):
         if min_numel < 0:
@@ -203,7 +201,7 @@ class _CompressorBase:
         check_site(site)
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
-        state = self._state(site.name, flat.numel(), tensor.device, self.uses_residual)
+        state = self._state(site.name, flat.numel(), tensor.device, self.error_feedback)
         sent, handle, nbytes = self._encode(tensor, flat, site, state)
         out = flat if site.result_replaces_input and flat.data_ptr() == tensor.data_ptr() else None
         ctx = self._make_context(handle, site, tensor, state, out)
@@ -229,7 +227,7 @@ class _CompressorBase:
 
     def _make_context(self, handle, site, tensor, state, out):
         """What ``decompress`` gets back from ``compress``."""
-        return _Pending(handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out)
+        return _InFlight(handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out)
 
     def _receive(self, ctx):
         """Waits for what ``_encode`` started besides the optimizer's allreduce; returns its result."""
@@ -268,7 +266,7 @@ class _FirstStage:
         self.handle, self.stage, self.own = handle, stage, own
 
 
-class _TwoStagePending(_Pending):
+class _TwoStageInFlight(_InFlight):
     """A tensor between its first-stage alltoall and the end of its second-stage allgather."""
     __slots__ = ("stage", "own", "process_set", "state", "second_handle")
 
@@ -285,8 +283,6 @@ class PayloadCompressor(_CompressorBase):
     ``second_codec`` (None: allgather only) encodes the owners' sums of the
     two-stage exchange (:mod:`horovod_qsgd.common.two_stage`).
     """
-
-    uses_residual = False
 
     def __init__(self, codec, min_numel, exchange="allgather", second_codec=None):
         super().__init__(codec, min_numel)
@@ -339,7 +335,7 @@ class PayloadCompressor(_CompressorBase):
     def _make_context(self, handle, site, tensor, state, out):
         if not isinstance(handle, _FirstStage):
             return super()._make_context(handle, site, tensor, state, out)
-        ctx = _TwoStagePending(handle.handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(),
+        ctx = _TwoStageInFlight(handle.handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(),
                                state.step, out, handle.stage, handle.own, site.process_set, state)
         with self._lock:
             self._awaiting_second_stage.append(ctx)
@@ -382,7 +378,7 @@ class PayloadCompressor(_CompressorBase):
 
     def _owner_residual(self, ctx, total):
         """The owner-side residual of ctx's tensor (error feedback only), reset if the ranks changed."""
-        if not self.uses_residual:
+        if not self.error_feedback:
             return None
         state, layout = ctx.state, [ctx.stage.num_ranks, ctx.stage.rank]
         if state.owner_residual is not None and list(state.owner_layout or []) != layout:
@@ -394,7 +390,7 @@ class PayloadCompressor(_CompressorBase):
         return state.owner_residual
 
     def _receive(self, ctx):
-        if isinstance(ctx, _TwoStagePending):
+        if isinstance(ctx, _TwoStageInFlight):
             if ctx.second_handle is None:
                 self._start_second_stages()
             return hvd.synchronize(ctx.second_handle)
@@ -402,7 +398,7 @@ class PayloadCompressor(_CompressorBase):
 
     def _decode(self, tensor, ctx, gathered):
         total = ctx.zeroed_output(gathered.device)
-        if isinstance(ctx, _TwoStagePending):
+        if isinstance(ctx, _TwoStageInFlight):
             ctx.stage.decode_gathered(as_array(gathered), _host_reader(gathered), as_array(total))
         else:
             decode_sum(self.codec, as_array(gathered), _host_reader(gathered), ctx.num_ranks, ctx.shape.numel(),
@@ -528,14 +524,11 @@ class TopK(PayloadCompressor):
     compressed gradient in memory, and it is per-rank state: checkpoint it.
     """
 
-    uses_residual = True
-
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
         super().__init__(codec, min_numel, check_exchange(exchange), codec)
-        self.uses_residual = bool(error_feedback)
 
 
 class RandomK(_CompressorBase):
@@ -562,7 +555,6 @@ class RandomK(_CompressorBase):
                  min_numel=10000, seed=0):
         super().__init__(RandomKCodec(ratio=ratio, seed=seed, value_dtype=value_dtype,
                                       error_feedback=error_feedback, rescale=rescale), min_numel)
-        self.uses_residual = bool(error_feedback)
 
     def _encode(self, tensor, flat, site, state):
         values = torch.as_tensor(self.codec.gather(

@@ -3,7 +3,7 @@ import collections
 
 import pytest
 
-from horovod_qsgd.torch.swarm import random_matching
+from horovod_qsgd.common.matching import random_matching
 
 
 def check_matching(partner, edges=None):

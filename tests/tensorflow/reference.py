@@ -43,7 +43,7 @@ class Reference:
         self.hvd = hvd
         self.codec = make(kind, **overrides).codec       # fresh codec, own state below
         self.min_numel = template.min_numel
-        self.uses_residual = template.uses_residual
+        self.error_feedback = template.error_feedback
         self.randomk = type(template).__name__ == "RandomK"
         self.op = op
         self.prescale, self.postscale = prescale, postscale
@@ -75,7 +75,7 @@ class Reference:
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1
         residual = (self.residuals.setdefault(name, np.zeros(flat.size, np.float32))
-                    if self.uses_residual else None)
+                    if self.error_feedback else None)
         total = np.zeros(flat.size, np.float32)
         if self.randomk:
             values = self.codec.gather(flat, step=step, key=tensor_key(name), residual=residual)

@@ -55,7 +55,7 @@ def _reference(hvd, compressor, local_grads, residuals, steps, num_ranks, op):
             continue
         flat = grad.reshape(-1).float().contiguous()
         out = torch.empty(codec.max_payload_nbytes(flat.numel()), dtype=torch.uint8)
-        residual = residuals.setdefault(name, torch.zeros_like(flat)) if compressor.uses_residual else None
+        residual = residuals.setdefault(name, torch.zeros_like(flat)) if compressor.error_feedback else None
         nbytes = codec.encode(flat.numpy(), out.numpy(), step=steps[name],
                               key=rank_key(name, hvd.rank()),
                               residual=None if residual is None else residual.numpy())
