@@ -3,7 +3,7 @@
 In CI, test_kernel_cudasim.py starts it in a subprocess with
 NUMBA_ENABLE_CUDASIM=1 (set before numba is imported): numba's CUDA
 simulator runs the kernels as Python, so only the small cases are run.  On a
-machine with a CUDA GPU, run it directly (``python tests/kernels/cuda_check.py``):
+machine with a CUDA GPU, run it directly (``python scripts/cuda_check.py``):
 the real kernels then also take tensors of a million elements and more,
 which cover multi-block launches, the sampled exact top-k path and the
 refinements of the approximate selectors at scale.
@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 warnings.simplefilter("ignore", RuntimeWarning)  # uint64 wraparound in the simulated hash
 

@@ -1,7 +1,7 @@
 """Generate horovod_qsgd/testdata/vectors.npz (the reference payload bytes).
 
-    python tests/kernels/make_vectors.py           # compare with the checked-in file
-    python tests/kernels/make_vectors.py --write   # regenerate (deliberate!)
+    python scripts/make_vectors.py           # compare with the checked-in file
+    python scripts/make_vectors.py --write   # regenerate (deliberate!)
 
 Regenerating changes the wire format the adapters are checked against: do
 it only for an intended format change, and bump WIRE_VERSION in
@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from horovod_qsgd.testdata import VECTORS_PATH, default_encode, load_vectors, make_codec  # noqa: E402
 

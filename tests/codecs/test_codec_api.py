@@ -11,7 +11,7 @@ from horovod_qsgd.codecs import (HEADER_NBYTES, PayloadError, QSGDCodec, RandomK
                                  parse_header, split_payloads)
 from horovod_qsgd.codecs.header import WIRE_VERSION
 
-from .helpers import decode, encode
+from tests.kernels.helpers import decode, encode
 
 ALL = [QSGDCodec(), QSGDCodec(encoding="elias"), TopKCodec(), TopKCodec(selector="gaussian"), RandomKCodec()]
 

@@ -1,0 +1,99 @@
+"""The exchange protocol's pure parts, one process: reduction scale, payload walk and decode, settings check."""
+import json
+
+import numpy as np
+import pytest
+
+from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.exchange import check_payloads, decode_sum, reduction_scale
+from horovod_qsgd.common.handshake import check_settings, settings_record, verify_settings
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+def test_reduction_scale_gives_sum_or_average_exactly(ranks):
+    assert reduction_scale(ranks, ranks) == 1.0  # Sum: the placeholders add up to N
+    assert reduction_scale(1.0, ranks) == 1.0 / ranks  # Average (with or without a predivide factor)
+    # an fp16 placeholder rounds N and 1 slightly; both snap back so the decoded sum is scaled exactly
+    assert reduction_scale(float(np.float16(ranks * (1 + 4e-3))), ranks) == 1.0
+    assert reduction_scale(float(np.float16(1 - 4e-3)), ranks) == 1.0 / ranks
+
+
+def test_reduction_scale_keeps_other_values():
+    # a postscale factor of 0.5 with Sum over 4 ranks: 2.0 is neither N nor 1 and is applied as given
+    assert reduction_scale(2.0, 4) == 0.5
+    assert reduction_scale(0.0, 4) == 0.0
+
+
+def _payloads(codec, rows, **encode_args):
+    parts = []
+    for row in rows:
+        out = np.zeros(codec.max_payload_nbytes(row.size), np.uint8)
+        parts.append(out[:codec.encode(row, out, **encode_args)])
+    return parts
+
+
+def test_decode_sum_adds_every_rank_in_rank_order():
+    codec = QSGDCodec(bits=8, rounding="deterministic")
+    rows = [np.full(300, value, np.float32) for value in (1.0, -2.0, 0.5)]  # constants quantize exactly
+    gathered = np.concatenate(_payloads(codec, rows, step=0, key=7))
+    total = np.zeros(300, np.float32)
+    decode_sum(codec, gathered, lambda o, n: gathered[o:o + n].tobytes(), 3, 300, "w", total)
+    assert np.array_equal(total, np.full(300, -0.5, np.float32))
+
+
+def test_walk_reports_truncation_foreign_bytes_and_size():
+    codec = TopKCodec(ratio=0.1)
+    rows = [np.arange(100, dtype=np.float32)] * 2
+    parts = _payloads(codec, rows, residual=np.zeros(100, np.float32), step=0, key=1)
+    buf = np.concatenate(parts)
+
+    def walk(buffer, senders, numels, what="payload"):
+        return check_payloads(lambda o, n: buffer[o:o + n].tobytes(), buffer.size, senders, numels, codec, "w",
+                              what)
+
+    assert walk(buf, [0, 1], [100, 100]) == [(0, parts[0].size), (parts[0].size, buf.size)]
+    with pytest.raises(CompressionMismatchError, match=r"end after \d+ bytes, before rank 1's"):
+        walk(buf[:parts[0].size + 8], [0, 1], [100, 100])
+    with pytest.raises(CompressionMismatchError, match=r"rank 1's payload says \d+ bytes, only \d+ arrived"):
+        walk(buf[:-1], [0, 1], [100, 100])
+    foreign = np.concatenate([parts[0], np.full(parts[1].size, 7, np.uint8)])
+    with pytest.raises(CompressionMismatchError, match="rank 1 sent no horovod_qsgd owner sum"):
+        walk(foreign, [0, 1], [100, 100], what="owner sum")
+    other = np.concatenate([parts[0], _payloads(TopKCodec(ratio=0.2), [np.arange(100, dtype=np.float32)],
+                                                 residual=np.zeros(100, np.float32), step=0, key=1)[0]])
+    with pytest.raises(CompressionMismatchError, match=r"rank 1's payload .*settings digest"):
+        walk(other, [0, 1], [100, 100])
+    with pytest.raises(CompressionMismatchError, match=r"codec id 1 \(here 2\)"):
+        walk(np.concatenate(_payloads(QSGDCodec(), [np.ones(100, np.float32)], step=0, key=1)), [3], [100])
+
+
+def test_settings_check_names_each_difference_and_every_rank():
+    same = settings_record("QSGD", {"bits": 4, "bucket_size": 512})
+    check_settings([same, same, same])
+    other = settings_record("QSGD", {"bits": 8, "bucket_size": 512})
+    missing = settings_record("QSGD", {"bits": 4})
+    with pytest.raises(CompressionMismatchError) as info:
+        check_settings([same, other, missing])
+    message = str(info.value)
+    assert "settings.bits: rank 0=4, rank 1=8, rank 2=4" in message
+    assert "settings.bucket_size: rank 0=512, rank 1=512, rank 2='<missing>'" in message
+    assert "compressor" not in message.split("\n", 1)[1].split("Every rank")[0]  # equal fields are not listed
+    assert json.loads(same)["horovod_qsgd"]  # the version takes part: two versions on one job fail too
+
+
+def test_verify_settings_splits_the_gathered_records_by_their_lengths():
+    records = [settings_record("TopK", {"ratio": r}) for r in (0.01, 0.01, 0.001)]
+    calls = []
+
+    def allgather(array, name):  # what the adapter's allgather returns: every rank's array, concatenated
+        calls.append((name, array.dtype))
+        if name.endswith(".lengths"):
+            return np.array([len(r) for r in records], np.int64)
+        return np.concatenate([np.frombuffer(r, np.uint8) for r in records])
+
+    with pytest.raises(CompressionMismatchError, match="settings.ratio: rank 0=0.01, rank 1=0.01, rank 2=0.001"):
+        verify_settings("TopK", {"ratio": 0.01}, allgather, "hs")
+    assert calls == [("hs.lengths", np.int64), ("hs.records", np.uint8)]
+    records[2] = records[0]
+    verify_settings("TopK", {"ratio": 0.01}, allgather, "hs")
