@@ -17,12 +17,18 @@ The model uses plain ``tf.Variable``\\ s; with Keras 3 layers pass the tape
 through ``horovod_qsgd.tensorflow.keras3.DistributedGradientTape``.
 """
 import argparse
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def digits_split():
+    """scikit-learn's digits, split 1437 train / 360 test as every example and study here splits them."""
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    order = np.random.RandomState(1234).permutation(len(x))
+    train, test = order[:1437], order[1437:]
+    return x[train], digits.target[train], x[test], digits.target[test]
 
 
 def main(argv=None):
@@ -37,8 +43,7 @@ def main(argv=None):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    from benchmarks.convergence import digits_split
-    from examples.tensorflow_keras_digits import make_compression
+    from horovod_qsgd.tensorflow import FP16, QSGD, NoCompression, RandomK, TopK
 
     hvd.init()
     x_train, y_train, x_test, y_test = digits_split()
@@ -60,7 +65,9 @@ def main(argv=None):
                 x = tf.nn.relu(x)
         return x
 
-    compression = make_compression(args.compression, args.bits)
+    compression = {"none": lambda: NoCompression, "fp16": lambda: FP16, "qsgd": lambda: QSGD(bits=args.bits),
+                   "topk": lambda: TopK(ratio=0.01),
+                   "randomk": lambda: RandomK(ratio=0.05, error_feedback=True)}[args.compression]()
     epoch = tf.Variable(0, dtype=tf.int64)
     tracked = dict(variables=variables, epoch=epoch)
     if hasattr(compression, "compression_stats"):

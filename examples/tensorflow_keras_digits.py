@@ -21,9 +21,8 @@ Choose a compressor as in ``examples/pytorch_digits.py``; keep
 """
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
 
 def parse_args(argv=None):
@@ -34,6 +33,16 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=0.1)
     return parser.parse_args(argv)
+
+
+def digits_split():
+    """scikit-learn's digits, split 1437 train / 360 test as every example and study here splits them."""
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    order = np.random.RandomState(1234).permutation(len(x))
+    train, test = order[:1437], order[1437:]
+    return x[train], digits.target[train], x[test], digits.target[test]
 
 
 def make_compression(name, bits=4):
@@ -55,7 +64,6 @@ def train_digits(hvd, compression, keras_major=2, epochs=10, lr=0.1, batch_size=
         keras = tf.keras
         wrap = hvd_keras.DistributedOptimizer
         callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)]
-    from benchmarks.convergence import digits_split  # the split the PyTorch runs use
     x_train, y_train, x_test, y_test = digits_split()
     x_shard, y_shard = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
     keras.utils.set_random_seed(seed)  # the same initial weights on every rank
