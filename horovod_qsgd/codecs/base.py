@@ -5,8 +5,7 @@ import zlib
 
 import numpy as np
 
-from ..kernels import widen_f16
-from ..kernels._dual import as_device, is_cuda_array
+from ..kernels import as_device, is_cuda_array, widen_f16
 from .header import WIRE_VERSION, PayloadError, pack_header, parse_header
 
 __all__ = ["Codec", "to_float32", "check_choice", "align4"]

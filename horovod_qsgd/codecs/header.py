@@ -20,7 +20,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..kernels._dual import as_device, is_cuda_array
+from ..kernels import as_device, is_cuda_array
 
 __all__ = ["HEADER_NBYTES", "WIRE_VERSION", "MAGIC", "Header", "PayloadError",
            "parse_header", "pack_header", "split_payloads"]

@@ -8,8 +8,7 @@ import math
 
 import numpy as np
 
-from ..kernels import lattice as L
-from ..kernels.rng import stream_base
+from .. import kernels as K
 from .base import Codec, _check_array, align4, check_int, read_bytes, view, write_bytes
 from .header import HEADER_NBYTES
 
@@ -105,7 +104,7 @@ class LatticeCodec(_ModelCodec):
 
     def radius(self, eps):
         """Largest per-coordinate ``|x - y|`` that always decodes with step eps: ``eps * (q/2 - 2)``."""
-        return L.decodable_radius(eps, self.bits)
+        return K.decodable_radius(eps, self.bits)
 
     def eps_for_spread(self, spread, magnitude=0.0):
         """Step eps whose radius is ``headroom * spread``, as a float32 value.
@@ -162,8 +161,8 @@ class LatticeCodec(_ModelCodec):
         write_bytes(out, HEADER_NBYTES, eps32.tobytes())
         sums, codes = self._sections(out, n)
         status = _empty(nb, np.uint8, gpu)
-        base = stream_base(self.seed, step, key, L.PURPOSE_LATTICE)
-        failed = L.lattice_encode(x, codes, sums, status, eps=eps32, bits=self.bits,
+        base = K.stream_base(self.seed, step, key, K.PURPOSE_LATTICE)
+        failed = K.lattice_encode(x, codes, sums, status, eps=eps32, bits=self.bits,
                                   bucket_size=self.bucket_size, base=base)
         if failed:
             first = int(np.flatnonzero(_host(status))[0])
@@ -189,7 +188,7 @@ class LatticeCodec(_ModelCodec):
             bad = _empty(self._nbuckets(n), np.uint8, gpu)
         else:
             bad = _check_array("bad", bad, np.uint8, size=self._nbuckets(n), gpu=gpu)
-        return L.lattice_decode(codes, sums, reference, out, bad, eps=self.payload_eps(payload),
+        return K.lattice_decode(codes, sums, reference, out, bad, eps=self.payload_eps(payload),
                                 bits=self.bits, bucket_size=self.bucket_size)
 
 

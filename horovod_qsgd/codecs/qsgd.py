@@ -3,7 +3,6 @@
 import numpy as np
 
 from .. import kernels as K
-from ..kernels.elias import max_bucket_bits
 from .base import Codec, align4, check_choice, check_int, view, write_bytes
 from .header import HEADER_NBYTES, PayloadError
 
@@ -102,9 +101,9 @@ class QSGDCodec(Codec):
         if nb == 0:
             return 0
         full = n // self.bucket_size
-        per_full = (max_bucket_bits(self.bucket_size, self.levels) + 7) // 8
+        per_full = (K.max_bucket_bits(self.bucket_size, self.levels) + 7) // 8
         tail = n - full * self.bucket_size
-        return full * per_full + ((max_bucket_bits(tail, self.levels) + 7) // 8 if tail else 0)
+        return full * per_full + ((K.max_bucket_bits(tail, self.levels) + 7) // 8 if tail else 0)
 
     def max_payload_nbytes(self, numel):
         n = int(numel)

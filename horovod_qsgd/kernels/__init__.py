@@ -14,7 +14,13 @@ Modules:
 * :mod:`.qsgd` - QSGD quantise + fixed-width pack, unpack + accumulate;
 * :mod:`.elias` - Elias-gamma coded QSGD, parallel over buckets;
 * :mod:`.select` - top-k (exact radix select, Gaussian-k, sampled), random-k;
-* :mod:`.api` - the array-level entry points below.
+* :mod:`.lattice` - SwarmSGD's cubic-lattice quantizer and its entry points;
+* :mod:`.api` - the array-level entry points of QSGD, Elias, random-k, fp16;
+* :mod:`.topk` - top-k selection driven from the host (thresholds, radix
+  passes, output placement) and the scatter back.
+
+Everything a codec needs is exported here; codecs do not import the
+modules above directly.
 
 CPU execution.  Every CPU launcher exists twice (:class:`._dual.cpu_launcher`):
 a ``prange`` parallel build for large arrays and a serial build below
@@ -46,16 +52,20 @@ per-chunk counts (a few thousand values, copied to the host on CUDA) and the
 choice of radix digits; all per-element work runs in the kernels.
 """
 
-from ._dual import cpu_threads, cpu_threads_chosen, set_cpu_threads, threading_layer
-from .api import (acklam_ppf, elias_decode_accumulate, elias_encode, exact_threshold,
-                  qsgd_decode_accumulate, qsgd_encode, randomk_gather, randomk_indices,
-                  randomk_scatter_accumulate, sparse_accumulate, topk_select, widen_f16)
+from ._dual import as_device, cpu_threads, cpu_threads_chosen, is_cuda_array, set_cpu_threads, threading_layer
+from .api import (elias_decode_accumulate, elias_encode, qsgd_decode_accumulate, qsgd_encode, randomk_gather,
+                  randomk_indices, randomk_scatter_accumulate, widen_f16)
+from .elias import max_bucket_bits
+from .lattice import PURPOSE_LATTICE, decodable_radius, lattice_decode, lattice_encode
 from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
+from .topk import acklam_ppf, exact_threshold, sparse_accumulate, topk_select
 
 __all__ = [
     "acklam_ppf", "elias_decode_accumulate", "elias_encode", "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
     "randomk_scatter_accumulate", "sparse_accumulate", "topk_select", "widen_f16",
+    "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
-    "PURPOSE_RANDOMK", "PURPOSE_ROUNDING", "PURPOSE_SAMPLE",
+    "as_device", "is_cuda_array",
+    "PURPOSE_LATTICE", "PURPOSE_RANDOMK", "PURPOSE_ROUNDING", "PURPOSE_SAMPLE",
 ]

@@ -14,42 +14,15 @@ import numpy as np
 from . import elias as _el
 from . import qsgd as _q
 from . import select as _sel
-from ._dual import as_device, cpu_launch, on_cuda
+from ._arrays import device_view, empty, float_bits, to_host, zeros
+from ._dual import cpu_launch, on_cuda
 
 __all__ = [
     "qsgd_encode", "qsgd_decode_accumulate", "elias_encode", "elias_decode_accumulate",
-    "topk_select", "sparse_accumulate", "exact_threshold",
-    "randomk_indices", "randomk_gather", "randomk_scatter_accumulate", "acklam_ppf",
-    "widen_f16",
+    "randomk_indices", "randomk_gather", "randomk_scatter_accumulate", "widen_f16",
 ]
 
 _TARGET_CHUNK = 1 << 16  # elements per CPU work item for the QSGD launchers
-
-
-def _cuda():
-    from numba import cuda
-    return cuda
-
-
-def _dev(a):
-    """numba device array for a CUDA array-interface object (zero copy)."""
-    return None if a is None else as_device(a)
-
-
-def _empty(shape, dtype, gpu):
-    return _cuda().device_array(shape, dtype) if gpu else np.empty(shape, dtype)
-
-
-def _zeros(shape, dtype, gpu):
-    return _cuda().to_device(np.zeros(shape, dtype)) if gpu else np.zeros(shape, dtype)
-
-
-def _host(a, gpu):
-    return a.copy_to_host() if gpu else a
-
-
-def _bits(a):
-    return a.view(np.uint32)
 
 
 def _chunk_for(bucket):
@@ -62,8 +35,8 @@ def _chunk_for(bucket):
 def _scale_arrays(scales, nb, half, gpu):
     """(stored float32 scales, fp16 bits) arrays for the launchers."""
     if half:
-        return _empty(max(nb, 1), np.float32, gpu), scales
-    return scales, _empty(1, np.uint16, gpu)
+        return empty(max(nb, 1), np.float32, gpu), scales
+    return scales, empty(1, np.uint16, gpu)
 
 
 def qsgd_encode(x, scales, codes, *, bucket_size, bits, use_l2, half, stochastic, base):
@@ -76,13 +49,13 @@ def qsgd_encode(x, scales, codes, *, bucket_size, bits, use_l2, half, stochastic
         return
     if not gpu:
         scale32, scale16 = _scale_arrays(scales, nb, half, False)
-        cpu_launch(_q.encode_fixed_cpu, n, x, _bits(x), bucket_size, use_l2, half, s, bits, stochastic,
+        cpu_launch(_q.encode_fixed_cpu, n, x, float_bits(x), bucket_size, use_l2, half, s, bits, stochastic,
                    base, scale32, scale16, codes, _chunk_for(bucket_size))
         return
-    x, scales, codes = _dev(x), _dev(scales), _dev(codes)
+    x, scales, codes = device_view(x), device_view(scales), device_view(codes)
     scale32, scale16 = _scale_arrays(scales, nb, half, True)
-    _q.scale_kernel[nb](x, _bits(x), nb, bucket_size, use_l2, half, scale32, scale16)
-    tmp = _empty(n, np.uint8, True)
+    _q.scale_kernel[nb](x, float_bits(x), nb, bucket_size, use_l2, half, scale32, scale16)
+    tmp = empty(n, np.uint8, True)
     _q.code_kernel[n](x, bucket_size, scale32, s, stochastic, base, tmp)
     _q.pack_kernel[(n + 7) // 8](tmp, bits, codes)
 
@@ -90,7 +63,7 @@ def qsgd_encode(x, scales, codes, *, bucket_size, bits, use_l2, half, stochastic
 def _stored_scales(scales, half, gpu):
     if not half:
         return scales
-    out = _empty(scales.size, np.float32, gpu)
+    out = empty(scales.size, np.float32, gpu)
     if gpu:
         _q.f16_scale_kernel[scales.size](scales, out)
     else:
@@ -106,7 +79,7 @@ def qsgd_decode_accumulate(scales, codes, out, *, bucket_size, bits, half):
         return
     s = (1 << (bits - 1)) - 1
     if gpu:
-        scales, codes, out = _dev(scales), _dev(codes), _dev(out)
+        scales, codes, out = device_view(scales), device_view(codes), device_view(out)
     scale32 = _stored_scales(scales, half, gpu)
     if gpu:
         _q.decode_kernel[(n + 7) // 8](codes, bucket_size, scale32, s, bits, out)
@@ -127,16 +100,16 @@ def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, st
         return 0
     s = (1 << (bits - 1)) - 1
     if gpu:
-        x, scales, ends, stream = _dev(x), _dev(scales), _dev(ends), _dev(stream)
+        x, scales, ends, stream = device_view(x), device_view(scales), device_view(ends), device_view(stream)
     scale32, scale16 = _scale_arrays(scales, nb, half, gpu)
-    nbytes = _empty(nb, np.int64, gpu)
+    nbytes = empty(nb, np.int64, gpu)
     if gpu:
-        _el.sizes_kernel[nb](x, _bits(x), bucket_size, use_l2, half, s, stochastic, base,
+        _el.sizes_kernel[nb](x, float_bits(x), bucket_size, use_l2, half, s, stochastic, base,
                              scale32, scale16, nbytes)
     else:
-        cpu_launch(_el.sizes_cpu, n, x, _bits(x), bucket_size, use_l2, half, s, stochastic, base,
+        cpu_launch(_el.sizes_cpu, n, x, float_bits(x), bucket_size, use_l2, half, s, stochastic, base,
                    scale32, scale16, nbytes)
-    cum = np.cumsum(_host(nbytes, gpu))  # prefix sum on the host (nb values)
+    cum = np.cumsum(to_host(nbytes, gpu))  # prefix sum on the host (nb values)
     total = int(cum[-1])
     if total > stream.size or total >= 2 ** 32:
         raise ValueError(f"Elias stream needs {total} bytes, only {stream.size} available")
@@ -157,305 +130,26 @@ def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, hal
     s = (1 << (bits - 1)) - 1
     nb = ends.size
     if gpu:
-        scales, ends, stream, out = _dev(scales), _dev(ends), _dev(stream), _dev(out)
-    ends_h = _host(ends, gpu)
+        scales, ends, stream, out = device_view(scales), device_view(ends), device_view(stream), device_view(out)
+    ends_h = to_host(ends, gpu)
     if np.any(np.diff(ends_h.astype(np.int64)) < 0) or int(ends_h[-1]) > stream.size:
         raise ValueError("Elias bucket offsets are not increasing or run past the stream")
     scale32 = _stored_scales(scales, half, gpu)
-    status = _zeros(nb, np.int32, gpu)
+    status = zeros(nb, np.int32, gpu)
     if gpu:
         _el.decode_kernel[nb](stream, ends, bucket_size, scale32, s, out, status)
     else:
         cpu_launch(_el.decode_cpu, out.size, stream, ends, bucket_size, scale32, s, out, status)
-    bad = np.flatnonzero(_host(status, gpu))
+    bad = np.flatnonzero(to_host(status, gpu))
     if bad.size:
         raise ValueError(f"corrupt Elias stream in bucket {int(bad[0])} (and {bad.size - 1} more)")
-
-
-# ------------------------------------------------------------------ top-k --
-
-_EXACT_CHUNK = 1 << 18
-_EXACT_SAMPLE_MIN = 4096  # samples for the exact selector's lower bound
-_DIGITS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the radix passes
-
-
-def _radix_select(x, r, bits, ef, k, gpu, chunk=_EXACT_CHUNK):
-    """Exact k-th largest key of ``bits & 0x7fffffff`` by 3 histogram passes.
-
-    Returns (thresh, gt, eq) with per-chunk counts of keys > thresh and == thresh.
-    The first pass also does the error-feedback accumulation when ``ef``.
-    """
-    n = bits.size
-    nch = (n + chunk - 1) // chunk
-    prefix, prefix_shift, kk = 0, 31, k
-    gt = np.zeros(nch, np.int64)
-    rows_all = []
-    for shift, width in _DIGITS:
-        nbins = 1 << width
-        rows = _zeros((nch, 4 * nbins), np.int32, gpu)  # 4 sub-histograms per chunk
-        if gpu:
-            _sel.hist_kernel[nch](x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
-        else:
-            cpu_launch(_sel.hist_cpu, n, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
-        ef = False
-        rows = _host(rows, gpu).astype(np.int64).reshape(nch, 4, nbins).sum(axis=1)
-        total = rows.sum(axis=0)
-        above = np.cumsum(total[::-1])  # above[t] = count in bins >= nbins-1-t
-        t = int(np.searchsorted(above, kk))  # first t with above[t] >= kk
-        d = nbins - 1 - t
-        kk -= int(above[t] - total[d])
-        gt += rows[:, d + 1:].sum(axis=1)
-        rows_all.append(rows)
-        prefix = (prefix << width) | d
-        prefix_shift = shift
-    eq = rows_all[-1][:, prefix & ((1 << _DIGITS[-1][1]) - 1)]
-    return prefix, gt, eq
-
-
-def exact_threshold(values, k):
-    """k-th largest |value| (float32) of a float32 array, by radix select."""
-    gpu = on_cuda(values)
-    if gpu:
-        values = _dev(values)
-    thresh, _, _ = _radix_select(values, values, _bits(values), False, k, gpu)
-    return np.array([thresh], np.uint32).view(np.float32)[0]
-
-
-def acklam_ppf(p):
-    """Inverse standard normal CDF (Acklam's rational approximation, |rel err| < 1.2e-9)."""
-    a = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
-         1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00)
-    b = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
-         6.680131188771972e+01, -1.328068155288572e+01)
-    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
-         -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00)
-    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
-         3.754408661907416e+00)
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"p must be in (0, 1), got {p}")
-    plow = 0.02425
-    if p < plow:
-        q = math.sqrt(-2 * math.log(p))
-        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
-               ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
-    if p > 1 - plow:
-        q = math.sqrt(-2 * math.log(1 - p))
-        return -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
-                ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
-    q = p - 0.5
-    rr = q * q
-    return (((((a[0] * rr + a[1]) * rr + a[2]) * rr + a[3]) * rr + a[4]) * rr + a[5]) * q / \
-           (((((b[0] * rr + b[1]) * rr + b[2]) * rr + b[3]) * rr + b[4]) * rr + 1)
-
-
-def _count(src, t, gpu, x=None, ef=False):
-    """Per-chunk counts of not (|src| < t); with ef, first src = x + src in place."""
-    nch = (src.size + _sel.CHUNK - 1) // _sel.CHUNK
-    counts = _empty(nch, np.int64, gpu)
-    x = x if ef else src  # count_item counts its first array unless ef
-    if gpu:
-        _sel.count_kernel[nch](x, src, ef, t, counts)
-    else:
-        cpu_launch(_sel.count_cpu, src.size, x, src, ef, t, counts)
-    return _host(counts, gpu)
-
-
-def _refine(src, t, k, gpu, max_refinements=3, x=None, ef_pending=False):
-    """(threshold, per-chunk counts) after at most 3 refinements of t.
-
-    A refinement halves t when fewer than 2k/3 entries pass and multiplies
-    it by 1.5 when more than 4k/3 pass (Shi et al.); once both a too-low and
-    a too-high threshold have been seen it bisects between them instead, so
-    the steps cannot overshoot back and forth across the band.  If no
-    threshold lands in the band, the one whose count is closest to k (in
-    ratio) is used.  ``ef_pending``: the first count pass also forms
-    acc = x + src in place.
-    """
-    def badness(total):
-        return math.inf if total == 0 else abs(math.log(total / k))
-
-    lo = hi = None  # thresholds known to pass too many / too few
-    counts = _count(src, np.float32(t), gpu, x=x, ef=ef_pending)
-    best = (badness(int(counts.sum())), t, counts)
-    for _ in range(max_refinements):
-        total = int(counts.sum())
-        if 3 * total < 2 * k:
-            hi = t
-            t = t / 2 if lo is None else (lo + t) / 2
-        elif 3 * total > 4 * k:
-            lo = t
-            t = t * 1.5 if hi is None else (hi + t) / 2
-        else:
-            return np.float32(t), counts
-        counts = _count(src, np.float32(t), gpu)
-        total = int(counts.sum())
-        if 2 * k <= 3 * total <= 4 * k:
-            return np.float32(t), counts
-        if badness(total) < best[0]:
-            best = (badness(total), t, counts)
-    return np.float32(best[1]), best[2]
-
-
-def _exclusive(c):
-    out = np.zeros_like(c)
-    np.cumsum(c[:-1], out=out[1:])
-    return out
-
-
-def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
-                sample_base=None, sample_size=0):
-    """Select entries of acc = x (+ residual) into idx (int32) / values; returns the count.
-
-    ``idx.size`` is the capacity; emitted entries come first in index order;
-    the caller pads the rest.  ``values`` is float32, or uint16 fp16 bits
-    when ``half``.  With ``error_feedback`` the residual is updated in place.
-    """
-    gpu = on_cuda(x, residual, idx, values)
-    n = x.size
-    cap = idx.size
-    if n == 0 or cap == 0:
-        return 0
-    if gpu:
-        x, residual, idx, values = _dev(x), _dev(residual), _dev(idx), _dev(values)
-    ef = bool(error_feedback)
-    r = residual if ef else x
-    val32, val16 = (_empty(1, np.float32, gpu), values) if half else (values, _empty(1, np.uint16, gpu))
-    src = r  # acc lives in the residual after the first pass (or is x)
-
-    if selector == "exact":
-        return _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, sample_base)
-    nch = (n + _sel.CHUNK - 1) // _sel.CHUNK
-    if selector == "gaussian":
-        sums = _empty((nch, 2), np.float64, gpu)
-        if gpu:
-            _sel.moments_kernel[nch](x, r, ef, sums, _empty((nch, 2 * _sel._LANES), np.float64, True))
-        else:
-            cpu_launch(_sel.moments_cpu, n, x, r, ef, sums)
-        s1, s2 = 0.0, 0.0
-        for a, b in _host(sums, gpu):  # fixed order on every device
-            s1 += float(a)
-            s2 += float(b)
-        mu = s1 / n
-        sigma = math.sqrt(max(s2 / n - mu * mu, 0.0)) if math.isfinite(s2) else float("nan")
-        if not (math.isfinite(mu) and math.isfinite(sigma)):  # NaN/inf: select exactly
-            return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
-        p = 1.0 - k / (2.0 * n)
-        t = abs(mu) + sigma * (acklam_ppf(p) if p < 1.0 else 0.0)
-        pending = False  # the moments pass formed acc
-    elif selector == "sample":
-        m = sample_size
-        sample = _empty(m, np.float32, gpu)
-        if gpu:
-            _sel.gather_sample_kernel[m](x, r, ef, sample_base, sample)
-        else:
-            cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, sample_base, sample)
-        kk = max(1, (k * m + n // 2) // n)
-        t = float(exact_threshold(sample, kk))
-        if not math.isfinite(t):
-            return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
-        pending = ef  # the first count pass forms acc
-    else:
-        raise ValueError(f"unknown selector {selector!r}")
-    t32, counts = _refine(src, t, k, gpu, x=x, ef_pending=pending)
-    starts = _exclusive(counts)
-    if gpu:
-        _sel.write_thresh_kernel[nch](src, t32, _cuda().to_device(starts), cap, idx, val32, val16, half, ef)
-    else:
-        cpu_launch(_sel.write_thresh_cpu, n, src, t32, starts, cap, idx, val32, val16, half, ef)
-    return min(int(counts.sum()), cap)
-
-
-def _exact_full(x, r, ef_pending, idx, val32, val16, half, ef, k, gpu):
-    """Exact top-k by 3 radix histogram passes over all of acc, then compaction.
-
-    ``r`` holds acc (or is x); ``ef_pending``: the first pass still has to
-    form acc = x + r in place.  ``ef``: leave acc - sent in r.
-    """
-    src = r
-    thresh, gt, eq = _radix_select(x, r, _bits(src), ef_pending, k, gpu)
-    eq_take = np.clip(k - int(gt.sum()) - _exclusive(eq), 0, eq)
-    starts = _exclusive(gt + eq_take)
-    if gpu:
-        c = _cuda()
-        _sel.write_exact_kernel[starts.size](src, _bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
-                                             idx, val32, val16, half, ef, _EXACT_CHUNK)
-    else:
-        cpu_launch(_sel.write_exact_cpu, src.size, src, _bits(src), thresh, eq_take, starts, idx, val32, val16,
-                   half, ef, _EXACT_CHUNK)
-    return min(k, idx.size)
-
-
-def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
-    """Exact top-k: a sampled lower bound on the threshold filters candidates.
-
-    The j-th largest of m stratified samples of |acc| (j = kk + 4 sqrt(kk) + 4
-    for kk = k m / n expected sample hits) is below the true k-th largest
-    value except with probability ~1e-5; one pass counts the entries at or
-    above it (forming acc = x + r on the way), one pass compacts their
-    indices, and the exact radix select then runs on those ~1.6k candidates
-    only.  The result is exactly the top k with ties to the lower index; if
-    the bound was too high or too loose, the full radix select runs instead.
-    """
-    n = x.size
-    m = min(n, max(_EXACT_SAMPLE_MIN, -(-64 * n // k)))
-    if 4 * m >= n:  # small tensor: sampling saves nothing
-        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
-    sample = _empty(m, np.float32, gpu)
-    if gpu:
-        _sel.gather_sample_kernel[m](x, r, ef, base, sample)
-    else:
-        cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, base, sample)
-    kk = k * m / n
-    j = min(m, int(math.ceil(kk + 4 * math.sqrt(kk) + 4)))
-    t_low = exact_threshold(sample, j)
-    if not np.isfinite(t_low):
-        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
-    counts = _count(r, t_low, gpu, x=x, ef=ef)  # acc now lives in r
-    total = int(counts.sum())
-    if total < k or total > n // 4:
-        return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
-    starts = _exclusive(counts)
-    cand = _empty(total, np.int64, gpu)
-    cvals = _empty(total, np.float32, gpu)
-    if gpu:
-        c = _cuda()
-        _sel.compact_kernel[starts.size](r, t_low, c.to_device(starts), cand)
-        _sel.gather_abs_kernel[total](r, cand, cvals)
-    else:
-        cpu_launch(_sel.compact_cpu, n, r, t_low, starts, cand)
-        cpu_launch(_sel.gather_abs_cpu, total, r, cand, cvals)
-    thresh, gt, eq = _radix_select(cvals, cvals, _bits(cvals), False, k, gpu, chunk=total)
-    eq_take = k - int(gt.sum())
-    if gpu:
-        _sel.emit_candidates_kernel[1](r, cand, _bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
-    else:
-        _sel.emit_candidates(r, cand, _bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
-    return min(k, idx.size)
-
-
-def sparse_accumulate(idx, values, out, *, half):
-    """out[idx[j]] += values[j] for valid entries (idx == -1 is padding).
-
-    Returns the number of entries whose index is neither -1 nor in range.
-    """
-    gpu = on_cuda(idx, values, out)
-    if idx.size == 0:
-        return 0
-    if gpu:
-        idx, values, out = _dev(idx), _dev(values), _dev(out)
-    val32, val16 = (_empty(1, np.float32, gpu), values) if half else (values, _empty(1, np.uint16, gpu))
-    if gpu:
-        bad = _zeros(1, np.int64, gpu)
-        _sel.scatter_kernel[idx.size](idx, val32, val16, half, out, bad)
-        return int(bad.copy_to_host()[0])
-    return int(cpu_launch(_sel.scatter_cpu, idx.size, idx, val32, val16, half, out, 1 << 14))
 
 
 # --------------------------------------------------------------- random-k --
 
 def randomk_indices(n, k, base, *, gpu=False):
     """The k stratified indices (int64, increasing) of stream ``base``."""
-    idx = _empty(k, np.int64, gpu)
+    idx = empty(k, np.int64, gpu)
     if k:
         if gpu:
             _sel.randomk_index_kernel[k](n, base, idx)
@@ -470,7 +164,7 @@ def randomk_gather(x, residual, values, *, base, error_feedback, half, factor):
     if values.size == 0:
         return
     if gpu:
-        x, residual, values = _dev(x), _dev(residual), _dev(values)
+        x, residual, values = device_view(x), device_view(residual), device_view(values)
     ef = bool(error_feedback)
     r = residual if ef else x
     f = np.float32(factor)
@@ -490,7 +184,7 @@ def randomk_scatter_accumulate(values, out, *, base):
     if values.size == 0:
         return
     if gpu:
-        values, out = _dev(values), _dev(out)
+        values, out = device_view(values), device_view(out)
         _sel.randomk_scatter_kernel[values.size](values, base, out)
     else:
         cpu_launch(_sel.randomk_scatter_cpu, values.size, values, base, out)
@@ -500,8 +194,8 @@ def widen_f16(src_u16):
     """float32 copy of an array of IEEE fp16 bit patterns (uint16), exact."""
     gpu = on_cuda(src_u16)
     if gpu:
-        src_u16 = _dev(src_u16)
-    out = _empty(src_u16.size, np.float32, gpu)
+        src_u16 = device_view(src_u16)
+    out = empty(src_u16.size, np.float32, gpu)
     if src_u16.size:
         if gpu:
             _q.f16_scale_kernel[src_u16.size](src_u16, out)

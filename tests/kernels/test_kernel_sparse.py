@@ -193,7 +193,7 @@ def test_randomk_rejects_rescale_with_error_feedback():
 @pytest.mark.parametrize("value_dtype", ["float32", "float16"])
 def test_exact_sampled_path_and_its_fallback(monkeypatch, value_dtype):
     """Large n takes the sampled-candidate path; a wrong bound falls back, same result."""
-    from horovod_qsgd.kernels import api
+    from horovod_qsgd.kernels import topk
     n = 400_000
     rng = np.random.default_rng(21)
     x = (rng.integers(0, 50, n) * rng.choice([-1, 1], n)).astype(np.float32)  # many ties
@@ -203,7 +203,7 @@ def test_exact_sampled_path_and_its_fallback(monkeypatch, value_dtype):
     results = []
     for force_fallback in (False, True):
         if force_fallback:
-            monkeypatch.setattr(api, "exact_threshold", lambda v, j: np.float32(1e30))
+            monkeypatch.setattr(topk, "exact_threshold", lambda v, j: np.float32(1e30))
         r = r0.copy()
         p = encode(codec, x, residual=r)
         idx, _ = _entries(codec, p, n)

@@ -1,0 +1,294 @@
+"""Top-k selection driven from the host: the selectors' thresholds, passes and writes, and the scatter back.
+
+The per-element work runs in :mod:`.select`'s cores (CPU launchers or CUDA
+kernels); what stays here is the choice between them: the radix passes of
+the exact selector (histograms summed on the host, digits chosen there), the
+Gaussian-k threshold from the moments with up to three count refinements,
+DGC's sampled threshold, and the prefix sums that place each chunk's output.
+"""
+import math
+
+import numpy as np
+
+from . import select as _sel
+from ._arrays import cuda_module, device_view, empty, float_bits, to_host, zeros
+from ._dual import cpu_launch, on_cuda
+
+__all__ = ["topk_select", "sparse_accumulate", "exact_threshold", "acklam_ppf"]
+
+
+_EXACT_CHUNK = 1 << 18
+_EXACT_SAMPLE_MIN = 4096  # samples for the exact selector's lower bound
+_DIGITS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the radix passes
+
+
+def _radix_select(x, r, bits, ef, k, gpu, chunk=_EXACT_CHUNK):
+    """Exact k-th largest key of ``bits & 0x7fffffff`` by 3 histogram passes.
+
+    Returns (thresh, gt, eq) with per-chunk counts of keys > thresh and == thresh.
+    The first pass also does the error-feedback accumulation when ``ef``.
+    """
+    n = bits.size
+    nch = (n + chunk - 1) // chunk
+    prefix, prefix_shift, kk = 0, 31, k
+    gt = np.zeros(nch, np.int64)
+    rows_all = []
+    for shift, width in _DIGITS:
+        nbins = 1 << width
+        rows = zeros((nch, 4 * nbins), np.int32, gpu)  # 4 sub-histograms per chunk
+        if gpu:
+            _sel.hist_kernel[nch](x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
+        else:
+            cpu_launch(_sel.hist_cpu, n, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
+        ef = False
+        rows = to_host(rows, gpu).astype(np.int64).reshape(nch, 4, nbins).sum(axis=1)
+        total = rows.sum(axis=0)
+        above = np.cumsum(total[::-1])  # above[t] = count in bins >= nbins-1-t
+        t = int(np.searchsorted(above, kk))  # first t with above[t] >= kk
+        d = nbins - 1 - t
+        kk -= int(above[t] - total[d])
+        gt += rows[:, d + 1:].sum(axis=1)
+        rows_all.append(rows)
+        prefix = (prefix << width) | d
+        prefix_shift = shift
+    eq = rows_all[-1][:, prefix & ((1 << _DIGITS[-1][1]) - 1)]
+    return prefix, gt, eq
+
+
+def exact_threshold(values, k):
+    """k-th largest |value| (float32) of a float32 array, by radix select."""
+    gpu = on_cuda(values)
+    if gpu:
+        values = device_view(values)
+    thresh, _, _ = _radix_select(values, values, float_bits(values), False, k, gpu)
+    return np.array([thresh], np.uint32).view(np.float32)[0]
+
+
+def acklam_ppf(p):
+    """Inverse standard normal CDF (Acklam's rational approximation, |rel err| < 1.2e-9)."""
+    a = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+         1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00)
+    b = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+         6.680131188771972e+01, -1.328068155288572e+01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+         -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+         3.754408661907416e+00)
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    plow = 0.02425
+    if p < plow:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+               ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if p > 1 - plow:
+        q = math.sqrt(-2 * math.log(1 - p))
+        return -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+                ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    q = p - 0.5
+    rr = q * q
+    return (((((a[0] * rr + a[1]) * rr + a[2]) * rr + a[3]) * rr + a[4]) * rr + a[5]) * q / \
+           (((((b[0] * rr + b[1]) * rr + b[2]) * rr + b[3]) * rr + b[4]) * rr + 1)
+
+
+def _count(src, t, gpu, x=None, ef=False):
+    """Per-chunk counts of not (|src| < t); with ef, first src = x + src in place."""
+    nch = (src.size + _sel.CHUNK - 1) // _sel.CHUNK
+    counts = empty(nch, np.int64, gpu)
+    x = x if ef else src  # count_item counts its first array unless ef
+    if gpu:
+        _sel.count_kernel[nch](x, src, ef, t, counts)
+    else:
+        cpu_launch(_sel.count_cpu, src.size, x, src, ef, t, counts)
+    return to_host(counts, gpu)
+
+
+def _refine(src, t, k, gpu, max_refinements=3, x=None, ef_pending=False):
+    """(threshold, per-chunk counts) after at most 3 refinements of t.
+
+    A refinement halves t when fewer than 2k/3 entries pass and multiplies
+    it by 1.5 when more than 4k/3 pass (Shi et al.); once both a too-low and
+    a too-high threshold have been seen it bisects between them instead, so
+    the steps cannot overshoot back and forth across the band.  If no
+    threshold lands in the band, the one whose count is closest to k (in
+    ratio) is used.  ``ef_pending``: the first count pass also forms
+    acc = x + src in place.
+    """
+    def badness(total):
+        return math.inf if total == 0 else abs(math.log(total / k))
+
+    lo = hi = None  # thresholds known to pass too many / too few
+    counts = _count(src, np.float32(t), gpu, x=x, ef=ef_pending)
+    best = (badness(int(counts.sum())), t, counts)
+    for _ in range(max_refinements):
+        total = int(counts.sum())
+        if 3 * total < 2 * k:
+            hi = t
+            t = t / 2 if lo is None else (lo + t) / 2
+        elif 3 * total > 4 * k:
+            lo = t
+            t = t * 1.5 if hi is None else (hi + t) / 2
+        else:
+            return np.float32(t), counts
+        counts = _count(src, np.float32(t), gpu)
+        total = int(counts.sum())
+        if 2 * k <= 3 * total <= 4 * k:
+            return np.float32(t), counts
+        if badness(total) < best[0]:
+            best = (badness(total), t, counts)
+    return np.float32(best[1]), best[2]
+
+
+def _exclusive(c):
+    out = np.zeros_like(c)
+    np.cumsum(c[:-1], out=out[1:])
+    return out
+
+
+def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
+                sample_base=None, sample_size=0):
+    """Select entries of acc = x (+ residual) into idx (int32) / values; returns the count.
+
+    ``idx.size`` is the capacity; emitted entries come first in index order;
+    the caller pads the rest.  ``values`` is float32, or uint16 fp16 bits
+    when ``half``.  With ``error_feedback`` the residual is updated in place.
+    """
+    gpu = on_cuda(x, residual, idx, values)
+    n = x.size
+    cap = idx.size
+    if n == 0 or cap == 0:
+        return 0
+    if gpu:
+        x, residual, idx, values = device_view(x), device_view(residual), device_view(idx), device_view(values)
+    ef = bool(error_feedback)
+    r = residual if ef else x
+    val32, val16 = (empty(1, np.float32, gpu), values) if half else (values, empty(1, np.uint16, gpu))
+    src = r  # acc lives in the residual after the first pass (or is x)
+
+    if selector == "exact":
+        return _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, sample_base)
+    nch = (n + _sel.CHUNK - 1) // _sel.CHUNK
+    if selector == "gaussian":
+        sums = empty((nch, 2), np.float64, gpu)
+        if gpu:
+            _sel.moments_kernel[nch](x, r, ef, sums, empty((nch, 2 * _sel._LANES), np.float64, True))
+        else:
+            cpu_launch(_sel.moments_cpu, n, x, r, ef, sums)
+        s1, s2 = 0.0, 0.0
+        for a, b in to_host(sums, gpu):  # fixed order on every device
+            s1 += float(a)
+            s2 += float(b)
+        mu = s1 / n
+        sigma = math.sqrt(max(s2 / n - mu * mu, 0.0)) if math.isfinite(s2) else float("nan")
+        if not (math.isfinite(mu) and math.isfinite(sigma)):  # NaN/inf: select exactly
+            return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
+        p = 1.0 - k / (2.0 * n)
+        t = abs(mu) + sigma * (acklam_ppf(p) if p < 1.0 else 0.0)
+        pending = False  # the moments pass formed acc
+    elif selector == "sample":
+        m = sample_size
+        sample = empty(m, np.float32, gpu)
+        if gpu:
+            _sel.gather_sample_kernel[m](x, r, ef, sample_base, sample)
+        else:
+            cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, sample_base, sample)
+        kk = max(1, (k * m + n // 2) // n)
+        t = float(exact_threshold(sample, kk))
+        if not math.isfinite(t):
+            return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
+        pending = ef  # the first count pass forms acc
+    else:
+        raise ValueError(f"unknown selector {selector!r}")
+    t32, counts = _refine(src, t, k, gpu, x=x, ef_pending=pending)
+    starts = _exclusive(counts)
+    if gpu:
+        _sel.write_thresh_kernel[nch](src, t32, cuda_module().to_device(starts), cap, idx, val32, val16, half, ef)
+    else:
+        cpu_launch(_sel.write_thresh_cpu, n, src, t32, starts, cap, idx, val32, val16, half, ef)
+    return min(int(counts.sum()), cap)
+
+
+def _exact_full(x, r, ef_pending, idx, val32, val16, half, ef, k, gpu):
+    """Exact top-k by 3 radix histogram passes over all of acc, then compaction.
+
+    ``r`` holds acc (or is x); ``ef_pending``: the first pass still has to
+    form acc = x + r in place.  ``ef``: leave acc - sent in r.
+    """
+    src = r
+    thresh, gt, eq = _radix_select(x, r, float_bits(src), ef_pending, k, gpu)
+    eq_take = np.clip(k - int(gt.sum()) - _exclusive(eq), 0, eq)
+    starts = _exclusive(gt + eq_take)
+    if gpu:
+        c = cuda_module()
+        _sel.write_exact_kernel[starts.size](src, float_bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
+                                             idx, val32, val16, half, ef, _EXACT_CHUNK)
+    else:
+        cpu_launch(_sel.write_exact_cpu, src.size, src, float_bits(src), thresh, eq_take, starts, idx, val32, val16,
+                   half, ef, _EXACT_CHUNK)
+    return min(k, idx.size)
+
+
+def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
+    """Exact top-k: a sampled lower bound on the threshold filters candidates.
+
+    The j-th largest of m stratified samples of |acc| (j = kk + 4 sqrt(kk) + 4
+    for kk = k m / n expected sample hits) is below the true k-th largest
+    value except with probability ~1e-5; one pass counts the entries at or
+    above it (forming acc = x + r on the way), one pass compacts their
+    indices, and the exact radix select then runs on those ~1.6k candidates
+    only.  The result is exactly the top k with ties to the lower index; if
+    the bound was too high or too loose, the full radix select runs instead.
+    """
+    n = x.size
+    m = min(n, max(_EXACT_SAMPLE_MIN, -(-64 * n // k)))
+    if 4 * m >= n:  # small tensor: sampling saves nothing
+        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
+    sample = empty(m, np.float32, gpu)
+    if gpu:
+        _sel.gather_sample_kernel[m](x, r, ef, base, sample)
+    else:
+        cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, base, sample)
+    kk = k * m / n
+    j = min(m, int(math.ceil(kk + 4 * math.sqrt(kk) + 4)))
+    t_low = exact_threshold(sample, j)
+    if not np.isfinite(t_low):
+        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
+    counts = _count(r, t_low, gpu, x=x, ef=ef)  # acc now lives in r
+    total = int(counts.sum())
+    if total < k or total > n // 4:
+        return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
+    starts = _exclusive(counts)
+    cand = empty(total, np.int64, gpu)
+    cvals = empty(total, np.float32, gpu)
+    if gpu:
+        c = cuda_module()
+        _sel.compact_kernel[starts.size](r, t_low, c.to_device(starts), cand)
+        _sel.gather_abs_kernel[total](r, cand, cvals)
+    else:
+        cpu_launch(_sel.compact_cpu, n, r, t_low, starts, cand)
+        cpu_launch(_sel.gather_abs_cpu, total, r, cand, cvals)
+    thresh, gt, eq = _radix_select(cvals, cvals, float_bits(cvals), False, k, gpu, chunk=total)
+    eq_take = k - int(gt.sum())
+    if gpu:
+        _sel.emit_candidates_kernel[1](r, cand, float_bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
+    else:
+        _sel.emit_candidates(r, cand, float_bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
+    return min(k, idx.size)
+
+
+def sparse_accumulate(idx, values, out, *, half):
+    """out[idx[j]] += values[j] for valid entries (idx == -1 is padding).
+
+    Returns the number of entries whose index is neither -1 nor in range.
+    """
+    gpu = on_cuda(idx, values, out)
+    if idx.size == 0:
+        return 0
+    if gpu:
+        idx, values, out = device_view(idx), device_view(values), device_view(out)
+    val32, val16 = (empty(1, np.float32, gpu), values) if half else (values, empty(1, np.uint16, gpu))
+    if gpu:
+        bad = zeros(1, np.int64, gpu)
+        _sel.scatter_kernel[idx.size](idx, val32, val16, half, out, bad)
+        return int(bad.copy_to_host()[0])
+    return int(cpu_launch(_sel.scatter_cpu, idx.size, idx, val32, val16, half, out, 1 << 14))
