@@ -13,9 +13,10 @@ Choosing a compressor
   ``selector="gaussian"`` selects much faster on large layers at the cost of
   an approximate k.
 * ``RandomK``: cheapest to compute, converges slower; mostly a baseline.
-Compressed payloads are allgathered, so their cost grows with the number of
-ranks; with many ranks on a fast network plain allreduce (or FP16) may win.
-Measure with ``bash scripts/main_job.sh`` on your own network.
+From 3 ranks, large tensors take the two-stage exchange, whose bytes per
+rank stay flat in the number of ranks; on a fast network with a fast
+compute step plain allreduce may still win (the README's "Choosing a
+compressor"). Measure with ``bash scripts/main_job.sh`` on your own network.
 """
 import argparse
 

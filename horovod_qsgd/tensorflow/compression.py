@@ -34,409 +34,23 @@ feedback, an fp32 residual), so a compressor works eagerly and inside
 and non-float tensors go through Horovod's allreduce unchanged; Horovod
 allgathers ``tf.IndexedSlices`` itself without calling the compressor.
 """
-import json
-import os
-import re
-import threading
 import time
-import warnings
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import control_flow_util
-from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
-from horovod_qsgd.common.call_site import check_compressible
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_notice
-from horovod_qsgd.common.handshake import verify_settings
-from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
-from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
-from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
-from horovod_qsgd.common.two_stage import (TwoStage, check_exchange, choose_exchange, owner_layout_changed,
-                                           qsgd_codecs)
-from horovod_qsgd.tensorflow.call_site import find_call_site
-from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
+from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
+from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
+from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase, ExchangeContext,
+                                                     adapter_method, op_name)
+from horovod_qsgd.tensorflow.host_ops import byte_reader, payload_encoder, values_gatherer
 
-_PASS_THROUGH = None  # Horovod's own compressors use None as "nothing to undo" too
-_PLACEHOLDER_DTYPES = (tf.float16, tf.float32, tf.float64)
 
-
-def _op_name(name):
-    """A TensorFlow op name made from a stable tensor name (graph mode scopes it further)."""
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
-
-
-def _new_variable(initial_value, name, dtype):
-    """A variable created outside any graph being traced.
-
-    A compressor meets a new gradient when a function is (re)traced, possibly
-    not on its first trace, where ``tf.Variable`` refuses to create
-    variables; each state variable is created once per gradient name, so
-    lifting it out with ``init_scope`` and constructing it directly is safe.
-    """
-    with tf.init_scope():
-        return ResourceVariable(initial_value, name=_op_name(name), dtype=dtype, trainable=False)
-
-
-def _adapter_method(method):
-    """compress/decompress, never converted by autograph.
-
-    Our errors keep their type when raised while Horovod's functions are
-    traced because their classes use ``Exception.__init__`` (see
-    :mod:`horovod_qsgd.common.errors`); autograph turns others into StagingError.
-    """
-    return tf.autograph.experimental.do_not_convert(method)
-
-
-class _Step:
-    """One compress call: where it came from, the state name, the counter and the fp32 input."""
-    __slots__ = ("site", "name", "numel", "variable", "value", "flat")
-
-    def __init__(self, site, name, numel, variable, value, flat):
-        self.site, self.name, self.numel = site, name, numel
-        self.variable, self.value, self.flat = variable, value, flat
-
-
-class _Context:
-    """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
-    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "stage", "own", "process_set")
-
-    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, stage=None, own=None,
-                 process_set=None):
-        self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
-        self.gathered, self.step = gathered, step
-        # two-stage exchange: gathered holds the first stage's received slices, own this rank's own chunk
-        self.stage, self.own, self.process_set = stage, own, process_set
-
-
-class _CompressorBase(tf.Module):
-    """Settings handshake, per-gradient state variables, checkpoints and statistics."""
-
-    @property
-    def error_feedback(self):
-        """True when what a step does not send is kept in a residual and added to the next step's gradient."""
-        return bool(getattr(self.codec, "error_feedback", False))
-
-    def __init__(self, codec, min_numel):
-        super().__init__(name=type(self).__name__)
-        if min_numel < 0:
-            raise ValueError(f"horovod_qsgd: min_numel must be >= 0, got {min_numel}")
-        self.codec = codec
-        self.min_numel = int(min_numel)
-        # Tracked by tf.train.Checkpoint: state name -> variable.
-        self._steps = {}
-        self._residuals = {}
-        self._owner_residuals = {}  # two-stage exchange with error feedback: this rank's owned chunk
-        self._owner_layouts = {}    # int64 [ranks, rank] each owner residual belongs to
-        self._settings = _new_variable(self._settings_json(), "horovod_qsgd_settings", tf.string)
-        self._runtime = _Runtime()
-
-    # -- identity ---------------------------------------------------------------------------
-    # Horovod caches its allreduce function keyed by the compressor: identity is the right key
-    # (two compressors have separate state). Hashing is also the one moment our code runs while
-    # Horovod's Keras DistributedOptimizer wraps an optimizer, so a Keras 3 optimizer, which that
-    # wrapper would silently leave un-allreduced, is refused here.
-    def __hash__(self):
-        refuse_keras3_horovod_optimizer()
-        return id(self) >> 4
-
-    def __eq__(self, other):
-        return self is other
-
-    # -- settings ---------------------------------------------------------------------------
-    def settings(self):
-        return dict(self.codec.config(), min_numel=self.min_numel)
-
-    def _settings_json(self):
-        return json.dumps({"compressor": type(self).__name__, "format": STATE_FORMAT,
-                           "settings": self.settings()}, sort_keys=True, default=str)
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
-        return f"{type(self).__name__}({args})"
-
-    def _passes_through(self, tensor):
-        return (not tensor.dtype.is_floating or tensor.shape.num_elements() is None
-                or tensor.shape.num_elements() < self.min_numel)
-
-    def _check_site(self, site):
-        check_compressible(site.name, site.op is not None and site.op == hvd.Adasum, unnamed_hint=(
-            " (Called eagerly; inside tf.function, DistributedGradientTape and DistributedOptimizer the name "
-            "comes from the variable or the graph.)"))
-
-    def _handshake(self, process_set):
-        """Once per process set, eagerly (also while a function is traced): all ranks compare settings."""
-        key = process_set.process_set_id
-        if key in self._runtime.verified_process_sets or not process_set.included():
-            return
-        share_cores(hvd.local_size())
-        # TensorFlow's order: the config, else TF_NUM_INTRAOP_THREADS, else (0) a thread per core
-        intra_op = (tf.config.threading.get_intra_op_parallelism_threads()
-                    or int(os.environ.get("TF_NUM_INTRAOP_THREADS") or 0) or available_cores())
-        warn_if_oversubscribed("TensorFlow", intra_op, hvd.local_size(),
-                               "TF_NUM_INTRAOP_THREADS={share} and TF_NUM_INTEROP_THREADS=1 in the environment "
-                               "(or tf.config.threading.set_intra_op_parallelism_threads({share}))")
-        with tf.init_scope():
-            self._check_restored_settings()
-
-            def allgather(array, name):
-                return hvd.allgather(tf.constant(array), name=name, process_set=process_set).numpy()
-
-            verify_settings(type(self).__name__, self.settings(), allgather, HANDSHAKE_NAME)
-        self._runtime.verified_process_sets.add(key)
-
-    def _check_restored_settings(self):
-        restored = self._settings.numpy().decode("utf-8")
-        if restored != self._settings_json():
-            raise ValueError(f"horovod_qsgd: the checkpoint was written by {restored}, this compressor is "
-                             f"{self._settings_json()}; build it with the same arguments.")
-
-    # -- per-gradient state -------------------------------------------------------------------
-    def _state_name(self, site):
-        """The name state and collectives are keyed by: the variable's name, made unique per variable."""
-        if site.variable is None:
-            return site.name
-        runtime = self._runtime
-        with runtime.lock:
-            ref = site.variable.ref() if hasattr(site.variable, "ref") else id(site.variable)
-            name = runtime.name_of_variable.get(ref)
-            if name is None:
-                name, count = site.name, 1
-                while name in runtime.variable_of_name:
-                    count += 1
-                    name = f"{site.name}#{count}"
-                runtime.name_of_variable[ref] = name
-                runtime.variable_of_name[name] = ref
-                runtime.keep_alive.append(site.variable)
-            return name
-
-    def _step_variable(self, name):
-        with self._runtime.lock:
-            var = self._steps.get(name)
-            if var is None:
-                var = self._steps[name] = _new_variable(np.int64(0), f"{name}/step", tf.int64)
-        return var
-
-    def _residual_variable(self, name, numel):
-        with self._runtime.lock:
-            var = self._residuals.get(name)
-            if var is None:
-                var = self._residuals[name] = _new_variable(np.zeros(numel, np.float32),
-                                                            f"{name}/residual", tf.float32)
-        if var.shape.num_elements() != numel:
-            raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {name!r} has {numel} elements but its error-feedback residual has "
-                f"{var.shape.num_elements()}; a checkpoint from another model was restored, or two "
-                "tensors share a name.")
-        return var
-
-    def _owner_residual_variables(self, name, size, layout):
-        """The owner-side residual variable of a tensor; recreated (with a warning) for another rank count."""
-        with self._runtime.lock, tf.init_scope():
-            var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
-            saved = None if layout_var is None else [int(v) for v in layout_var.numpy()]
-            if var is not None and (var.shape.num_elements() != size or saved != layout):
-                warnings.warn(owner_layout_changed(name, saved, layout))
-                var = None
-            if var is None:
-                var = self._owner_residuals[name] = _new_variable(np.zeros(size, np.float32),
-                                                                  f"{name}/owner_residual", tf.float32)
-                layout_var = self._owner_layouts[name] = _new_variable(np.array(layout, np.int64),
-                                                                       f"{name}/owner_layout", tf.int64)
-        return var
-
-    # -- checkpoints ------------------------------------------------------------------------
-    def state_dict(self):
-        """Step counters and residuals by tensor name (numpy), plus the settings they belong to.
-
-        ``tf.train.Checkpoint(compressor=c)`` saves and restores the same
-        variables; this is for code that checkpoints with numpy/pickle.
-        Residuals differ between ranks: save each rank's state.
-        """
-        tensors = {name: {"step": int(var.numpy()), "residual": None} for name, var in self._steps.items()}
-        for name, var in self._residuals.items():
-            tensors.setdefault(name, {"step": 0})["residual"] = var.numpy().copy()
-        for name, var in self._owner_residuals.items():
-            entry = tensors.setdefault(name, {"step": 0, "residual": None})
-            entry["owner_residual"] = var.numpy().copy()
-            entry["owner_layout"] = [int(v) for v in self._owner_layouts[name].numpy()]
-        return dict(state_header(type(self).__name__, self.settings()), tensors=tensors)
-
-    def load_state_dict(self, state):
-        check_loadable(state, type(self).__name__, self.settings())
-        for name, entry in state["tensors"].items():
-            self._step_variable(name).assign(entry["step"])
-            if entry.get("owner_residual") is not None:
-                with self._runtime.lock:
-                    self._owner_residuals[name] = _new_variable(np.asarray(entry["owner_residual"], np.float32),
-                                                                f"{name}/owner_residual", tf.float32)
-                    self._owner_layouts[name] = _new_variable(np.asarray(entry["owner_layout"], np.int64),
-                                                              f"{name}/owner_layout", tf.int64)
-            if entry.get("residual") is not None:
-                residual = np.asarray(entry["residual"], dtype=np.float32)
-                self._residual_variable(name, residual.size).assign(residual)
-
-    # -- statistics -------------------------------------------------------------------------
-    def compression_stats(self, reset=False):
-        """Counters since the last reset: tensors, bytes before and after, encode/decode seconds.
-
-        Counted when the ops run (not when they are traced). Log it once per
-        step with ``reset=True`` to get per-step numbers.
-        """
-        stats = self._runtime.stats.snapshot(reset)
-        for counter in self._runtime.pass_through_counters:
-            stats = counter.add_to(stats, reset)
-        sent = stats["bytes_sent"]
-        stats["compression_ratio"] = stats["bytes_uncompressed"] / sent if sent else float("nan")
-        return stats
-
-    def _pass_through(self, tensor):
-        nbytes = tensor.shape.num_elements() * tensor.dtype.size if tensor.shape.is_fully_defined() else 0
-        if tf.executing_eagerly():
-            self._runtime.stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
-        else:
-            # One counter per traced call site: a variable of its own keeps the gradient's cond branch
-            # free of ordering constraints against other gradients (a shared counter would serialize
-            # Horovod's allreduces and defeat its tensor fusion).
-            counter = _PassThroughCounter(nbytes)
-            self._runtime.pass_through_counters.append(counter)
-            counter.variable.assign_add(1)
-        return tensor, _PASS_THROUGH
-
-    def _begin(self, tensor):
-        """The step being compressed (site, name, numel, step counter), or None to pass ``tensor`` through."""
-        site, name = self._prepare(tensor)
-        if name is None:
-            return None
-        if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
-            raise ValueError(
-                f"horovod_qsgd: tensor {name!r} is compressed inside an XLA-compiled function "
-                "(jit_compile=True), which cannot run the codecs' host ops. Compile without XLA: "
-                "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) in Keras.")
-        step_var = self._step_variable(name)
-        return _Step(site, name, tensor.shape.num_elements(), step_var, step_var.read_value(), _flat_fp32(tensor))
-
-    def _on_host(self, step, fn, out_dtype, op_name):
-        """Runs ``fn`` through :func:`host_op`; advances the step counter and the residual variable."""
-        residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
-        out, new_residual = host_op(fn, step.flat, step.value,
-                                    None if residual_var is None else residual_var.read_value(),
-                                    out_dtype, op_name)
-        if residual_var is not None:
-            residual_var.assign(new_residual)
-        step.variable.assign_add(1)
-        return out
-
-    def _prepare(self, tensor):
-        site = find_call_site(tensor, None, hvd.global_process_set)
-        self._handshake(site.process_set)
-        if self._passes_through(tensor):
-            return site, None
-        self._check_site(site)
-        return site, self._state_name(site)
-
-
-class _Runtime:
-    """Per-process bookkeeping that is not checkpointed (hidden from tf.Module's tracking)."""
-
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.stats = CompressionStats()
-        self.verified_process_sets = set()
-        self.name_of_variable = {}
-        self.variable_of_name = {}
-        self.keep_alive = []
-        self.pass_through_counters = []
-        self.refusals = {}  # tensor name -> the mismatch this rank found in a first stage, raised when decoding
-
-
-class _PassThroughCounter:
-    def __init__(self, nbytes):
-        self.nbytes = nbytes
-        self.variable = _new_variable(np.int64(0), "horovod_qsgd_pass_through", tf.int64)
-        self.baseline = 0
-
-    def add_to(self, stats, reset):
-        count = int(self.variable.numpy())
-        calls = count - self.baseline
-        if reset:
-            self.baseline = count
-        stats = dict(stats)
-        stats["tensors_passed_through"] += calls
-        stats["bytes_uncompressed"] += calls * self.nbytes
-        stats["bytes_sent"] += calls * self.nbytes
-        return stats
-
-
-def _flat_fp32(tensor):
-    flat = tf.reshape(tensor, [-1])
-    return flat if flat.dtype == tf.float32 else tf.cast(flat, tf.float32)
-
-
-def host_op(fn, flat, step, residual, out_dtype, op_name):
-    """``fn(x, step, residual) -> array`` as one stateless host op; returns (out, new residual or None).
-
-    ``x`` is the flat fp32 gradient, ``step`` a Python int and ``residual``
-    None or a private fp32 copy of the residual that ``fn`` may update in
-    place; the updated copy comes back as the second output, so a variable's
-    buffer is never written behind TensorFlow's back. Stateless, so that
-    TensorFlow does not order it against other gradients' ops.
-    """
-    if residual is not None:
-        def call(x, step_value, residual_value):
-            residual_value = residual_value.copy()
-            return fn(x, int(step_value), residual_value), residual_value
-
-        out, new_residual = tf.numpy_function(call, [flat, step, residual], [out_dtype, tf.float32],
-                                              stateful=False, name=op_name)
-        new_residual.set_shape(flat.shape)
-    else:
-        out = tf.numpy_function(lambda x, step_value: fn(x, int(step_value), None), [flat, step], out_dtype,
-                                stateful=False, name=op_name)
-        new_residual = None
-    out.set_shape([None])
-    return out, new_residual
-
-
-def payload_encoder(codec, key, numel, on_encoded=None):
-    """The host function that encodes one gradient into a payload: what :func:`host_op` runs for QSGD/TopK."""
-    capacity = codec.max_payload_nbytes(numel)
-
-    def encode(x, step, residual):
-        start = time.perf_counter()
-        # Zeroed, not empty: the codec leaves alignment gaps between sections unwritten, and the bytes
-        # on the wire must not depend on what the allocator returned.
-        out = np.zeros(capacity, dtype=np.uint8)
-        nbytes = codec.encode(x, out, step=step, key=key, residual=residual)
-        if on_encoded is not None:
-            on_encoded(nbytes, time.perf_counter() - start)
-        return out[:nbytes]
-
-    return encode
-
-
-def values_gatherer(codec, key, on_gathered=None):
-    """The host function that selects RandomK's values: what :func:`host_op` runs for RandomK."""
-    def gather(x, step, residual):
-        start = time.perf_counter()
-        values = codec.gather(x, step=step, key=key, residual=residual)
-        if on_gathered is not None:
-            on_gathered(values.nbytes, time.perf_counter() - start)
-        return values
-
-    return gather
-
-
-def _reader(buffer):
-    return lambda offset, length: buffer[offset:offset + length].tobytes()
-
-
-class PayloadCompressor(_CompressorBase):
+class PayloadCompressor(CompressorBase):
     """Sends each gradient as compressed payloads; base of :class:`QSGD` and :class:`TopK`.
 
     ``second_codec`` (None: allgather only) encodes the owners' sums of the
@@ -452,7 +66,7 @@ class PayloadCompressor(_CompressorBase):
     def settings(self):
         return dict(super().settings(), exchange=self.exchange)
 
-    @_adapter_method
+    @adapter_method
     def compress(self, tensor):
         step = self._begin(tensor)
         if step is None:
@@ -461,7 +75,7 @@ class PayloadCompressor(_CompressorBase):
         process_set = step.site.process_set
         rank = process_set.rank() if process_set.included() else 0
         num_ranks = process_set.size()
-        placeholder_dtype = tensor.dtype if tensor.dtype in _PLACEHOLDER_DTYPES else tf.float32
+        placeholder_dtype = tensor.dtype if tensor.dtype in PLACEHOLDER_DTYPES else tf.float32
         uncompressed, placeholder_nbytes = step.numel * tensor.dtype.size, placeholder_dtype.size
         exchange = "allgather" if self.second_codec is None else choose_exchange(
             self.exchange, self.codec, self.second_codec, step.numel, num_ranks)
@@ -491,9 +105,9 @@ class PayloadCompressor(_CompressorBase):
                 return outputs if residual is None else outputs + (residual,)
 
             inputs = [step.flat, step.value] + ([] if residual_var is None else [residual_var.read_value()])
-            outputs = tf.numpy_function(encode_for_owners, inputs,
-                                        [tf.uint8, tf.int32, tf.float32] + ([] if residual_var is None else [tf.float32]),
-                                        stateful=False, name="horovod_qsgd_encode_slices")
+            out_dtypes = [tf.uint8, tf.int32, tf.float32] + ([] if residual_var is None else [tf.float32])
+            outputs = tf.numpy_function(encode_for_owners, inputs, out_dtypes, stateful=False,
+                                        name="horovod_qsgd_encode_slices")
             slices, splits, own = outputs[:3]
             slices.set_shape([None])
             splits.set_shape([num_ranks])
@@ -502,9 +116,9 @@ class PayloadCompressor(_CompressorBase):
                 outputs[3].set_shape(step.flat.shape)
                 residual_var.assign(outputs[3])
             step.variable.assign_add(1)
-            received, _ = hvd.alltoall(slices, splits=splits, name=_op_name(PAYLOAD_PREFIX + step.name),
+            received, _ = hvd.alltoall(slices, splits=splits, name=op_name(PAYLOAD_PREFIX + step.name),
                                        process_set=process_set)
-            return placeholder, _Context(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
+            return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
                                          step=step.value, stage=stage, own=own, process_set=process_set)
 
         def on_encoded(nbytes, seconds):
@@ -513,8 +127,8 @@ class PayloadCompressor(_CompressorBase):
 
         encode = payload_encoder(self.codec, rank_key(step.name, rank), step.numel, on_encoded)
         payload = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
-        gathered = hvd.allgather(payload, name=_op_name(PAYLOAD_PREFIX + step.name), process_set=process_set)
-        return placeholder, _Context(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered)
+        gathered = hvd.allgather(payload, name=op_name(PAYLOAD_PREFIX + step.name), process_set=process_set)
+        return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered)
 
     def _second_stage(self, ctx):
         """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives)."""
@@ -529,7 +143,7 @@ class PayloadCompressor(_CompressorBase):
             total = np.array(own, dtype=np.float32)
             owner_residual = None if owner_residual is None else owner_residual.copy()
             try:
-                stage.accumulate_received(received, _reader(received), total)
+                stage.accumulate_received(received, byte_reader(received), total)
             except CompressionMismatchError as exc:
                 # Still take part in the allgather, with a refusal: the peers raise instead of waiting.
                 refusals[stage.name] = exc
@@ -552,11 +166,11 @@ class PayloadCompressor(_CompressorBase):
             new_owner.set_shape(owner_var.shape)
             owner_var.assign(new_owner)
         payload.set_shape([None])
-        return hvd.allgather(payload, name=_op_name(SECOND_STAGE_PREFIX + ctx.name), process_set=ctx.process_set)
+        return hvd.allgather(payload, name=op_name(SECOND_STAGE_PREFIX + ctx.name), process_set=ctx.process_set)
 
-    @_adapter_method
+    @adapter_method
     def decompress(self, tensor, ctx):
-        if ctx is _PASS_THROUGH:
+        if ctx is PASS_THROUGH:
             return tensor
         codec, stats, refusals = self.codec, self._runtime.stats, self._runtime.refusals
         numel = ctx.shape.num_elements()
@@ -570,9 +184,9 @@ class PayloadCompressor(_CompressorBase):
                 raise refusal
             total = np.zeros(numel, dtype=np.float32)
             if stage is None:
-                decode_sum(codec, gathered, _reader(gathered), num_ranks, numel, name, total)
+                decode_sum(codec, gathered, byte_reader(gathered), num_ranks, numel, name, total)
             else:
-                stage.decode_gathered(gathered, _reader(gathered), total)
+                stage.decode_gathered(gathered, byte_reader(gathered), total)
             scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
             if scale != 1.0:
                 total *= np.float32(scale)
@@ -715,7 +329,7 @@ class TopK(PayloadCompressor):
         super().__init__(codec, min_numel, check_exchange(exchange), codec)
 
 
-class RandomK(_CompressorBase):
+class RandomK(CompressorBase):
     r"""Random-k sparsification with a shared seed.
 
     Every rank draws the same ``k = max(1, floor(ratio * n))`` coordinates
@@ -743,7 +357,7 @@ class RandomK(_CompressorBase):
         super().__init__(RandomKCodec(ratio=ratio, seed=seed, value_dtype=value_dtype,
                                       error_feedback=error_feedback, rescale=rescale), min_numel)
 
-    @_adapter_method
+    @adapter_method
     def compress(self, tensor):
         step = self._begin(tensor)
         if step is None:
@@ -763,12 +377,12 @@ class RandomK(_CompressorBase):
         values = self._on_host(step, gather, tf.float32, "horovod_qsgd_gather")
         if half:
             values = tf.cast(values, tf.float16)
-        return values, _Context(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
+        return values, ExchangeContext(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
                                 step=step.value)
 
-    @_adapter_method
+    @adapter_method
     def decompress(self, tensor, ctx):
-        if ctx is _PASS_THROUGH:
+        if ctx is PASS_THROUGH:
             return tensor
         codec, stats = self.codec, self._runtime.stats
         numel, key = ctx.shape.num_elements(), tensor_key(ctx.name)

@@ -67,7 +67,7 @@ def test_checked_in_vectors_through_the_tf_host_op(mode):
     pytest.importorskip("tensorflow")
     import tensorflow as tf
     from horovod_qsgd.codecs import HEADER_NBYTES, RandomKCodec
-    from horovod_qsgd.tensorflow.compression import host_op, payload_encoder, values_gatherer
+    from horovod_qsgd.tensorflow.host_ops import host_op, payload_encoder, values_gatherer
     from horovod_qsgd.testdata import check_vectors, load_vectors, make_codec
 
     def run(fn, x, step, residual, dtype):
