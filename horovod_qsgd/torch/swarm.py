@@ -17,7 +17,7 @@ import horovod.torch as hvd
 import torch
 
 from horovod_qsgd.common.matching import TOPOLOGIES, check_edges, random_matching
-from horovod_qsgd.torch.swarm_engine import AVERAGING, SwarmStats, _Engine, _parse_quantization, _Slot
+from horovod_qsgd.torch.swarm_engine import AVERAGING, Slot, SwarmEngine, SwarmStats, parse_quantization
 
 __all__ = ["SwarmOptimizer", "SwarmMixin", "SwarmStats", "random_matching", "TOPOLOGIES"]
 
@@ -241,7 +241,7 @@ def SwarmOptimizer(optimizer, named_parameters=None, local_steps=4, quantization
         random_matching(2, 0, 0, topology)  # validates the name
     else:
         topology = check_edges(topology, process_set.size())
-    codec = _parse_quantization(quantization)
+    codec = parse_quantization(quantization)
     named_parameters, named_buffers = _named_tensors(optimizer, named_parameters, named_buffers)
     slots, offset = [], 0
     for kind, named in (("param", named_parameters), ("buffer", named_buffers)):
@@ -249,9 +249,9 @@ def SwarmOptimizer(optimizer, named_parameters=None, local_steps=4, quantization
             if not tensor.dtype.is_floating_point:
                 continue  # integer buffers stay local
             quantize = codec is not None and kind == "param" and tensor.numel() >= min_numel
-            slots.append(_Slot(f"{kind}:{name}", tensor, kind, offset, quantize))
+            slots.append(Slot(f"{kind}:{name}", tensor, kind, offset, quantize))
             offset += tensor.numel()
-    engine = _Engine(slots, local_steps, codec, topology, averaging, seed, process_set, min_numel)
+    engine = SwarmEngine(slots, local_steps, codec, topology, averaging, seed, process_set, min_numel)
     # A subclass of the optimizer's own class sharing its parameter groups, state and hooks (the
     # wrapped optimizer's __init__ is not called again, so any optimizer signature works).
     cls = type(optimizer.__class__.__name__, (SwarmMixin, optimizer.__class__), {})

@@ -35,7 +35,7 @@ class SwarmStats(CompressionStats):
                                         "fallback_tensors")
 
 
-class _Slot:
+class Slot:
     __slots__ = ("name", "tensor", "kind", "offset", "numel", "quantize")
 
     def __init__(self, name, tensor, kind, offset, quantize):
@@ -52,7 +52,7 @@ class _ExchangeInFlight:
         self.handle, self.received, self.eps_sent = handle, received, eps_sent or {}
 
 
-def _parse_quantization(quantization):
+def parse_quantization(quantization):
     if quantization is None or quantization == "none":
         return None
     if isinstance(quantization, LatticeCodec):
@@ -69,7 +69,7 @@ def _parse_quantization(quantization):
                      "or a LatticeCodec")
 
 
-class _Engine:
+class SwarmEngine:
     """Everything SwarmSGD adds to an optimizer; the optimizer mixin delegates here."""
 
     def __init__(self, slots, local_steps, codec, topology, averaging, seed, process_set, min_numel):
