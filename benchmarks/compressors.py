@@ -12,12 +12,15 @@ SPECS = {
     "gaussiank-1%": ("TopK", {"ratio": 0.01, "selector": "gaussian"}),
     "gaussiank-0.1%": ("TopK", {"ratio": 0.001, "selector": "gaussian"}),
     "randomk-1%": ("RandomK", {"ratio": 0.01, "error_feedback": True}),
-    # the exchanges forced, beside the default ("auto": two stages from 3 ranks)
+    # variants the studies ask for by name: the exchanges forced (the default "auto" takes two stages from 3
+    # ranks), the owners' sums at 8 bits, a larger Top-k ratio
     "qsgd-4bit-allgather": ("QSGD", {"bits": 4, "exchange": "allgather"}),
     "topk-1%-allgather": ("TopK", {"ratio": 0.01, "exchange": "allgather"}),
+    "qsgd-4bit-second8": ("QSGD", {"bits": 4, "second_stage_bits": 8}),
+    "topk-10%": ("TopK", {"ratio": 0.1}),
 }
 # What the studies compare unless told otherwise: one row per compressor, default exchange.
-STANDARD = [name for name in SPECS if not name.endswith("-allgather")]
+STANDARD = list(SPECS)[:list(SPECS).index("qsgd-4bit-allgather")]
 
 _FLAG_NAMES = {"bits": "--bits", "ratio": "--ratio", "selector": "--selector", "exchange": "--exchange"}
 _KINDS = {"NoCompression": "none", "FP16": "fp16", "QSGD": "qsgd", "TopK": "topk", "RandomK": "randomk"}
