@@ -216,11 +216,12 @@ def run_study(args):
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.optimizer == "adam" else f"_{args.optimizer}"
     path = os.path.join(args.out, f"{args.framework}_{hvd.size()}ranks{suffix}.json")
-    results = {}
+    results, earlier_seconds = {}, 0.0
     if args.resume and os.path.exists(path):
         with open(path) as f:
-            results = json.load(f)["results"]
-    start = time.perf_counter()
+            earlier = json.load(f)
+        results, earlier_seconds = earlier["results"], earlier["wall_seconds"]
+    start = time.perf_counter() - earlier_seconds
     for name in args.compressors.split(","):
         if name not in SPECS:
             raise SystemExit(f"unknown compressor {name!r}; choose from {', '.join(SPECS)}")
