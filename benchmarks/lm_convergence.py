@@ -51,8 +51,9 @@ sys.path.insert(0, ROOT)
 from benchmarks import byte_lm  # noqa: E402
 from benchmarks.convergence import format_table, summarize  # noqa: E402
 
-STUDY = {"optimizer": "adam", "steps": 400, "lr": 3e-3, "warmup_steps": 40, "final_lr_fraction": 0.1, "batch_size": 32,
-         "context": 64, "width": 128, "layers": 2, "heads": 4, "eval_every": 50, "validation_sequences": 256}
+STUDY = {"optimizer": "adam", "steps": 400, "lr": 3e-3, "warmup_steps": 40, "final_lr_fraction": 0.1,
+         "batch_size": 32, "context": 64, "width": 128, "layers": 2, "heads": 4, "eval_every": 50,
+         "validation_sequences": 256}
 BETAS, EPS = (0.9, 0.999), 1e-8
 # --optimizer sgd: PyTorch's SGD with momentum; uncompressed, one process, seed 0, 400 steps:
 # 2.386 / 2.338 / 2.314 / 2.676 nats per byte at lr 0.03 / 0.05 / 0.1 / 0.3.
@@ -220,6 +221,9 @@ def run_study(args):
     if args.resume and os.path.exists(path):
         with open(path) as f:
             earlier = json.load(f)
+        if earlier["settings"] != settings:
+            raise SystemExit(f"--resume: {path} was made with other settings ({earlier['settings']}); "
+                             "use another --out or the same settings")
         results, earlier_seconds = earlier["results"], earlier["wall_seconds"]
     start = time.perf_counter() - earlier_seconds
     for name in args.compressors.split(","):
