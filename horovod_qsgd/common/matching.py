@@ -7,7 +7,7 @@ import zlib
 
 from horovod_qsgd.kernels.rng import mix64_py, stream_base
 
-__all__ = ["random_matching", "TOPOLOGIES"]
+__all__ = ["random_matching", "check_edges", "TOPOLOGIES"]
 
 TOPOLOGIES = ("complete", "ring")
 _MATCHING_KEY = zlib.crc32(b"horovod_qsgd.swarm.matching")
