@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -29,6 +30,25 @@ WORKER_THREAD_ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
 
 def in_worker():
     return os.environ.get(WORKER_ENV) == "1"
+
+
+def init_with_process_sets(hvd, *process_sets, timeout=60.0):
+    """``hvd.init(process_sets=...)``, then waits until every set is registered on this rank.
+
+    Even static sets can be registered after ``init()`` returns: under heavy load (CI beside a 4-rank job
+    on 2 cores) Horovod's own ``size()`` query inside the TF tape raised "Process set does not exist".
+    """
+    hvd.init(process_sets=list(process_sets))
+    deadline = time.monotonic() + timeout
+    for process_set in process_sets:
+        while True:
+            try:
+                process_set.included()
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
 
 def _rank_reports(report_dir, num_ranks):

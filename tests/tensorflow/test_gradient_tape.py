@@ -4,11 +4,10 @@ What each rank receives is compared bitwise with tests/tensorflow/reference.py:
 every rank encodes its own local gradient with a fresh codec, the raw
 payloads go through a plain hvd.allgather and are decoded in rank order.
 """
-import time
-
 import numpy as np
 import pytest
 
+from tests.multirank import init_with_process_sets
 from tests.tensorflow.reference import Reference, make
 
 RANKS_2_AND_3 = [pytest.param(2, marks=pytest.mark.ranks(2, timeout=240)),
@@ -141,18 +140,7 @@ def test_process_set_of_two_out_of_three_ranks():
     # A static process set: hvd.add_process_set (dynamic) returned before the set was registered
     # locally under load, and the first size() query then failed ("Process set does not exist").
     pair = hvd.ProcessSet([0, 2])
-    hvd.init(process_sets=[pair])
-    # Even a static set can be registered after init() returns: under heavy load (CI beside a 4-rank job on
-    # 2 cores) Horovod's own size() query in the tape raised "Process set does not exist" on ranks 0 and 2.
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            pair.included()
-            break
-        except ValueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    init_with_process_sets(hvd, pair)
     # Rank 1 traces the compressing branch too (tf.cond traces both) but never runs it: no handshake,
     # no collective, no state change there.
     for kind, mode in (("qsgd4", "function"), ("topk", "eager")):

@@ -1,6 +1,8 @@
 """hvd.allreduce / grouped_allreduce with compression=, pass-through rules, dtypes and statistics."""
 import pytest
 
+from tests.multirank import init_with_process_sets
+
 
 @pytest.mark.ranks(2)
 def test_integer_small_and_large_tensors(hvd_torch):
@@ -90,7 +92,7 @@ def test_process_set_excludes_the_third_rank():
     import torch
     from horovod_qsgd.torch import QSGD
     pair = hvd.ProcessSet([0, 1])
-    hvd.init(process_sets=[pair])
+    init_with_process_sets(hvd, pair)
     torch.manual_seed(0)
     model = torch.nn.Linear(200, 100)  # 20000 weights: compressed
     compressor = QSGD(bits=8)

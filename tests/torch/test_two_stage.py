@@ -6,6 +6,7 @@ built from all ranks' gradients with the codecs alone.
 import numpy as np
 import pytest
 
+from tests.multirank import init_with_process_sets
 from tests.two_stage_reference import bounds as _bounds
 from tests.two_stage_reference import gradient as _gradient
 from tests.two_stage_reference import reference as _reference
@@ -284,7 +285,7 @@ def test_two_stages_in_a_process_set_of_three_with_groups_and_predivide():
     from horovod_qsgd.codecs import QSGDCodec
     from horovod_qsgd.torch import QSGD
     trio = hvd.ProcessSet([0, 1, 2])
-    hvd.init(process_sets=[trio])
+    init_with_process_sets(hvd, trio)
     if hvd.rank() == 3:
         hvd.barrier()
         return
