@@ -1,4 +1,5 @@
 """The compressor configurations the benchmarks compare, by name, for either framework."""
+import argparse
 
 # name -> (class name in horovod_qsgd.torch / horovod_qsgd.tensorflow, constructor arguments)
 SPECS = {
@@ -21,6 +22,17 @@ SPECS = {
 }
 # What the studies compare unless told otherwise: one row per compressor, default exchange.
 STANDARD = list(SPECS)[:list(SPECS).index("qsgd-4bit-allgather")]
+
+
+def names_argument(text):
+    """argparse ``type=`` for a comma-separated list of configuration names: the list, or an error naming the
+    unknown ones (before any job starts)."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in SPECS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown compressor(s) {unknown}; choose from {', '.join(SPECS)}")
+    return names
+
 
 _FLAG_NAMES = {"bits": "--bits", "ratio": "--ratio", "selector": "--selector", "exchange": "--exchange"}
 _KINDS = {"NoCompression": "none", "FP16": "fp16", "QSGD": "qsgd", "TopK": "topk", "RandomK": "randomk"}

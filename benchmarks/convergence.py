@@ -34,6 +34,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.compressors import STANDARD, build, names_argument  # noqa: E402
+
 TRAIN_SIZE = 1437
 LAYER_SIZES = (64, 256, 256, 10)
 MOMENTUM = 0.9
@@ -234,14 +236,11 @@ def run_study(args):
     hvd_module, adapter_module, train = FRAMEWORKS[args.framework]
     hvd = importlib.import_module(hvd_module)
     compressors = importlib.import_module(adapter_module)
-    from benchmarks.compressors import SPECS, build
     hvd.init()
     settings = {"epochs": args.epochs, "lr": args.lr, "batch_size": STUDY["batch_size"],
                 "decay_epochs": tuple(args.decay_epochs), "decay": STUDY["decay"]}
     results, start = {}, time.perf_counter()
-    for name in args.compressors.split(","):
-        if name not in SPECS:
-            raise SystemExit(f"unknown compressor {name!r}; choose from {', '.join(SPECS)}")
+    for name in args.compressors:
         for seed in (int(s) for s in args.seeds.split(",")):
             run_start = time.perf_counter()
             loss, accuracy = train(hvd, build(name, compressors), seed=seed, **settings)
@@ -282,7 +281,8 @@ def report(record, png_path=None, epoch=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", choices=sorted(FRAMEWORKS), default="pytorch")
-    parser.add_argument("--compressors", default=None, help="comma-separated names of benchmarks/compressors.py")
+    parser.add_argument("--compressors", type=names_argument, default=",".join(STANDARD),
+                        help="comma-separated names of benchmarks/compressors.py")
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--epochs", type=int, default=STUDY["epochs"])
     parser.add_argument("--lr", type=float, default=STUDY["lr"])
@@ -296,9 +296,6 @@ def main():
         with open(args.report) as f:
             report(json.load(f), epoch=args.epoch)
         return
-    if args.compressors is None:
-        from benchmarks.compressors import STANDARD
-        args.compressors = ",".join(STANDARD)
     run_study(args)
 
 

@@ -49,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import byte_lm  # noqa: E402
+from benchmarks.compressors import STANDARD, build, names_argument  # noqa: E402
 from benchmarks.convergence import format_table, summarize  # noqa: E402
 
 STUDY = {"optimizer": "adam", "steps": 400, "lr": 3e-3, "warmup_steps": 40, "final_lr_fraction": 0.1,
@@ -205,7 +206,6 @@ def run_study(args):
     hvd_module, adapter_module, train = FRAMEWORKS[args.framework]
     hvd = importlib.import_module(hvd_module)
     compressors = importlib.import_module(adapter_module)
-    from benchmarks.compressors import SPECS, build
     from benchmarks.stdlib_text import Corpus
     hvd.init()
     settings = dict(STUDY, steps=args.steps, optimizer=args.optimizer)
@@ -226,9 +226,7 @@ def run_study(args):
                              "use another --out or the same settings")
         results, earlier_seconds = earlier["results"], earlier["wall_seconds"]
     start = time.perf_counter() - earlier_seconds
-    for name in args.compressors.split(","):
-        if name not in SPECS:
-            raise SystemExit(f"unknown compressor {name!r}; choose from {', '.join(SPECS)}")
+    for name in args.compressors:
         for seed in (int(s) for s in args.seeds.split(",")):
             if any(r["seed"] == seed for r in results.get(name, [])):
                 continue
@@ -302,7 +300,8 @@ def report(record, png_path=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", choices=sorted(FRAMEWORKS), default="pytorch")
-    parser.add_argument("--compressors", default=None, help="comma-separated names of benchmarks/compressors.py")
+    parser.add_argument("--compressors", type=names_argument, default=",".join(STANDARD),
+                        help="comma-separated names of benchmarks/compressors.py")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=STUDY["steps"])
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
@@ -316,9 +315,6 @@ def main():
         with open(args.report) as f:
             report(json.load(f))
         return
-    if args.compressors is None:
-        from benchmarks.compressors import STANDARD
-        args.compressors = ",".join(STANDARD)
     run_study(args)
 
 

@@ -51,13 +51,14 @@ class Corpus:
         self.train = np.frombuffer(b"".join(parts["train"]), dtype=np.uint8)
         self.validation = np.frombuffer(b"".join(parts["validation"]), dtype=np.uint8)
         self.files = {name: len(chunks) for name, chunks in parts.items()}
+        self.digest = hashlib.sha256(self.train.tobytes() + self.validation.tobytes()).hexdigest()[:16]
 
     def describe(self):
         """What a record needs to say which text was used."""
         return {"python": sys.version.split()[0], "train_files": self.files["train"],
                 "validation_files": self.files["validation"], "train_bytes": int(self.train.size),
                 "validation_bytes": int(self.validation.size),
-                "sha256": hashlib.sha256(self.train.tobytes() + self.validation.tobytes()).hexdigest()[:16]}
+                "sha256": self.digest}
 
     def training_batch(self, seed, step, batch_size, length):
         """``batch_size`` sequences of ``length + 1`` bytes at offsets drawn from (seed, step): the global batch.
