@@ -25,10 +25,6 @@ from horovod_qsgd.common.naming import rank_key  # noqa: E402
 from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
 
 
-def reader(buf):
-    return lambda offset, length: buf[offset:offset + length].tobytes()
-
-
 def allgather_average(codec, grads, step):
     n = grads[0].size
     total = np.zeros(n, np.float32)
@@ -59,14 +55,14 @@ def two_stage_average(first, second, grads, step):
         received_total += received.size
         begin, end = stage.owned
         total = g[begin:end].copy()
-        stage.accumulate_received(received, reader(received), total)
+        stage.accumulate_received(received, total)
         out = np.zeros(stage.owned_capacity(), np.uint8)
         used = stage.encode_owned(total, out, step)
         sums.append(out[:used])
     gathered = np.concatenate(sums)
     received_total += gathered.size * (size - 1)  # every rank receives the other owners' sums
     result = np.zeros(n, np.float32)
-    stages[0].decode_gathered(gathered, reader(gathered), result)
+    stages[0].decode_gathered(gathered, result)
     return result / size, received_total / size
 
 

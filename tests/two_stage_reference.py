@@ -19,6 +19,19 @@ def bounds(numel, num_ranks, bucket):
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def first_stage_inboxes(stages, grads, step=0):
+    """What each owner receives from the first stage: the other ranks' encoded slices, in rank order."""
+    inbox = [[] for _ in stages]
+    for r, stage in enumerate(stages):
+        out = np.zeros(stage.send_capacity(), np.uint8)
+        splits = stage.encode_for_owners(grads[r], out, step=step)
+        assert splits[r] == 0 and sum(splits) <= out.size
+        offsets = np.cumsum([0] + splits)
+        for owner in range(len(stages)):
+            inbox[owner].append(out[offsets[owner]:offsets[owner + 1]])
+    return [np.concatenate(parts) for parts in inbox]
+
+
 def reference(first, second, name, grads, step, unit, residuals=None, owner_residuals=None):
     """The summed result every rank must get (Sum; Average multiplies it by 1/N), from the codecs alone.
 

@@ -5,7 +5,7 @@ import zlib
 
 import numpy as np
 
-from ..kernels import as_device, is_cuda_array, widen_f16
+from ..kernels import MAX_STORE, as_device, is_cuda_array, store_bytes, widen_f16
 from .header import WIRE_VERSION, PayloadError, pack_header, parse_header
 
 __all__ = ["Codec", "to_float32", "check_choice", "align4"]
@@ -104,14 +104,18 @@ def view(buf, offset, count, dtype):
 
 
 def write_bytes(buf, offset, data):
-    """Copy host bytes into a numpy or device uint8 array."""
-    data = np.frombuffer(bytes(data), np.uint8)
-    if data.size == 0:
+    """Copy host bytes into a numpy or device uint8 array.
+
+    Up to ``MAX_STORE`` bytes (headers, padding) go to a device as a kernel's
+    arguments, so that encoding never waits for the GPU; longer runs are a copy.
+    """
+    data = bytes(data)
+    if not data:
         return
-    if isinstance(buf, np.ndarray):
-        buf[offset:offset + data.size] = data
+    if isinstance(buf, np.ndarray) or len(data) <= MAX_STORE:
+        store_bytes(buf, offset, data)
     else:
-        buf[offset:offset + data.size].copy_to_device(data)
+        buf[offset:offset + len(data)].copy_to_device(np.frombuffer(data, np.uint8))
 
 
 def read_bytes(buf, offset, n):
@@ -182,14 +186,18 @@ class Codec:
         write_bytes(out, 0, pack_header(self.codec_id, numel, self.digest, total))
         return total
 
-    def _open_payload(self, payload, out):
-        """Validate a payload against this codec and ``out``; returns (header, payload, out, gpu)."""
+    def _open_payload(self, payload, out, header=None):
+        """Validate a payload against this codec and ``out``; returns (header, payload, out, gpu).
+
+        ``header``: the payload's header, already read (one read for all
+        payloads of an exchange); None reads it here.
+        """
         gpu = _is_cuda(out)
         out = _check_array("out", out, np.float32, gpu=gpu)
         if gpu and not _is_cuda(payload):
             raise TypeError("payload must be a CUDA array when out is one")
         payload = _check_array("payload", payload, np.uint8, gpu=gpu)
-        h = parse_header(payload)
+        h = parse_header(payload) if header is None else header
         name = type(self).__name__
         if h.version != WIRE_VERSION:
             raise PayloadError(f"wire format version mismatch: payload has {h.version}, "

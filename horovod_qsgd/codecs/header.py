@@ -20,10 +20,10 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..kernels import as_device, is_cuda_array
+from ..kernels import as_device, gather_bytes, is_cuda_array
 
 __all__ = ["HEADER_NBYTES", "WIRE_VERSION", "MAGIC", "Header", "PayloadError",
-           "parse_header", "pack_header", "split_payloads"]
+           "parse_header", "pack_header", "split_payloads", "read_header_bytes"]
 
 MAGIC = b"HQ"
 WIRE_VERSION = 1
@@ -68,6 +68,11 @@ def parse_header(buf):
     if nbytes < HEADER_NBYTES or nbytes % 4:
         raise PayloadError(f"corrupt header: payload length {nbytes} is below {HEADER_NBYTES} or not a multiple of 4")
     return Header(version, codec_id, numel, digest, nbytes)
+
+
+def read_header_bytes(buf, offsets):
+    """The 16 header bytes at each offset of a numpy or CUDA uint8 array; a device is read once for all."""
+    return [row.tobytes() for row in gather_bytes(buf, offsets, HEADER_NBYTES)]
 
 
 def split_payloads(buf):

@@ -144,9 +144,9 @@ class QSGDCodec(Codec):
             used = s0 + K.elias_encode(x, scales, ends, out[s0:s0 + self._max_stream_bytes(n)], **kw)
         return self._finish(out, n, used)
 
-    def decode_accumulate(self, payload, out):
+    def decode_accumulate(self, payload, out, *, header=None):
         """out += decode(payload) (float32, in place)."""
-        h, payload, out, gpu = self._open_payload(payload, out)
+        h, payload, out, gpu = self._open_payload(payload, out, header)
         n = h.numel
         scales, off = self._sections(payload, n)
         kw = dict(bucket_size=self.bucket_size, bits=self.bits, half=self.scale_dtype == "float16")

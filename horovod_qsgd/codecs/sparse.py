@@ -158,9 +158,9 @@ class TopKCodec(Codec):
                 vals[used:] = pad_v
         return self._finish(out, n, HEADER_NBYTES + cap * (4 + _value_bytes(self.value_dtype)))
 
-    def decode_accumulate(self, payload, out):
+    def decode_accumulate(self, payload, out, *, header=None):
         """out[index] += value for every entry of the payload."""
-        h, payload, out, gpu = self._open_payload(payload, out)
+        h, payload, out, gpu = self._open_payload(payload, out, header)
         idx, vals = self._sections(payload, h.numel)
         bad = K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16")
         if bad:
@@ -291,8 +291,8 @@ class RandomKCodec(Codec):
                 view(out, off, k, np.float32)[:] = vals
         return self._finish(out, n, off + k * _value_bytes(self.value_dtype))
 
-    def decode_accumulate(self, payload, out):
-        h, payload, out, gpu = self._open_payload(payload, out)
+    def decode_accumulate(self, payload, out, *, header=None):
+        h, payload, out, gpu = self._open_payload(payload, out, header)
         n = h.numel
         k = self.k(n)
         meta = np.frombuffer(read_bytes(payload, HEADER_NBYTES, 16), np.uint8)

@@ -1,5 +1,5 @@
 """Reading what the collectives return: payloads walked and checked, decoded, scaled."""
-from horovod_qsgd.codecs import HEADER_NBYTES, PayloadError, pack_header, parse_header
+from horovod_qsgd.codecs import HEADER_NBYTES, PayloadError, pack_header, parse_header, read_header_bytes
 from horovod_qsgd.common.errors import CompressionMismatchError
 
 # Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
@@ -12,23 +12,41 @@ def refusal_notice():
     return pack_header(REFUSAL_CODEC_ID, 0, 0, HEADER_NBYTES)
 
 
-def check_payloads(read_bytes, total_nbytes, senders, numels, codec, tensor_name, what="payload"):
-    """[(start, end)] of the payloads concatenated in a received buffer, one per sender, in order.
+def _predicted_offsets(codec, numels, total_nbytes):
+    """Where each payload starts if every sender used ``codec`` (sizes fixed by numel), within the buffer."""
+    if not codec.payload_nbytes_is_fixed:
+        return []
+    offsets, offset = [], 0
+    for numel in numels:
+        if offset + HEADER_NBYTES > total_nbytes:
+            break
+        offsets.append(offset)
+        offset += codec.max_payload_nbytes(numel)
+    return offsets
 
-    ``read_bytes(start, length)`` returns host bytes of the buffer (a device
-    buffer is read header by header). Every header is checked against this
-    rank's codec and the element count ``numels[i]`` expected from
-    ``senders[i]``, so a rank with another codec, setting or tensor shape
-    raises here, on every rank, instead of decoding garbage.
+
+def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
+    """[(start, end, header)] of the payloads concatenated in a received buffer, one per sender, in order.
+
+    Every header is checked against this rank's codec and the element count
+    ``numels[i]`` expected from ``senders[i]``, so a rank with another codec,
+    setting or tensor shape raises here, on every rank, instead of decoding
+    garbage. Where the codec's payload sizes are fixed, all headers of a
+    device buffer are read in one copy; variable sizes (Elias) are walked,
+    a read per payload.
     """
+    total_nbytes = buffer.size
+    predicted = _predicted_offsets(codec, numels, total_nbytes)
+    read_ahead = dict(zip(predicted, read_header_bytes(buffer, predicted)))
     spans, offset = [], 0
     for sender, numel in zip(senders, numels):
         if offset + HEADER_NBYTES > total_nbytes:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {tensor_name!r}: the received {what}s end after {offset} bytes, "
                 f"before rank {sender}'s; a rank sent a truncated or foreign payload.")
+        head = read_ahead.get(offset)
         try:
-            header = parse_header(read_bytes(offset, HEADER_NBYTES))
+            header = parse_header(head if head is not None else read_header_bytes(buffer, [offset])[0])
         except PayloadError as exc:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} sent no horovod_qsgd {what} ({exc}). "
@@ -49,11 +67,16 @@ def check_payloads(read_bytes, total_nbytes, senders, numels, codec, tensor_name
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} does not match this rank's: "
                 + "; ".join(problems) + ". Every rank must use the same model and compressor settings.")
+        if codec.payload_nbytes_is_fixed and header.nbytes != codec.max_payload_nbytes(numel):
+            raise CompressionMismatchError(
+                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
+                f"a {type(codec).__name__} payload of {numel} elements has {codec.max_payload_nbytes(numel)}; "
+                "it is damaged.")
         if offset + header.nbytes > total_nbytes:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
                 f"only {total_nbytes - offset} arrived.")
-        spans.append((offset, offset + header.nbytes))
+        spans.append((offset, offset + header.nbytes, header))
         offset += header.nbytes
     if offset != total_nbytes:
         raise CompressionMismatchError(
@@ -62,11 +85,13 @@ def check_payloads(read_bytes, total_nbytes, senders, numels, codec, tensor_name
     return spans
 
 
-def decode_sum(codec, gathered, read_bytes, num_ranks, numel, tensor_name, total):
+def decode_sum(codec, gathered, num_ranks, numel, tensor_name, total):
     """Adds every rank's payload in an allgather's result, checked and decoded in rank order, to ``total``."""
-    for begin, end in check_payloads(read_bytes, gathered.size, range(num_ranks), [numel] * num_ranks, codec,
-                                     tensor_name):
-        codec.decode_accumulate(gathered[begin:end], total)
+    for begin, end, header in check_payloads(gathered, range(num_ranks), [numel] * num_ranks, codec, tensor_name):
+        codec.decode_accumulate(gathered[begin:end], total, header=header)
+
+
+SNAP_TOLERANCE = 1e-2  # relative distance at which a placeholder is snapped to num_ranks or 1
 
 
 def reduction_scale(placeholder_value, num_ranks):
@@ -80,7 +105,7 @@ def reduction_scale(placeholder_value, num_ranks):
     """
     value = float(placeholder_value)
     for exact in (float(num_ranks), 1.0):
-        if abs(value - exact) <= 1e-2 * exact:
+        if abs(value - exact) <= SNAP_TOLERANCE * exact:
             value = exact
             break
     return value / num_ranks

@@ -161,19 +161,18 @@ class TwoStage:
             offset += used
         return splits
 
-    def accumulate_received(self, received, read_bytes, total):
+    def accumulate_received(self, received, total):
         """Adds the slices the other ranks sent this owner, decoded in rank order, to ``total``.
 
         ``total`` holds this rank's own slice of the gradient (plus its
-        residual there, for top-k) on entry (float32, ``owned`` length); ``read_bytes(start, length)`` reads host bytes of
-        ``received`` for the header checks.
+        residual there, for top-k) on entry (float32, ``owned`` length).
         """
         begin, end = self.owned
         senders = [r for r in range(self.num_ranks) if r != self.rank]
-        spans = check_payloads(read_bytes, received.size, senders, [end - begin] * len(senders), self.first,
-                               self.name, "first-stage slice")
-        for start, stop in spans:
-            self.first.decode_accumulate(received[start:stop], total)
+        spans = check_payloads(received, senders, [end - begin] * len(senders), self.first, self.name,
+                               "first-stage slice")
+        for start, stop, header in spans:
+            self.first.decode_accumulate(received[start:stop], total, header=header)
 
     def owned_capacity(self):
         """Bytes of the buffer :meth:`encode_owned` writes into."""
@@ -189,9 +188,9 @@ class TwoStage:
         return self.second.encode(total, out, step=step, key=owner_key(self.name, self.rank),
                                   residual=owner_residual)
 
-    def decode_gathered(self, gathered, read_bytes, out):
+    def decode_gathered(self, gathered, out):
         """Adds every owner's decoded sum into its chunk of ``out`` (float32, zeros on entry)."""
-        spans = check_payloads(read_bytes, gathered.size, range(self.num_ranks),
-                               [e - b for b, e in self.bounds], self.second, self.name, "second-stage sum")
-        for (start, stop), (begin, end) in zip(spans, self.bounds):
-            self.second.decode_accumulate(gathered[start:stop], out[begin:end])
+        spans = check_payloads(gathered, range(self.num_ranks), [e - b for b, e in self.bounds], self.second,
+                               self.name, "second-stage sum")
+        for (start, stop, header), (begin, end) in zip(spans, self.bounds):
+            self.second.decode_accumulate(gathered[start:stop], out[begin:end], header=header)

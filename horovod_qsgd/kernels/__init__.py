@@ -17,7 +17,9 @@ Modules:
 * :mod:`.lattice` - SwarmSGD's cubic-lattice quantizer and its entry points;
 * :mod:`.api` - the array-level entry points of QSGD, Elias, random-k, fp16;
 * :mod:`.topk` - top-k selection driven from the host (thresholds, radix
-  passes, output placement) and the scatter back.
+  passes, output placement) and the scatter back;
+* :mod:`.bytes` - headers written by a kernel from its arguments, many
+  payloads' headers read back in one copy.
 
 Everything a codec needs is exported here; codecs do not import the
 modules above directly.
@@ -48,11 +50,15 @@ with 2 ranks (mlp25m, 1 Gbit/s): QSGD-4 went from 2.65-2.81x to 4.56-4.93x
 the uncompressed throughput.
 
 Device parts that stay on the host: prefix sums over per-bucket or
-per-chunk counts (a few thousand values, copied to the host on CUDA) and the
-choice of radix digits; all per-element work runs in the kernels.
+per-chunk counts (a few thousand values, copied to the host on CUDA: Elias
+and top-k) and the choice of radix digits; all per-element work runs in the
+kernels.  Headers and padding go to a device as kernel arguments
+(:mod:`.bytes`), so a QSGD encode makes no host copy; the headers of every
+rank's payload are read back in one copy.
 """
 
 from ._dual import as_device, cpu_threads, cpu_threads_chosen, is_cuda_array, set_cpu_threads, threading_layer
+from .bytes import MAX_STORE, gather_bytes, store_bytes
 from .api import (elias_decode_accumulate, elias_encode, qsgd_decode_accumulate, qsgd_encode, randomk_gather,
                   randomk_indices, randomk_scatter_accumulate, widen_f16)
 from .elias import max_bucket_bits
@@ -66,6 +72,6 @@ __all__ = [
     "randomk_scatter_accumulate", "sparse_accumulate", "topk_select", "widen_f16",
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
-    "as_device", "is_cuda_array",
+    "as_device", "is_cuda_array", "gather_bytes", "store_bytes", "MAX_STORE",
     "PURPOSE_LATTICE", "PURPOSE_RANDOMK", "PURPOSE_ROUNDING", "PURPOSE_SAMPLE",
 ]

@@ -1,7 +1,7 @@
 """Scratch arrays and views on the array's device, for the host-side drivers of the kernels."""
 import numpy as np
 
-from ._dual import as_device
+from ._dual import as_device, cuda_kernel
 
 
 def cuda_module():
@@ -18,8 +18,21 @@ def empty(shape, dtype, gpu):
     return cuda_module().device_array(shape, dtype) if gpu else np.empty(shape, dtype)
 
 
+@cuda_kernel
+def _zero_kernel(flat):
+    i = cuda.grid(1)  # noqa: F821
+    if i < flat.size:
+        flat[i] = 0
+
+
 def zeros(shape, dtype, gpu):
-    return cuda_module().to_device(np.zeros(shape, dtype)) if gpu else np.zeros(shape, dtype)
+    """Zeroed scratch array; on a device zeroed by a kernel (a copy of host zeros would wait for the GPU)."""
+    if not gpu:
+        return np.zeros(shape, dtype)
+    a = empty(shape, dtype, True)
+    if a.size:
+        _zero_kernel[a.size](a.reshape(a.size))
+    return a
 
 
 def to_host(a, gpu):

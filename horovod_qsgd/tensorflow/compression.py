@@ -47,7 +47,7 @@ from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank
 from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
 from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase, ExchangeContext,
                                                      adapter_method, op_name)
-from horovod_qsgd.tensorflow.host_ops import byte_reader, payload_encoder, values_gatherer
+from horovod_qsgd.tensorflow.host_ops import payload_encoder, values_gatherer
 
 
 class PayloadCompressor(CompressorBase):
@@ -143,7 +143,7 @@ class PayloadCompressor(CompressorBase):
             total = np.array(own, dtype=np.float32)
             owner_residual = None if owner_residual is None else owner_residual.copy()
             try:
-                stage.accumulate_received(received, byte_reader(received), total)
+                stage.accumulate_received(received, total)
             except CompressionMismatchError as exc:
                 # Still take part in the allgather, with a refusal: the peers raise instead of waiting.
                 refusals[stage.name] = exc
@@ -184,9 +184,9 @@ class PayloadCompressor(CompressorBase):
                 raise refusal
             total = np.zeros(numel, dtype=np.float32)
             if stage is None:
-                decode_sum(codec, gathered, byte_reader(gathered), num_ranks, numel, name, total)
+                decode_sum(codec, gathered, num_ranks, numel, name, total)
             else:
-                stage.decode_gathered(gathered, byte_reader(gathered), total)
+                stage.decode_gathered(gathered, total)
             scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
             if scale != 1.0:
                 total *= np.float32(scale)

@@ -69,7 +69,3 @@ def values_gatherer(codec, key, on_gathered=None):
         return values
 
     return gather
-
-
-def byte_reader(buffer):
-    return lambda offset, length: buffer[offset:offset + length].tobytes()

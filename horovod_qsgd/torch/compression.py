@@ -40,7 +40,7 @@ import torch
 
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_notice
+from horovod_qsgd.common.exchange import SNAP_TOLERANCE, decode_sum, reduction_scale, refusal_notice
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
@@ -253,11 +253,6 @@ class _CompressorBase:
         return None
 
 
-def _host_reader(buffer):
-    """``read_bytes(offset, length)`` of a (device or host) uint8 tensor, for the header checks."""
-    return lambda offset, length: bytes(buffer[offset:offset + length].cpu().numpy())
-
-
 class _FirstStage:
     """What ``_encode`` started for a two-stage tensor: the alltoall, the plan, this rank's own chunk."""
     __slots__ = ("handle", "stage", "own")
@@ -359,7 +354,7 @@ class PayloadCompressor(_CompressorBase):
             received, _ = hvd.synchronize(ctx.handle)
             total, ctx.own = ctx.own, None
             try:
-                ctx.stage.accumulate_received(as_array(received), _host_reader(received), as_array(total))
+                ctx.stage.accumulate_received(as_array(received), as_array(total))
             except CompressionMismatchError as exc:
                 # Still take part in the allgather, with a refusal: the peers raise instead of waiting.
                 refused = refused or exc
@@ -399,14 +394,31 @@ class PayloadCompressor(_CompressorBase):
     def _decode(self, tensor, ctx, gathered):
         total = ctx.zeroed_output(gathered.device)
         if isinstance(ctx, _TwoStageInFlight):
-            ctx.stage.decode_gathered(as_array(gathered), _host_reader(gathered), as_array(total))
+            ctx.stage.decode_gathered(as_array(gathered), as_array(total))
         else:
-            decode_sum(self.codec, as_array(gathered), _host_reader(gathered), ctx.num_ranks, ctx.shape.numel(),
+            decode_sum(self.codec, as_array(gathered), ctx.num_ranks, ctx.shape.numel(),
                        ctx.name, as_array(total))
-        scale = reduction_scale(tensor.reshape(-1)[0].item(), ctx.num_ranks)
-        if scale != 1.0:
-            total.mul_(scale)
+        if tensor.is_cuda:
+            total.mul_(device_reduction_scale(tensor, ctx.num_ranks))
+        else:
+            scale = reduction_scale(tensor.reshape(-1)[0].item(), ctx.num_ranks)
+            if scale != 1.0:
+                total.mul_(scale)
         return total
+
+
+def device_reduction_scale(placeholder, num_ranks):
+    """:func:`reduction_scale` as a float32 0-d tensor on the placeholder's device.
+
+    On a GPU, ``.item()`` would wait for the queue to drain at every tensor.
+    The rule is computed in float64 like the host's and rounded once to
+    float32, as a Python float is when a float32 tensor is multiplied by it.
+    """
+    value = placeholder.reshape(-1)[0].double()
+    scaled = value
+    for exact in (1.0, float(num_ranks)):  # the last assignment wins: num_ranks first, as on the host
+        scaled = torch.where((value - exact).abs() <= SNAP_TOLERANCE * exact, torch.full_like(value, exact), scaled)
+    return (scaled / num_ranks).float()
 
 
 class QSGD(PayloadCompressor):

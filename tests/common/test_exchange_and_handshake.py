@@ -38,7 +38,7 @@ def test_decode_sum_adds_every_rank_in_rank_order():
     rows = [np.full(300, value, np.float32) for value in (1.0, -2.0, 0.5)]  # constants quantize exactly
     gathered = np.concatenate(_payloads(codec, rows, step=0, key=7))
     total = np.zeros(300, np.float32)
-    decode_sum(codec, gathered, lambda o, n: gathered[o:o + n].tobytes(), 3, 300, "w", total)
+    decode_sum(codec, gathered, 3, 300, "w", total)
     assert np.array_equal(total, np.full(300, -0.5, np.float32))
 
 
@@ -49,8 +49,7 @@ def test_walk_reports_truncation_foreign_bytes_and_size():
     buf = np.concatenate(parts)
 
     def walk(buffer, senders, numels, what="payload"):
-        return check_payloads(lambda o, n: buffer[o:o + n].tobytes(), buffer.size, senders, numels, codec, "w",
-                              what)
+        return [span[:2] for span in check_payloads(buffer, senders, numels, codec, "w", what)]
 
     assert walk(buf, [0, 1], [100, 100]) == [(0, parts[0].size), (parts[0].size, buf.size)]
     with pytest.raises(CompressionMismatchError, match=r"end after \d+ bytes, before rank 1's"):
@@ -97,3 +96,14 @@ def test_verify_settings_splits_the_gathered_records_by_their_lengths():
     assert calls == [("hs.lengths", np.int64), ("hs.records", np.uint8)]
     records[2] = records[0]
     verify_settings("TopK", {"ratio": 0.01}, allgather, "hs")
+
+
+def test_walk_reports_a_fixed_size_payload_of_another_length():
+    # Same codec, settings and numel, but the header claims 4 more bytes (and 4 bytes follow): damaged.
+    codec = QSGDCodec(bits=4)
+    parts = _payloads(codec, [np.ones(1000, np.float32)] * 2, step=0, key=1)
+    second = np.concatenate([parts[1], np.zeros(4, np.uint8)])
+    second[12:16] = np.frombuffer(np.uint32(parts[1].size + 4).tobytes(), np.uint8)
+    with pytest.raises(CompressionMismatchError, match=r"rank 1's payload says \d+ bytes, a QSGDCodec payload of "
+                                                       r"1000 elements has \d+; it is damaged"):
+        check_payloads(np.concatenate([parts[0], second]), [0, 1], [1000, 1000], codec, "w")

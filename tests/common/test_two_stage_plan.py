@@ -7,6 +7,7 @@ from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import check_payloads, refusal_notice
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, chunk_bounds
+from tests.two_stage_reference import first_stage_inboxes
 
 
 @pytest.mark.parametrize("numel, ranks, unit", [(100_003, 3, 512), (1_000, 4, 512), (7, 8, 1), (0, 3, 512),
@@ -39,16 +40,13 @@ def test_walk_names_the_sender_and_the_difference():
         payloads.append(out[:codec.encode(np.ones(numel, np.float32), out, step=0, key=1)])
     buf = np.concatenate(payloads)
 
-    def read(offset, length):
-        return buf[offset:offset + length].tobytes()
-
     with pytest.raises(CompressionMismatchError, match=r"tensor 'w': rank 2's payload .* 1200 elements \(here 1000\)"):
-        check_payloads(read, buf.size, [0, 1, 2], [1000] * 3, codec, "w")
+        check_payloads(buf, [0, 1, 2], [1000] * 3, codec, "w")
     refused = np.concatenate([payloads[0], np.frombuffer(refusal_notice(), np.uint8)])
     with pytest.raises(CompressionMismatchError, match="rank 5 found a mismatch"):
-        check_payloads(lambda o, n: refused[o:o + n].tobytes(), refused.size, [0, 5], [1000, 0], codec, "w")
+        check_payloads(refused, [0, 5], [1000, 0], codec, "w")
     with pytest.raises(CompressionMismatchError, match="unexpected bytes"):
-        check_payloads(read, buf.size, [0, 1], [1000, 1000], codec, "w")
+        check_payloads(buf, [0, 1], [1000, 1000], codec, "w")
 
 
 def test_two_stage_in_one_process_sums_every_rank():
@@ -57,25 +55,16 @@ def test_two_stage_in_one_process_sums_every_rank():
     codec = QSGDCodec(bits=4, bucket_size=256)
     stages = [TwoStage(codec, codec, "w", numel, ranks, r) for r in range(ranks)]
     grads = [np.full(numel, r + 1.0, np.float32) for r in range(ranks)]
-    inbox = [[] for _ in range(ranks)]
-    for r, stage in enumerate(stages):
-        out = np.zeros(stage.send_capacity(), np.uint8)
-        splits = stage.encode_for_owners(grads[r], out, step=0)
-        assert splits[r] == 0 and sum(splits) <= out.size
-        offsets = np.cumsum([0] + splits)
-        for owner in range(ranks):
-            inbox[owner].append(out[offsets[owner]:offsets[owner + 1]])
     sums = []
-    for r, stage in enumerate(stages):
-        received = np.concatenate(inbox[r])
+    for r, (stage, received) in enumerate(zip(stages, first_stage_inboxes(stages, grads))):
         begin, end = stage.owned
         total = grads[r][begin:end].copy()
-        stage.accumulate_received(received, lambda o, n, b=received: b[o:o + n].tobytes(), total)
+        stage.accumulate_received(received, total)
         out = np.zeros(stage.owned_capacity(), np.uint8)
         sums.append(out[:stage.encode_owned(total, out, step=0)])
     gathered = np.concatenate(sums)
     result = np.zeros(numel, np.float32)
-    stages[1].decode_gathered(gathered, lambda o, n: gathered[o:o + n].tobytes(), result)
+    stages[1].decode_gathered(gathered, result)
     assert np.array_equal(result, np.full(numel, 6.0, np.float32))
 
 

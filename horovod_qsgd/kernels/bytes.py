@@ -1,0 +1,73 @@
+"""Headers and other small byte runs moved without a synchronous copy per run.
+
+A ``copy_to_device`` of host bytes or a ``copy_to_host`` of a device slice
+waits for the GPU's queue to drain; done for every header of every tensor,
+it stops backward from overlapping with communication. Here:
+
+* :func:`store_bytes` writes a few host bytes into a device buffer with a
+  kernel that takes them as its arguments: a launch, no copy;
+* :func:`gather_bytes` collects equal-length runs at many offsets (every
+  rank's payload header in an allgather's result) into one scratch array
+  and reads that back in a single copy.
+
+numpy buffers take the plain slice assignments.
+"""
+
+import numpy as np
+
+from ._arrays import device_view, empty
+from ._dual import cuda_kernel, on_cuda
+
+__all__ = ["store_bytes", "gather_bytes", "MAX_STORE", "OFFSETS_PER_LAUNCH"]
+
+MAX_STORE = 64  # bytes one store_bytes call passes as kernel arguments
+OFFSETS_PER_LAUNCH = 128  # offsets one gather launch takes as arguments (1 KiB of the 4 KiB parameter space)
+
+
+@cuda_kernel
+def store_kernel(buf, offset, data):
+    i = cuda.grid(1)  # noqa: F821
+    if i < len(data):
+        buf[offset + i] = data[i]
+
+
+@cuda_kernel
+def gather_kernel(buf, offsets, length, out, first_row):
+    t = cuda.grid(1)  # noqa: F821
+    row = t // length
+    if row < len(offsets):
+        out[first_row + row, t - row * length] = buf[offsets[row] + t - row * length]
+
+
+def store_bytes(buf, offset, data):
+    """``buf[offset:offset + len(data)] = data`` for a uint8 array and up to MAX_STORE host bytes."""
+    data = bytes(data)
+    if not data:
+        return
+    if not on_cuda(buf):
+        buf[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+        return
+    if len(data) > MAX_STORE:
+        raise ValueError(f"store_bytes writes at most {MAX_STORE} bytes, got {len(data)}")
+    if offset < 0 or offset + len(data) > buf.size:
+        raise ValueError(f"store_bytes: bytes {offset}..{offset + len(data)} lie outside the {buf.size}-byte buffer")
+    store_kernel[len(data)](device_view(buf), np.int64(offset), tuple(np.uint8(b) for b in data))
+
+
+def gather_bytes(buf, offsets, length):
+    """Host uint8 array of shape (len(offsets), length): row i is ``buf[offsets[i]:offsets[i] + length]``.
+
+    A device buffer is read with one copy whatever the number of offsets.
+    """
+    offsets = [int(o) for o in offsets]
+    for o in offsets:
+        if o < 0 or o + length > buf.size:
+            raise ValueError(f"gather_bytes: bytes {o}..{o + length} lie outside the {buf.size}-byte buffer")
+    if not on_cuda(buf) or not offsets:
+        return np.array([np.asarray(buf[o:o + length]) for o in offsets], np.uint8).reshape(len(offsets), length)
+    out = empty((len(offsets), length), np.uint8, True)
+    view = device_view(buf)
+    for first in range(0, len(offsets), OFFSETS_PER_LAUNCH):
+        group = tuple(np.int64(o) for o in offsets[first:first + OFFSETS_PER_LAUNCH])
+        gather_kernel[len(group) * length](view, group, np.int64(length), out, np.int64(first))
+    return out.copy_to_host()

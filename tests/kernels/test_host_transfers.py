@@ -1,0 +1,38 @@
+"""The CUDA path's synchronous host copies per call, counted in numba's simulator (issue #14's bounds)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transfers_check.py")
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run([sys.executable, CHECK], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, entry in counts.items():
+        print(f"{name:>55}: {entry}")
+    return counts
+
+
+def test_every_counted_call_gives_the_cpu_result(report):
+    assert {name for name, entry in report.items() if not entry["matches_cpu"]} == set()
+
+
+@pytest.mark.parametrize("call", ["qsgd-4 encode", "qsgd-4 fp16 scales encode"])
+def test_qsgd_encode_copies_nothing_between_host_and_device(report, call):
+    assert (report[call]["h2d"], report[call]["d2h"]) == (0, 0)
+
+
+@pytest.mark.parametrize("call", ["qsgd-4 decode of 3 ranks", "qsgd-8 decode of 3 ranks",
+                                  "qsgd-4 two stages: sum of the first stage's slices",
+                                  "qsgd-4 two stages: decode of the second stage's sums"])
+def test_decoding_all_ranks_payloads_reads_the_device_once(report, call):
+    assert report[call]["h2d"] == 0
+    assert report[call]["d2h"] <= 1

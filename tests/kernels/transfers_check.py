@@ -1,0 +1,142 @@
+"""Counts the synchronous host<->device copies and device allocations of codec calls in numba's CUDA simulator.
+
+Run with NUMBA_ENABLE_CUDASIM=1 (test_host_transfers.py does); prints one
+JSON object: for each call, the copies host-to-device (``h2d``),
+device-to-host (``d2h``), device-to-device (``d2d``) and the device arrays
+allocated (``alloc``), and whether its result equals the CPU path's. Every
+host copy waits for the GPU's queue to drain on a real device.
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+warnings.simplefilter("ignore", RuntimeWarning)  # uint64 wraparound in the simulated hash
+
+from numba import cuda  # noqa: E402
+from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # noqa: E402
+
+from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
+from horovod_qsgd.common.exchange import decode_sum  # noqa: E402
+from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
+from tests.two_stage_reference import first_stage_inboxes  # noqa: E402
+
+assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run under NUMBA_ENABLE_CUDASIM=1"
+
+counts = {"h2d": 0, "d2h": 0, "d2d": 0, "alloc": 0}
+
+
+def _counting(kind, fn, source_arg=None):
+    """``fn`` counting its calls as ``kind``; a device array as argument ``source_arg`` makes it a d2d copy."""
+    def wrapped(*args, **kwargs):
+        device_source = source_arg is not None and isinstance(args[source_arg], FakeCUDAArray)
+        counts["d2d" if device_source else kind] += 1
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+# Device arrays made by the harness itself are created before a window opens; only the call inside counts.
+FakeCUDAArray.copy_to_host = _counting("d2h", FakeCUDAArray.copy_to_host)
+FakeCUDAArray.copy_to_device = _counting("h2d", FakeCUDAArray.copy_to_device, source_arg=1)
+cuda.to_device = _counting("h2d", cuda.to_device, source_arg=0)
+cuda.device_array = _counting("alloc", cuda.device_array)
+
+report = {}
+
+
+def measure(name, call, expected=None):
+    for kind in counts:
+        counts[kind] = 0
+    result = call()
+    entry = dict(counts)
+    if expected is not None:
+        got = result.copy_to_host() if isinstance(result, FakeCUDAArray) else result
+        entry["matches_cpu"] = bool(np.array_equal(np.asarray(got).view(np.uint8), np.asarray(expected).view(np.uint8)))
+    report[name] = entry
+    return result
+
+
+def device(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def encode_case(name, codec, x, residual=None, step=3, key=11):
+    cap = codec.max_payload_nbytes(x.size)
+    host_out = np.full(cap, 0xAB, np.uint8)  # stale bytes: padding must be written, not assumed zero
+    used = codec.encode(x, host_out, step=step, key=key,
+                        residual=None if residual is None else residual.copy())
+    d_x, d_out = device(x), device(np.full(cap, 0xAB, np.uint8))
+    d_res = None if residual is None else device(residual.copy())
+    measure(name, lambda: codec.encode(d_x, d_out, step=step, key=key, residual=d_res))
+    report[name]["matches_cpu"] = bool(np.array_equal(d_out.copy_to_host()[:used], host_out[:used]))
+    return host_out[:used]
+
+
+def payloads(codec, rows, residual=False):
+    parts = []
+    for rank, row in enumerate(rows):
+        out = np.zeros(codec.max_payload_nbytes(row.size), np.uint8)
+        res = np.zeros(row.size, np.float32) if residual else None
+        parts.append(out[:codec.encode(row, out, step=5, key=100 + rank, residual=res)])
+    return parts
+
+
+def decode_case(name, codec, rows, residual=False):
+    gathered = np.concatenate(payloads(codec, rows, residual))
+    n = rows[0].size
+    expected = np.zeros(n, np.float32)
+    decode_sum(codec, gathered, len(rows), n, "w", expected)
+    d_gathered, d_total = device(gathered), device(np.zeros(n, np.float32))
+    measure(name, lambda: (decode_sum(codec, d_gathered, len(rows), n, "w", d_total), d_total)[1], expected)
+
+
+def two_stage_case(name, codec, numel=5000, ranks=3):
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(numel).astype(np.float32) for _ in range(ranks)]
+    stages = [TwoStage(codec, codec, "w", numel, ranks, r) for r in range(ranks)]
+    sums = []
+    for r, (stage, received) in enumerate(zip(stages, first_stage_inboxes(stages, grads))):
+        begin, end = stage.owned
+        total = grads[r][begin:end].copy()
+        d_received, d_total = device(received), device(total)
+        stage.accumulate_received(received, total)
+        if r == 0:
+            measure(f"{name}: sum of the first stage's slices",
+                    lambda: (stage.accumulate_received(d_received, d_total), d_total)[1], total)
+        out = np.zeros(stage.owned_capacity(), np.uint8)
+        sums.append(out[:stage.encode_owned(total, out, step=0)])
+    gathered = np.concatenate(sums)
+    expected = np.zeros(numel, np.float32)
+    stages[0].decode_gathered(gathered, expected)
+    d_gathered, d_result = device(gathered), device(np.zeros(numel, np.float32))
+    measure(f"{name}: decode of the second stage's sums",
+            lambda: (stages[0].decode_gathered(d_gathered, d_result), d_result)[1], expected)
+
+
+def main():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(20_000).astype(np.float32)
+    rows = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
+    qsgd = QSGDCodec(bits=4)
+    encode_case("qsgd-4 encode", qsgd, x)
+    # 3 fp16 scales leave two alignment bytes after them, zeroed by the encoder
+    encode_case("qsgd-4 fp16 scales encode", QSGDCodec(bits=4, bucket_size=7000, scale_dtype="float16"), x)
+    decode_case("qsgd-4 decode of 3 ranks", qsgd, rows)
+    decode_case("qsgd-8 decode of 3 ranks", QSGDCodec(bits=8, bucket_size=128), rows)
+    two_stage_case("qsgd-4 two stages", QSGDCodec(bits=4, bucket_size=256))
+    # Not yet held to a bound (issue #14): the sparse codecs' selections and checks still read back per call.
+    topk = TopKCodec(ratio=0.01)
+    encode_case("topk-1% encode", topk, x, residual=np.zeros(x.size, np.float32))
+    decode_case("topk-1% decode of 3 ranks", topk, rows, residual=True)
+    randomk = RandomKCodec(ratio=0.01)
+    encode_case("randomk-1% encode", randomk, x)
+    decode_case("randomk-1% decode of 3 ranks", randomk, rows)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
