@@ -25,6 +25,7 @@ accuracy of every run to ``convergence_<framework>.json``, plots the curves
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -198,10 +199,14 @@ def format_table(rows, label="accuracy %", tolerance=GOAL_POINTS, digits=2):
     """A markdown table of :func:`summarize`'s rows."""
     lines = [f"| compressor | {label} | ± s.e. | spread (min–max) | vs none (± s.e. paired) "
              f"| within {tolerance} |", "|---|---|---|---|---|---|"]
+
+    def error(value):  # one seed has no standard error
+        return "–" if math.isnan(value) else f"{value:.{digits}f}"
+
     for r in rows:
-        delta = "" if r["delta"] is None else f"{r['delta']:+.{digits}f} ± {r['delta_se']:.{digits}f}"
+        delta = "" if r["delta"] is None else f"{r['delta']:+.{digits}f} ± {error(r['delta_se'])}"
         goal = "" if r["goal"] is None else ("yes" if r["goal"] else "**no**")
-        lines.append(f"| {r['name']} | {r['mean']:.{digits}f} | {r['se']:.{digits}f} "
+        lines.append(f"| {r['name']} | {r['mean']:.{digits}f} | {error(r['se'])} "
                      f"| {r['min']:.{digits}f}–{r['max']:.{digits}f} | {delta} | {goal} |")
     return "\n".join(lines)
 

@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import byte_lm  # noqa: E402
-from benchmarks.compressors import STANDARD, build, names_argument  # noqa: E402
+from benchmarks.compressors import SPECS, STANDARD, build, names_argument  # noqa: E402
 from benchmarks.convergence import format_table, summarize  # noqa: E402
 
 STUDY = {"optimizer": "adam", "steps": 400, "lr": 3e-3, "warmup_steps": 40, "final_lr_fraction": 0.1,
@@ -280,10 +280,14 @@ def plot(record, path):
 
 
 def report(record, png_path=None):
-    """Prints the table (and writes the plot) of a study's record."""
+    """Prints the table (and writes the plot) of a study's record, compressors in the order of SPECS."""
+    order = list(SPECS)
+    record = dict(record, results=dict(sorted(record["results"].items(),
+                                              key=lambda item: order.index(item[0]) if item[0] in order else len(order))))
     if png_path:
         plot(record, png_path)
-    seeds = max(len(runs) for runs in record["results"].values())
+    counts = sorted({len(runs) for runs in record["results"].values()})
+    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     print(f"\n{describe(record)}; {seeds} seeds; study wall time {record['wall_seconds'] / 60:.1f} min\n")
     rows = summarize(record["results"], metric="validation", goal_configs=GOAL_CONFIGS, tolerance=GOAL_NATS,
                      higher_is_better=False)
