@@ -5,7 +5,7 @@ import zlib
 
 import numpy as np
 
-from ..kernels import MAX_STORE, as_device, is_cuda_array, store_bytes, widen_f16
+from ..kernels import MAX_STORE, as_device, copy_to, host_copy, is_cuda_array, store_bytes, widen_f16
 from .header import WIRE_VERSION, PayloadError, pack_header, parse_header
 
 __all__ = ["Codec", "to_float32", "check_choice", "align4"]
@@ -115,13 +115,13 @@ def write_bytes(buf, offset, data):
     if isinstance(buf, np.ndarray) or len(data) <= MAX_STORE:
         store_bytes(buf, offset, data)
     else:
-        buf[offset:offset + len(data)].copy_to_device(np.frombuffer(data, np.uint8))
+        copy_to(buf[offset:offset + len(data)], np.frombuffer(data, np.uint8))
 
 
 def read_bytes(buf, offset, n):
     if isinstance(buf, np.ndarray):
         return buf[offset:offset + n].tobytes()
-    return buf[offset:offset + n].copy_to_host().tobytes()
+    return host_copy(buf[offset:offset + n]).tobytes()
 
 
 class Codec:

@@ -20,7 +20,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..kernels import as_device, gather_bytes, is_cuda_array
+from ..kernels import as_device, gather_bytes, host_copy, is_cuda_array
 
 __all__ = ["HEADER_NBYTES", "WIRE_VERSION", "MAGIC", "Header", "PayloadError",
            "parse_header", "pack_header", "split_payloads", "read_header_bytes"]
@@ -53,7 +53,7 @@ def _head_bytes(buf):
         d = as_device(buf)
         if d.dtype != np.uint8 or d.ndim != 1:
             raise TypeError(f"payload must be a 1-D uint8 array, got {d.dtype} with shape {d.shape}")
-        return d[:min(HEADER_NBYTES, d.size)].copy_to_host().tobytes(), d.size
+        return host_copy(d[:min(HEADER_NBYTES, d.size)]).tobytes(), d.size
     raise TypeError(f"payload must be bytes, a numpy uint8 array or a CUDA uint8 array, got {type(buf).__name__}")
 
 

@@ -223,11 +223,8 @@ class ExactCodec(_ModelCodec):
 
 
 def _empty(n, dtype, gpu):
-    if gpu:
-        from numba import cuda
-        return cuda.device_array(max(n, 1), dtype)[:n]
-    return np.empty(n, dtype)
+    return K.device_empty(max(n, 1), dtype)[:n] if gpu else np.empty(n, dtype)
 
 
 def _host(a):
-    return a if isinstance(a, np.ndarray) else a.copy_to_host()
+    return a if isinstance(a, np.ndarray) else K.host_copy(a)

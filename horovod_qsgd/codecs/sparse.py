@@ -151,8 +151,8 @@ class TopKCodec(Codec):
             pad_i = np.full(cap - used, -1, np.int32)
             pad_v = np.zeros(cap - used, vals.dtype)
             if gpu:
-                idx[used:].copy_to_device(pad_i)
-                vals[used:].copy_to_device(pad_v)
+                K.copy_to(idx[used:], pad_i)
+                K.copy_to(vals[used:], pad_v)
             else:
                 idx[used:] = pad_i
                 vals[used:] = pad_v
@@ -244,8 +244,7 @@ class RandomKCodec(Codec):
             residual = _check_array("residual", residual, np.float32, size=n, gpu=gpu)
         if out is None:
             if gpu:
-                from numba import cuda
-                out = cuda.device_array(k, np.float32)
+                out = K.device_empty(k, np.float32)
             else:
                 out = np.empty(k, np.float32)
         else:
@@ -280,13 +279,13 @@ class RandomKCodec(Codec):
         off = HEADER_NBYTES + 16
         if self.value_dtype == "float16":
             if gpu:
-                host = vals.copy_to_host().astype(np.float16).view(np.uint8)
+                host = K.host_copy(vals).astype(np.float16).view(np.uint8)
                 write_bytes(out, off, host.tobytes())
             else:
                 view(out, off, k, np.float16)[:] = vals  # exact: already fp16-rounded
         else:
             if gpu:
-                view(out, off, k, np.float32).copy_to_device(vals)
+                K.copy_to(view(out, off, k, np.float32), vals)
             else:
                 view(out, off, k, np.float32)[:] = vals
         return self._finish(out, n, off + k * _value_bytes(self.value_dtype))

@@ -55,9 +55,17 @@ and top-k) and the choice of radix digits; all per-element work runs in the
 kernels.  Headers and padding go to a device as kernel arguments
 (:mod:`.bytes`), so a QSGD encode makes no host copy; the headers of every
 rank's payload are read back in one copy.
+
+Streams.  Every launch, device scratch allocation and copy goes to the
+calling thread's :func:`launch_stream` (numba's default stream outside one);
+the PyTorch adapter enters it with PyTorch's current stream on the tensor's
+device, so the kernels are ordered after the gradient's producer without a
+device-wide sync.
 """
 
-from ._dual import as_device, cpu_threads, cpu_threads_chosen, is_cuda_array, set_cpu_threads, threading_layer
+from ._arrays import copy_to, device_empty, host_copy
+from ._dual import (as_device, cpu_threads, cpu_threads_chosen, current_stream, is_cuda_array, launch_stream,
+                    set_cpu_threads, threading_layer)
 from .bytes import MAX_STORE, gather_bytes, store_bytes
 from .api import (elias_decode_accumulate, elias_encode, qsgd_decode_accumulate, qsgd_encode, randomk_gather,
                   randomk_indices, randomk_scatter_accumulate, widen_f16)
@@ -73,5 +81,6 @@ __all__ = [
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
     "as_device", "is_cuda_array", "gather_bytes", "store_bytes", "MAX_STORE",
+    "launch_stream", "current_stream", "copy_to", "device_empty", "host_copy",
     "PURPOSE_LATTICE", "PURPOSE_RANDOMK", "PURPOSE_ROUNDING", "PURPOSE_SAMPLE",
 ]

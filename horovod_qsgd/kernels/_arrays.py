@@ -1,7 +1,7 @@
 """Scratch arrays and views on the array's device, for the host-side drivers of the kernels."""
 import numpy as np
 
-from ._dual import as_device, cuda_kernel
+from ._dual import as_device, cuda_kernel, current_stream
 
 
 def cuda_module():
@@ -15,7 +15,7 @@ def device_view(a):
 
 
 def empty(shape, dtype, gpu):
-    return cuda_module().device_array(shape, dtype) if gpu else np.empty(shape, dtype)
+    return cuda_module().device_array(shape, dtype, stream=current_stream()) if gpu else np.empty(shape, dtype)
 
 
 @cuda_kernel
@@ -25,18 +25,50 @@ def _zero_kernel(flat):
         flat[i] = 0
 
 
+def clear(a):
+    """Zeroes a contiguous device array with a kernel (a copy of host zeros would wait for the GPU)."""
+    if a.size:
+        _zero_kernel[a.size](a.reshape(a.size))
+
+
 def zeros(shape, dtype, gpu):
-    """Zeroed scratch array; on a device zeroed by a kernel (a copy of host zeros would wait for the GPU)."""
+    """Zeroed scratch array (on a device: zeroed by a kernel)."""
     if not gpu:
         return np.zeros(shape, dtype)
     a = empty(shape, dtype, True)
-    if a.size:
-        _zero_kernel[a.size](a.reshape(a.size))
+    clear(a)
     return a
 
 
+def device_empty(shape, dtype):
+    """Uninitialised device array, allocated for the current stream."""
+    return empty(shape, dtype, True)
+
+
+def host_copy(a):
+    """Host copy of a device array, after the current stream's work on it."""
+    return to_host(a, True)
+
+
 def to_host(a, gpu):
-    return a.copy_to_host() if gpu else a
+    """A host copy of a device array (waits for the stream), or the numpy array itself."""
+    if not gpu:
+        return a
+    stream = current_stream()
+    host = a.copy_to_host(stream=stream)
+    if stream:
+        stream.synchronize()  # a copy on a stream is asynchronous: the host must not read before it lands
+    return host
+
+
+def to_device(host):
+    """A new device array holding a copy of a numpy array, made on the current stream."""
+    return cuda_module().to_device(np.ascontiguousarray(host), stream=current_stream())
+
+
+def copy_to(dst, host):
+    """Copies a numpy (or device) array into the device array ``dst`` on the current stream."""
+    dst.copy_to_device(host, stream=current_stream())
 
 
 def float_bits(a):

@@ -26,6 +26,7 @@ which runs the core as plain Python on numpy scalars, give the same bits):
   them into an FMA (the CPU never contracts without fastmath).
 """
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -37,7 +38,7 @@ import numpy as np
 __all__ = [
     "core", "cuda_twin", "cuda_kernel", "is_cuda_array", "as_device", "on_cuda",
     "cpu_launcher", "cpu_launch", "set_cpu_threads", "cpu_threads", "cpu_threads_chosen",
-    "fmul32", "fmul64", "launch_config", "SERIAL_BELOW",
+    "fmul32", "fmul64", "launch_config", "SERIAL_BELOW", "launch_stream", "current_stream",
 ]
 
 # ------------------------------------------------------------ JIT cache --
@@ -149,10 +150,36 @@ def cuda_twin(cpu_dispatcher):
     return entry[3]
 
 
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def launch_stream(stream):
+    """Kernel launches, device scratch and copies made by this thread inside go to ``stream``.
+
+    ``stream``: a numba stream (``cuda.external_stream(torch_stream.cuda_stream)``
+    for PyTorch's); 0 is numba's default stream. The adapters enter it with
+    the stream the framework wrote the gradient on, so the kernels are ordered
+    after that write and before the framework's next use, without a sync.
+    """
+    previous = getattr(_THREAD, "stream", 0)
+    _THREAD.stream = stream
+    try:
+        yield
+    finally:
+        _THREAD.stream = previous
+
+
+def current_stream():
+    """The stream this thread's launches go to (see :func:`launch_stream`)."""
+    return getattr(_THREAD, "stream", 0)
+
+
 class cuda_kernel:
     """Lazily compiled CUDA kernel from a plain Python function.
 
-    ``k[n](*args)`` launches ``n`` threads (``launch_config(n)`` blocks of 128).
+    ``k[n](*args)`` launches ``n`` threads (``launch_config(n)`` blocks of 128)
+    on the thread's :func:`current_stream`.
     """
 
     def __init__(self, fn):
@@ -163,7 +190,7 @@ class cuda_kernel:
         if self._kernel is None:
             self._kernel = _cuda().jit(_retarget(self.fn))
         grid, block = launch_config(nthreads)
-        return self._kernel[grid, block]
+        return self._kernel[grid, block, current_stream()]
 
 
 def launch_config(nthreads, block=128):

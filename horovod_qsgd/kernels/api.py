@@ -14,7 +14,7 @@ import numpy as np
 from . import elias as _el
 from . import qsgd as _q
 from . import select as _sel
-from ._arrays import device_view, empty, float_bits, to_host, zeros
+from ._arrays import copy_to, device_view, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = [
@@ -114,7 +114,7 @@ def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, st
     if total > stream.size or total >= 2 ** 32:
         raise ValueError(f"Elias stream needs {total} bytes, only {stream.size} available")
     if gpu:
-        ends.copy_to_device(cum.astype(np.uint32))
+        copy_to(ends, cum.astype(np.uint32))
         _el.write_kernel[nb](x, bucket_size, s, stochastic, base, scale32, ends, stream)
     else:
         ends[:] = cum

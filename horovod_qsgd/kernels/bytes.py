@@ -15,7 +15,7 @@ numpy buffers take the plain slice assignments.
 
 import numpy as np
 
-from ._arrays import device_view, empty
+from ._arrays import device_view, empty, to_host
 from ._dual import cuda_kernel, on_cuda
 
 __all__ = ["store_bytes", "gather_bytes", "MAX_STORE", "OFFSETS_PER_LAUNCH"]
@@ -70,4 +70,4 @@ def gather_bytes(buf, offsets, length):
     for first in range(0, len(offsets), OFFSETS_PER_LAUNCH):
         group = tuple(np.int64(o) for o in offsets[first:first + OFFSETS_PER_LAUNCH])
         gather_kernel[len(group) * length](view, group, np.int64(length), out, np.int64(first))
-    return out.copy_to_host()
+    return to_host(out, True)

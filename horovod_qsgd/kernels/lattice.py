@@ -45,6 +45,7 @@ the checksums.  Both call the same cores; ``bucket`` must be a multiple of
 import numba
 import numpy as np
 
+from ._arrays import clear, empty, to_host, zeros
 from ._dual import as_device, core, cpu_launch, cpu_launcher, cuda_kernel, on_cuda
 from .qsgd import pack_kernel, pack_span
 from .rng import mix64, random_u32
@@ -242,11 +243,6 @@ def check_kernel(acc, sums, bad):
 
 # -------------------------------------------------------- array entry points --
 
-def _cuda():
-    from numba import cuda
-    return cuda
-
-
 def _nbuckets(n, bucket):
     return (n + bucket - 1) // bucket
 
@@ -267,16 +263,15 @@ def lattice_encode(x, codes, sums, status, *, eps, bits, bucket_size, base):
     if not gpu:
         cpu_launch(encode_cpu, n, x, eps, bits, q, base, bucket_size, codes, sums, status)
         return int(np.count_nonzero(status))
-    cuda = _cuda()
     x, codes, sums, status = as_device(x), as_device(codes), as_device(sums), as_device(status)
     nb = _nbuckets(n, bucket_size)
-    acc = cuda.to_device(np.zeros(nb, np.uint64))
-    status.copy_to_device(np.zeros(nb, np.uint8))
-    tmp = cuda.device_array(n, np.uint8)
+    acc = zeros(nb, np.uint64, True)
+    clear(status)
+    tmp = empty(n, np.uint8, True)
     encode_kernel[n](x, eps, q, base, bucket_size, tmp, acc, status)
     pack_kernel[(n + 7) // 8](tmp, bits, codes)
     fold_kernel[nb](acc, sums)
-    return int(np.count_nonzero(status.copy_to_host()))
+    return int(np.count_nonzero(to_host(status, True)))
 
 
 def lattice_decode(codes, sums, reference, out, bad, *, eps, bits, bucket_size):
@@ -295,11 +290,10 @@ def lattice_decode(codes, sums, reference, out, bad, *, eps, bits, bucket_size):
     if not gpu:
         cpu_launch(decode_cpu, n, codes, reference, eps, bits, q, bucket_size, sums, out, bad)
         return int(np.count_nonzero(bad))
-    cuda = _cuda()
     codes, sums, reference, out, bad = (as_device(a) for a in (codes, sums, reference, out, bad))
     nb = _nbuckets(n, bucket_size)
-    acc = cuda.to_device(np.zeros(nb, np.uint64))
-    bad.copy_to_device(np.zeros(nb, np.uint8))
+    acc = zeros(nb, np.uint64, True)
+    clear(bad)
     decode_kernel[n](codes, reference, eps, bits, q, bucket_size, out, acc, bad)
     check_kernel[nb](acc, sums, bad)
-    return int(np.count_nonzero(bad.copy_to_host()))
+    return int(np.count_nonzero(to_host(bad, True)))

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from . import select as _sel
-from ._arrays import cuda_module, device_view, empty, float_bits, to_host, zeros
+from ._arrays import device_view, empty, float_bits, to_device, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = ["topk_select", "sparse_accumulate", "exact_threshold", "acklam_ppf"]
@@ -202,7 +202,7 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
     t32, counts = _refine(src, t, k, gpu, x=x, ef_pending=pending)
     starts = _exclusive(counts)
     if gpu:
-        _sel.write_thresh_kernel[nch](src, t32, cuda_module().to_device(starts), cap, idx, val32, val16, half, ef)
+        _sel.write_thresh_kernel[nch](src, t32, to_device(starts), cap, idx, val32, val16, half, ef)
     else:
         cpu_launch(_sel.write_thresh_cpu, n, src, t32, starts, cap, idx, val32, val16, half, ef)
     return min(int(counts.sum()), cap)
@@ -219,8 +219,7 @@ def _exact_full(x, r, ef_pending, idx, val32, val16, half, ef, k, gpu):
     eq_take = np.clip(k - int(gt.sum()) - _exclusive(eq), 0, eq)
     starts = _exclusive(gt + eq_take)
     if gpu:
-        c = cuda_module()
-        _sel.write_exact_kernel[starts.size](src, float_bits(src), thresh, c.to_device(eq_take), c.to_device(starts),
+        _sel.write_exact_kernel[starts.size](src, float_bits(src), thresh, to_device(eq_take), to_device(starts),
                                              idx, val32, val16, half, ef, _EXACT_CHUNK)
     else:
         cpu_launch(_sel.write_exact_cpu, src.size, src, float_bits(src), thresh, eq_take, starts, idx, val32, val16,
@@ -261,8 +260,7 @@ def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
     cand = empty(total, np.int64, gpu)
     cvals = empty(total, np.float32, gpu)
     if gpu:
-        c = cuda_module()
-        _sel.compact_kernel[starts.size](r, t_low, c.to_device(starts), cand)
+        _sel.compact_kernel[starts.size](r, t_low, to_device(starts), cand)
         _sel.gather_abs_kernel[total](r, cand, cvals)
     else:
         cpu_launch(_sel.compact_cpu, n, r, t_low, starts, cand)
@@ -290,5 +288,5 @@ def sparse_accumulate(idx, values, out, *, half):
     if gpu:
         bad = zeros(1, np.int64, gpu)
         _sel.scatter_kernel[idx.size](idx, val32, val16, half, out, bad)
-        return int(bad.copy_to_host()[0])
+        return int(to_host(bad, True)[0])
     return int(cpu_launch(_sel.scatter_cpu, idx.size, idx, val32, val16, half, out, 1 << 14))

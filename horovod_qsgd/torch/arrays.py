@@ -1,4 +1,9 @@
-"""Torch tensors as the arrays the kernels take, without copying."""
+"""Torch tensors as the arrays the kernels take, without copying, and the stream the kernels run on."""
+import contextlib
+
+import torch
+
+from horovod_qsgd.kernels import launch_stream
 
 
 def as_array(tensor):
@@ -7,3 +12,25 @@ def as_array(tensor):
         from numba import cuda
         return cuda.as_cuda_array(tensor)
     return tensor.numpy()
+
+
+@contextlib.contextmanager
+def kernel_stream(device):
+    """The kernels launched inside run on ``device`` and on PyTorch's current stream there.
+
+    numba would launch on its own default stream, in the calling thread's
+    current context: a gradient written on a side stream could be read before
+    it is ready, and on a node with several GPUs every kernel would run on
+    GPU 0 unless the job called ``torch.cuda.set_device``. Horovod's ready
+    event is recorded on the current stream after ``compress``, so it covers
+    the kernels too. CPU devices: nothing changes.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    from numba import cuda
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    handle = torch.cuda.current_stream(index).cuda_stream
+    with cuda.gpus[index]:
+        with launch_stream(cuda.external_stream(handle) if handle else cuda.default_stream()):
+            yield

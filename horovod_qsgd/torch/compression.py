@@ -46,7 +46,7 @@ from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import (TwoStage, check_exchange, choose_exchange, owner_layout_changed,
                                            qsgd_codecs)
-from horovod_qsgd.torch.arrays import as_array
+from horovod_qsgd.torch.arrays import as_array, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
@@ -202,7 +202,8 @@ class _CompressorBase:
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
         state = self._state(site.name, flat.numel(), tensor.device, self.error_feedback)
-        sent, handle, nbytes = self._encode(tensor, flat, site, state)
+        with kernel_stream(tensor.device):
+            sent, handle, nbytes = self._encode(tensor, flat, site, state)
         out = flat if site.result_replaces_input and flat.data_ptr() == tensor.data_ptr() else None
         ctx = self._make_context(handle, site, tensor, state, out)
         state.step += 1
@@ -215,9 +216,10 @@ class _CompressorBase:
         if passed is not None:
             return passed
         start = time.perf_counter()
-        received = self._receive(ctx)
-        received_at = time.perf_counter()
-        result = self._decode(tensor, ctx, received).view(ctx.shape).to(ctx.dtype)
+        with kernel_stream(tensor.device):
+            received = self._receive(ctx)
+            received_at = time.perf_counter()
+            result = self._decode(tensor, ctx, received).view(ctx.shape).to(ctx.dtype)
         self._stats.add(wait_seconds=received_at - start, decode_seconds=time.perf_counter() - received_at)
         return result
 

@@ -17,7 +17,7 @@ from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.matching import random_matching
 from horovod_qsgd.common.naming import rank_key
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.torch.arrays import as_array
+from horovod_qsgd.torch.arrays import as_array, kernel_stream
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 STATE_FORMAT = 1
@@ -133,16 +133,17 @@ class SwarmEngine:
         sizes = [c.max_payload_nbytes(s.numel) for c, s in zip(codecs, self.slots)]  # fixed-size payloads
         buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=flat.device)
         eps_sent, offset = {}, 0
-        for s, codec, size in zip(self.slots, codecs, sizes):
-            x, out = as_array(flat[s.offset:s.offset + s.numel]), as_array(buffer[offset:offset + size])
-            if codec is self.exact:
-                codec.encode(x, out)
-            else:
-                lo, hi = torch.aminmax(flat[s.offset:s.offset + s.numel]) if s.numel else (0.0, 0.0)
-                magnitude = max(-float(lo), float(hi))
-                eps = eps_sent[s.name] = codec.eps_for_spread(self.spread[s.name], magnitude)
-                codec.encode(x, out, eps=eps, step=round_index, key=rank_key(s.name, rank))
-            offset += size
+        with kernel_stream(flat.device):
+            for s, codec, size in zip(self.slots, codecs, sizes):
+                x, out = as_array(flat[s.offset:s.offset + s.numel]), as_array(buffer[offset:offset + size])
+                if codec is self.exact:
+                    codec.encode(x, out)
+                else:
+                    lo, hi = torch.aminmax(flat[s.offset:s.offset + s.numel]) if s.numel else (0.0, 0.0)
+                    magnitude = max(-float(lo), float(hi))
+                    eps = eps_sent[s.name] = codec.eps_for_spread(self.spread[s.name], magnitude)
+                    codec.encode(x, out, eps=eps, step=round_index, key=rank_key(s.name, rank))
+                offset += size
         self.stats.add(encode_seconds=time.perf_counter() - start)
         return buffer, eps_sent
 
@@ -152,33 +153,34 @@ class SwarmEngine:
         decoded = torch.empty_like(reference)
         failed, eps_received, offset = [], {}, 0
         total = received.numel()
-        for s in self.slots:
-            where = f"horovod_qsgd: SwarmOptimizer: tensor {s.name!r} from rank {partner}"
-            try:
-                if offset + HEADER_NBYTES > total:
-                    raise PayloadError(f"the received {total} bytes end before this tensor's payload")
-                header = parse_header(bytes(received[offset:offset + HEADER_NBYTES].cpu().numpy()))
-                if header.codec_id == LATTICE_CODEC_ID and self.codec is not None:
-                    codec = self.codec
-                elif header.codec_id == EXACT_CODEC_ID:
-                    codec = self.exact
-                else:
-                    raise PayloadError(f"unexpected codec id {header.codec_id}")
-                if offset + header.nbytes > total:
-                    raise PayloadError(f"truncated payload: header says {header.nbytes} bytes, "
-                                       f"{total - offset} left")
-                payload = received[offset:offset + header.nbytes]
-                out = decoded[s.offset:s.offset + s.numel]
-                bad = codec.decode(as_array(payload), as_array(reference[s.offset:s.offset + s.numel]),
-                                   as_array(out))
-            except PayloadError as exc:
-                raise CompressionMismatchError(f"{where}: {exc}. Every rank must use the same model and "
-                                               "SwarmOptimizer settings.") from exc
-            if codec is self.codec:
-                eps_received[s.name] = codec.payload_eps(as_array(payload))
-            if bad:
-                failed.append(s.name)
-            offset += header.nbytes
+        with kernel_stream(reference.device):
+            for s in self.slots:
+                where = f"horovod_qsgd: SwarmOptimizer: tensor {s.name!r} from rank {partner}"
+                try:
+                    if offset + HEADER_NBYTES > total:
+                        raise PayloadError(f"the received {total} bytes end before this tensor's payload")
+                    header = parse_header(bytes(received[offset:offset + HEADER_NBYTES].cpu().numpy()))
+                    if header.codec_id == LATTICE_CODEC_ID and self.codec is not None:
+                        codec = self.codec
+                    elif header.codec_id == EXACT_CODEC_ID:
+                        codec = self.exact
+                    else:
+                        raise PayloadError(f"unexpected codec id {header.codec_id}")
+                    if offset + header.nbytes > total:
+                        raise PayloadError(f"truncated payload: header says {header.nbytes} bytes, "
+                                           f"{total - offset} left")
+                    payload = received[offset:offset + header.nbytes]
+                    out = decoded[s.offset:s.offset + s.numel]
+                    bad = codec.decode(as_array(payload), as_array(reference[s.offset:s.offset + s.numel]),
+                                       as_array(out))
+                except PayloadError as exc:
+                    raise CompressionMismatchError(f"{where}: {exc}. Every rank must use the same model and "
+                                                   "SwarmOptimizer settings.") from exc
+                if codec is self.codec:
+                    eps_received[s.name] = codec.payload_eps(as_array(payload))
+                if bad:
+                    failed.append(s.name)
+                offset += header.nbytes
         if offset != total:
             raise CompressionMismatchError(
                 f"horovod_qsgd: SwarmOptimizer: rank {partner} sent {total} bytes, {total - offset} more than "

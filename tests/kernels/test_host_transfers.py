@@ -36,3 +36,9 @@ def test_qsgd_encode_copies_nothing_between_host_and_device(report, call):
 def test_decoding_all_ranks_payloads_reads_the_device_once(report, call):
     assert report[call]["h2d"] == 0
     assert report[call]["d2h"] <= 1
+
+
+def test_every_launch_allocation_and_copy_goes_to_the_callers_stream(report):
+    on_a_stream = {name: entry for name, entry in report.items() if name.startswith("on a stream:")}
+    assert len(on_a_stream) == 11 and all(entry["launch"] > 0 for entry in on_a_stream.values())
+    assert {name: entry["off_stream"] for name, entry in report.items() if entry["off_stream"]} == {}

@@ -3,8 +3,10 @@
 Run with NUMBA_ENABLE_CUDASIM=1 (test_host_transfers.py does); prints one
 JSON object: for each call, the copies host-to-device (``h2d``),
 device-to-host (``d2h``), device-to-device (``d2d``) and the device arrays
-allocated (``alloc``), and whether its result equals the CPU path's. Every
-host copy waits for the GPU's queue to drain on a real device.
+allocated (``alloc``), the kernel launches, how many of all those went to
+another stream than the caller's ``K.launch_stream`` (``off_stream``), and
+whether its result equals the CPU path's. Every host copy waits for the
+GPU's queue to drain on a real device.
 """
 
 import json
@@ -19,31 +21,50 @@ warnings.simplefilter("ignore", RuntimeWarning)  # uint64 wraparound in the simu
 
 from numba import cuda  # noqa: E402
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # noqa: E402
+from numba.cuda.simulator.kernel import FakeCUDAKernel  # noqa: E402
 
-from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
+from horovod_qsgd import kernels as K  # noqa: E402
+from horovod_qsgd.codecs import LatticeCodec, QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
 from horovod_qsgd.common.exchange import decode_sum  # noqa: E402
 from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
 from tests.two_stage_reference import first_stage_inboxes  # noqa: E402
 
 assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run under NUMBA_ENABLE_CUDASIM=1"
 
-counts = {"h2d": 0, "d2h": 0, "d2d": 0, "alloc": 0}
+counts = {"h2d": 0, "d2h": 0, "d2d": 0, "alloc": 0, "launch": 0, "off_stream": 0}
+scope_stream = [0]  # the stream the call under measurement runs in (K.launch_stream)
 
 
-def _counting(kind, fn, source_arg=None):
+def _on_stream(stream):
+    if stream is not scope_stream[0] and not (stream == 0 and scope_stream[0] == 0):
+        counts["off_stream"] += 1
+
+
+def _counting(kind, fn, source_arg=None, stream_arg=None):
     """``fn`` counting its calls as ``kind``; a device array as argument ``source_arg`` makes it a d2d copy."""
     def wrapped(*args, **kwargs):
         device_source = source_arg is not None and isinstance(args[source_arg], FakeCUDAArray)
         counts["d2d" if device_source else kind] += 1
+        stream = kwargs.get("stream", args[stream_arg] if stream_arg is not None and len(args) > stream_arg else 0)
+        _on_stream(stream)
         return fn(*args, **kwargs)
     return wrapped
 
 
+def _counting_launch(getitem):
+    def wrapped(self, configuration):
+        counts["launch"] += 1
+        _on_stream(configuration[2] if len(configuration) > 2 else 0)
+        return getitem(self, configuration)
+    return wrapped
+
+
 # Device arrays made by the harness itself are created before a window opens; only the call inside counts.
-FakeCUDAArray.copy_to_host = _counting("d2h", FakeCUDAArray.copy_to_host)
-FakeCUDAArray.copy_to_device = _counting("h2d", FakeCUDAArray.copy_to_device, source_arg=1)
-cuda.to_device = _counting("h2d", cuda.to_device, source_arg=0)
+FakeCUDAArray.copy_to_host = _counting("d2h", FakeCUDAArray.copy_to_host, stream_arg=2)
+FakeCUDAArray.copy_to_device = _counting("h2d", FakeCUDAArray.copy_to_device, source_arg=1, stream_arg=2)
+cuda.to_device = _counting("h2d", cuda.to_device, source_arg=0, stream_arg=1)
 cuda.device_array = _counting("alloc", cuda.device_array)
+FakeCUDAKernel.__getitem__ = _counting_launch(FakeCUDAKernel.__getitem__)
 
 report = {}
 
@@ -51,7 +72,8 @@ report = {}
 def measure(name, call, expected=None):
     for kind in counts:
         counts[kind] = 0
-    result = call()
+    with K.launch_stream(scope_stream[0]):
+        result = call()
     entry = dict(counts)
     if expected is not None:
         got = result.copy_to_host() if isinstance(result, FakeCUDAArray) else result
@@ -135,6 +157,25 @@ def main():
     randomk = RandomKCodec(ratio=0.01)
     encode_case("randomk-1% encode", randomk, x)
     decode_case("randomk-1% decode of 3 ranks", randomk, rows)
+    # Every launch, allocation and copy of every codec goes to the stream of K.launch_stream.
+    scope_stream[0] = cuda.stream()
+    for name, codec, residual in [("qsgd-4", qsgd, None), ("qsgd-4 elias", QSGDCodec(bits=4, encoding="elias"), None),
+                                  ("topk-1%", topk, np.zeros(x.size, np.float32)),
+                                  ("gaussiank-1%", TopKCodec(ratio=0.01, selector="gaussian"),
+                                   np.zeros(x.size, np.float32)),
+                                  ("randomk-1% fp16", RandomKCodec(ratio=0.01, value_dtype="float16"), None)]:
+        encode_case(f"on a stream: {name} encode", codec, x, residual=residual)
+        decode_case(f"on a stream: {name} decode of 3 ranks", codec, rows, residual=residual is not None)
+    lattice = LatticeCodec(bits=8)
+    cap = lattice.max_payload_nbytes(x.size)
+    d_x, d_ref, d_out, d_payload = device(x), device(x + 0.01), device(np.zeros(x.size, np.float32)), \
+        device(np.zeros(cap, np.uint8))
+    host_payload, expected = np.zeros(cap, np.uint8), np.zeros(x.size, np.float32)
+    lattice.encode(x, host_payload, eps=1e-3, step=1, key=2)
+    lattice.decode(host_payload, x + 0.01, expected)
+    measure("on a stream: lattice encode and decode",
+            lambda: (lattice.encode(d_x, d_payload, eps=1e-3, step=1, key=2), lattice.decode(d_payload, d_ref, d_out),
+                     d_out)[2], expected)
     print(json.dumps(report))
 
 
