@@ -16,5 +16,7 @@ setup(
         "tensorflow": ["tensorflow-cpu==2.21.0", "tf-keras==2.21.0"],
         "test": ["pytest", "pytest-timeout", "scipy", "scikit-learn"],
         "bench": ["matplotlib"],
+        # numba's CUDA target with NVVM and libdevice from the package index (PyTorch's CUDA wheels lack them)
+        "cuda": ["numba-cuda[cu12]"],
     },
 )

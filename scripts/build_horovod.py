@@ -14,7 +14,11 @@ Usage: python scripts/build_horovod.py [--force] [--cache DIR]
 
 A user with CUDA GPUs builds the NCCL variant with
     HOROVOD_GPU_OPERATIONS=NCCL python scripts/build_horovod.py --force
-(the CUDA toolkit and NCCL must be installed; see the README).
+It needs nvcc (on PATH or in $CUDA_HOME/bin) and NCCL's header and library:
+$HOROVOD_NCCL_HOME, /usr, $CUDA_HOME, or the nvidia-nccl-cu12 wheel that
+PyTorch's CUDA build installs (its unversioned libnccl.so is linked in the
+cache). It builds for the visible GPUs' architectures unless
+HOROVOD_BUILD_CUDA_CC_LIST is set, and checks nccl_built() afterwards.
 """
 import argparse
 import glob
@@ -81,6 +85,10 @@ def build_key(versions):
     return f"horovod-{HOROVOD_VERSION}-{py}-torch{versions['torch']}-tf{versions['tensorflow']}-{gpu}"
 
 
+def nccl_wanted():
+    return os.environ.get("HOROVOD_GPU_OPERATIONS", "").upper() == "NCCL"
+
+
 def installed_build(versions):
     """Returns why the installed Horovod is unusable, or None when it is fine."""
     code = r"""
@@ -88,7 +96,7 @@ import json, os, horovod, horovod.torch as ht, horovod.tensorflow as htf
 stamp = os.path.join(os.path.dirname(horovod.__file__), %r)
 print(json.dumps({
     "version": horovod.__version__,
-    "torch": ht.gloo_built(), "tensorflow_ops": htf.gloo_built(),
+    "torch": ht.gloo_built(), "tensorflow_ops": htf.gloo_built(), "nccl": ht.nccl_built(),
     "stamp": json.load(open(stamp)) if os.path.exists(stamp) else None}))
 """ % STAMP_NAME
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -100,11 +108,66 @@ print(json.dumps({
         return f"Horovod {info['version']} is installed, {HOROVOD_VERSION} is wanted"
     if not (info["torch"] and info["tensorflow_ops"]):
         return "the installed Horovod lacks Gloo for torch or tensorflow"
+    if nccl_wanted() and not info["nccl"]:
+        return "HOROVOD_GPU_OPERATIONS=NCCL asks for NCCL, the installed Horovod has none (nccl_built() is false)"
     stamp = info["stamp"]
     if stamp and (stamp.get("torch"), stamp.get("tensorflow")) != (versions["torch"], versions["tensorflow"]):
         return (f"Horovod was built against torch {stamp.get('torch')} / TF {stamp.get('tensorflow')}, "
                 f"installed are {versions['torch']} / {versions['tensorflow']}")
     return None
+
+
+def _nccl_home(cache_dir):
+    """(include dir, lib dir) of NCCL, with an unversioned libnccl.so; exits naming what is missing."""
+    candidates = [os.environ.get("HOROVOD_NCCL_HOME"), "/usr", os.environ.get("CUDA_HOME")]
+    try:
+        import nvidia.nccl  # the wheel PyTorch's CUDA build depends on
+        candidates.append(list(nvidia.nccl.__path__)[0])
+    except ImportError:
+        pass
+    for home in filter(None, candidates):
+        include = os.path.join(home, "include")
+        libs = [d for d in (os.path.join(home, "lib"), os.path.join(home, "lib64"),
+                            os.path.join(home, "lib", "x86_64-linux-gnu"))
+                if glob.glob(os.path.join(d, "libnccl.so*"))]
+        if not (os.path.exists(os.path.join(include, "nccl.h")) and libs):
+            continue
+        if os.path.exists(os.path.join(libs[0], "libnccl.so")):
+            return include, libs[0]
+        # only libnccl.so.2 (the wheel): the linker needs the unversioned name
+        link_dir = os.path.join(cache_dir, "nccl-lib")
+        os.makedirs(link_dir, exist_ok=True)
+        target = sorted(glob.glob(os.path.join(libs[0], "libnccl.so.*")))[0]
+        link = os.path.join(link_dir, "libnccl.so")
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(target, link)
+        return include, link_dir
+    sys.exit("build_horovod: HOROVOD_GPU_OPERATIONS=NCCL needs NCCL's nccl.h and libnccl.so; none found in "
+             + ", ".join(filter(None, candidates)) + ". Set HOROVOD_NCCL_HOME, or install PyTorch's CUDA build "
+             "(it brings the nvidia-nccl-cu12 wheel).")
+
+
+def gpu_build_env(cache_dir):
+    """The extra environment of an NCCL build; exits with the fix when nvcc or NCCL is missing."""
+    cuda_home = os.environ.get("CUDA_HOME")
+    nvcc = shutil.which("nvcc") or (cuda_home and shutil.which(os.path.join(cuda_home, "bin", "nvcc")))
+    if not nvcc:
+        sys.exit("build_horovod: HOROVOD_GPU_OPERATIONS=NCCL needs nvcc, found neither on PATH nor in "
+                 "$CUDA_HOME/bin. Install the CUDA toolkit (or `pip install nvidia-cuda-nvcc-cu12` and set "
+                 "CUDA_HOME to its nvidia/cuda_nvcc directory).")
+    include, lib = _nccl_home(cache_dir)
+    env = {"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_NCCL_LINK": "SHARED", "HOROVOD_NCCL_INCLUDE": include,
+           "HOROVOD_NCCL_LIB": lib, "CUDA_HOME": cuda_home or os.path.dirname(os.path.dirname(nvcc))}
+    if "HOROVOD_BUILD_CUDA_CC_LIST" not in os.environ:
+        # every architecture nvcc knows takes far longer; build for the GPUs this machine has
+        code = ("import torch; print(','.join(sorted({'%d%d' % torch.cuda.get_device_capability(i) "
+                "for i in range(torch.cuda.device_count())})))")
+        arch = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+        if arch:
+            env["HOROVOD_BUILD_CUDA_CC_LIST"] = arch
+    log("NCCL build: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    return env
 
 
 def patch_sources(src_dir):
@@ -123,6 +186,7 @@ def patch_sources(src_dir):
 
 
 def build_wheel(cache_dir):
+    gpu_env = gpu_build_env(cache_dir) if nccl_wanted() else {}
     work = tempfile.mkdtemp(prefix="horovod-build-")
     log(f"downloading the horovod=={HOROVOD_VERSION} sdist from the package index")
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
@@ -134,7 +198,7 @@ def build_wheel(cache_dir):
     src_dir = os.path.join(work, f"horovod-{HOROVOD_VERSION}")
     patch_sources(src_dir)
 
-    env = dict(os.environ, **BUILD_ENV)
+    env = dict(os.environ, **BUILD_ENV, **gpu_env)
     env.setdefault("MAKEFLAGS", f"-j{(os.cpu_count() or 1) + 1}")
     log_path = os.path.join(cache_dir, "last-build.log")
     log(f"compiling Horovod (C++, about 12 minutes on 2 cores); log: {log_path}")
