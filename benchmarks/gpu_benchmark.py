@@ -1,0 +1,164 @@
+"""The CUDA kernels on a real GPU, against the GPU's own yardsticks measured in the same run.
+
+Run on a machine with an NVIDIA GPU and PyTorch's CUDA build (no Horovod needed)::
+
+    python benchmarks/gpu_benchmark.py [--numel 25000000] [--reps 20] [--out FILE.json]
+
+Prints, and writes to ``--out``:
+
+* QSGD-4 (bucket 512) encode, and decode + accumulate, as a fraction of a
+  device-to-device copy of the same float32 buffer (``copy time / codec
+  time``; issue #14's target: at least 0.6);
+* top-k selection at ratios 0.001 and 0.01 (exact, Gaussian-k, sample;
+  error feedback on) against ``torch.topk`` of the absolute values on the
+  same GPU (``topk time / ours``; targets: Gaussian-k >= 3, exact >= 1);
+* the first call's time of each (JIT compilation, in this process);
+* a stream race: a gradient written on a side stream behind a long GPU
+  sleep must be encoded after the write (PyTorch's current stream is the
+  side stream, as in a job that computes gradients on one). The payload is
+  compared with one made after a full synchronisation.
+
+Times are CUDA-event medians on the stream the kernels run on.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def gpu_time(torch, fn, reps, warmup=3):
+    """Median milliseconds of ``fn`` on the current stream, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def first_call(torch, fn):
+    """Seconds of the first call, compilation included, until the GPU is done."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", help="JSON file for the results")
+    args = parser.parse_args()
+
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("gpu_benchmark: needs a CUDA GPU and PyTorch's CUDA build (torch.cuda.is_available() is False)")
+    from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+    from horovod_qsgd.torch.arrays import as_array, kernel_stream
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    n, reps = args.numel, args.reps
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, device=device, generator=gen)
+    results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+               "python": platform.python_version(), "numel": n, "reps": reps}
+
+    copy_dst = torch.empty_like(x)
+    copy_ms = gpu_time(torch, lambda: copy_dst.copy_(x), reps)
+    results["copy_ms"] = copy_ms
+    print(f"{results['device']}: {n:,} float32 ({x.numel() * 4 / 1e6:.0f} MB); "
+          f"device copy {copy_ms:.3f} ms = {x.numel() * 8 / copy_ms / 1e6:.0f} GB/s (read + write)")
+
+    # -- QSGD-4 encode, decode + accumulate -------------------------------------------------------
+    qsgd = QSGDCodec(bits=4, bucket_size=512)
+    payload = torch.zeros(qsgd.max_payload_nbytes(n), dtype=torch.uint8, device=device)
+    total = torch.zeros_like(x)
+    with kernel_stream(device):
+        steps = iter(range(10 ** 9))
+
+        def encode():
+            qsgd.encode(as_array(x), as_array(payload), step=next(steps), key=1)
+
+        def decode():
+            qsgd.decode_accumulate(as_array(payload), as_array(total))
+
+        results["qsgd4_encode_first_s"] = first_call(torch, encode)
+        results["qsgd4_decode_first_s"] = first_call(torch, decode)
+        results["qsgd4_encode_ms"] = gpu_time(torch, encode, reps)
+        results["qsgd4_decode_ms"] = gpu_time(torch, decode, reps)
+    for what in ("encode", "decode"):
+        ms = results[f"qsgd4_{what}_ms"]
+        print(f"QSGD-4 {what:>6}: {ms:8.3f} ms = {copy_ms / ms:5.2f}x the device copy's speed "
+              f"(first call {results[f'qsgd4_{what}_first_s']:.2f} s)")
+
+    # -- selection against torch.topk ------------------------------------------------------------
+    for ratio in (0.001, 0.01):
+        k = max(1, int(n * ratio))
+        topk_ms = gpu_time(torch, lambda: torch.topk(x.abs(), k, sorted=False), reps)
+        results[f"torch_topk_{ratio}_ms"] = topk_ms
+        print(f"ratio {ratio}: torch.topk(|x|) {topk_ms:.3f} ms")
+        for selector in ("exact", "gaussian", "sample"):
+            codec = TopKCodec(ratio=ratio, selector=selector)
+            out = torch.zeros(codec.max_payload_nbytes(n), dtype=torch.uint8, device=device)
+            residual = torch.zeros_like(x)
+            with kernel_stream(device):
+                def select():
+                    codec.encode(as_array(x), as_array(out), step=0, key=1, residual=as_array(residual))
+                first = first_call(torch, select)
+                ms = gpu_time(torch, select, reps)
+            results[f"{selector}_{ratio}_ms"], results[f"{selector}_{ratio}_first_s"] = ms, first
+            print(f"  {selector:>8}: {ms:8.3f} ms = {topk_ms / ms:5.2f}x torch.topk's speed (first call {first:.2f} s)")
+
+    # -- the stream race ---------------------------------------------------------------------------
+    side = torch.cuda.Stream(device)
+    source = torch.randn(n, device=device, generator=gen)
+
+    def encode_behind_a_slow_write(on_torch_stream):
+        grad, payload = torch.zeros_like(x), torch.zeros(qsgd.max_payload_nbytes(n), dtype=torch.uint8,
+                                                          device=device)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # GPU cycles before the write lands
+            grad.copy_(source)
+            if on_torch_stream:
+                with kernel_stream(device):
+                    qsgd.encode(as_array(grad), as_array(payload), step=7, key=3)
+            else:  # numba's own default stream, as before kernel_stream
+                qsgd.encode(as_array(grad), as_array(payload), step=7, key=3)
+        torch.cuda.synchronize()
+        settled = torch.zeros_like(payload)
+        with kernel_stream(device):
+            qsgd.encode(as_array(grad), as_array(settled), step=7, key=3)
+        torch.cuda.synchronize()
+        return bool(torch.equal(payload, settled))
+
+    results["stream_race_payload_equal"] = encode_behind_a_slow_write(True)
+    results["stream_race_without_kernel_stream_equal"] = encode_behind_a_slow_write(False)
+    print("stream race: the payload encoded on the side stream "
+          f"{'equals' if results['stream_race_payload_equal'] else 'DIFFERS FROM'} the one encoded after a full "
+          "synchronisation; on numba's default stream instead it "
+          f"{'equals it too' if results['stream_race_without_kernel_stream_equal'] else 'differs (the race is real)'}")
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if not results["stream_race_payload_equal"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
