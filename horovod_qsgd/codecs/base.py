@@ -154,6 +154,15 @@ class Codec:
     def max_payload_nbytes(self, numel):
         raise NotImplementedError
 
+    def decode_accumulate_all(self, buffer, spans, outs):
+        """Adds the payloads at ``spans`` ([(start, end, checked header)]) of ``buffer`` to ``outs``, in order.
+
+        What an exchange decodes per tensor; codecs whose decode has checks
+        to read back (top-k) read them once for all payloads.
+        """
+        for (start, end, header), out in zip(spans, outs):
+            self.decode_accumulate(buffer[start:end], out, header=header)
+
     # -- helpers for subclasses -------------------------------------------
 
     def _prepare_encode(self, x, out, residual, need_residual):

@@ -167,6 +167,23 @@ class TopKCodec(Codec):
             raise PayloadError(f"corrupt top-k payload: {bad} entries have an index outside "
                                f"[0, {h.numel}) that is not the padding value -1")
 
+    def decode_accumulate_all(self, buffer, spans, outs):
+        """As :meth:`Codec.decode_accumulate_all`; the index checks of all payloads are read back once."""
+        bad_counts = None
+        for slot, ((start, end, header), out) in enumerate(zip(spans, outs)):
+            h, payload, out, gpu = self._open_payload(buffer[start:end], out, header)
+            if bad_counts is None:
+                bad_counts = K.error_counters(len(spans), gpu)
+            idx, vals = self._sections(payload, h.numel)
+            K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16", bad_counts=bad_counts, slot=slot)
+        if bad_counts is None:
+            return
+        bad = bad_counts if isinstance(bad_counts, np.ndarray) else K.host_copy(bad_counts)
+        if bad.any():
+            slot = int(np.flatnonzero(bad)[0])
+            raise PayloadError(f"corrupt top-k payload (number {slot} of {len(spans)}): {int(bad[slot])} entries have "
+                               f"an index outside [0, {spans[slot][2].numel}) that is not the padding value -1")
+
 
 class RandomKCodec(Codec):
     r"""Random-k sparsification with indices shared by all ranks.

@@ -87,8 +87,8 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
 
 def decode_sum(codec, gathered, num_ranks, numel, tensor_name, total):
     """Adds every rank's payload in an allgather's result, checked and decoded in rank order, to ``total``."""
-    for begin, end, header in check_payloads(gathered, range(num_ranks), [numel] * num_ranks, codec, tensor_name):
-        codec.decode_accumulate(gathered[begin:end], total, header=header)
+    spans = check_payloads(gathered, range(num_ranks), [numel] * num_ranks, codec, tensor_name)
+    codec.decode_accumulate_all(gathered, spans, [total] * num_ranks)
 
 
 SNAP_TOLERANCE = 1e-2  # relative distance at which a placeholder is snapped to num_ranks or 1

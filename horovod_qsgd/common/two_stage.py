@@ -171,8 +171,7 @@ class TwoStage:
         senders = [r for r in range(self.num_ranks) if r != self.rank]
         spans = check_payloads(received, senders, [end - begin] * len(senders), self.first, self.name,
                                "first-stage slice")
-        for start, stop, header in spans:
-            self.first.decode_accumulate(received[start:stop], total, header=header)
+        self.first.decode_accumulate_all(received, spans, [total] * len(spans))
 
     def owned_capacity(self):
         """Bytes of the buffer :meth:`encode_owned` writes into."""
@@ -192,5 +191,4 @@ class TwoStage:
         """Adds every owner's decoded sum into its chunk of ``out`` (float32, zeros on entry)."""
         spans = check_payloads(gathered, range(self.num_ranks), [e - b for b, e in self.bounds], self.second,
                                self.name, "second-stage sum")
-        for (start, stop, header), (begin, end) in zip(spans, self.bounds):
-            self.second.decode_accumulate(gathered[start:stop], out[begin:end], header=header)
+        self.second.decode_accumulate_all(gathered, spans, [out[begin:end] for begin, end in self.bounds])

@@ -72,12 +72,12 @@ from .api import (elias_decode_accumulate, elias_encode, qsgd_decode_accumulate,
 from .elias import max_bucket_bits
 from .lattice import PURPOSE_LATTICE, decodable_radius, lattice_decode, lattice_encode
 from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
-from .topk import acklam_ppf, exact_threshold, sparse_accumulate, topk_select
+from .topk import acklam_ppf, error_counters, exact_threshold, sparse_accumulate, topk_select
 
 __all__ = [
     "acklam_ppf", "elias_decode_accumulate", "elias_encode", "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
-    "randomk_scatter_accumulate", "sparse_accumulate", "topk_select", "widen_f16",
+    "randomk_scatter_accumulate", "sparse_accumulate", "error_counters", "topk_select", "widen_f16",
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
     "as_device", "is_cuda_array", "gather_bytes", "store_bytes", "MAX_STORE",

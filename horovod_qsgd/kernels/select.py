@@ -499,11 +499,11 @@ def write_thresh_kernel(src, t, starts, cap, idx, val32, val16, half, ef):
 
 
 @cuda_kernel
-def scatter_kernel(idx, val32, val16, half, out, bad):
+def scatter_kernel(idx, val32, val16, half, out, bad, slot):
     j = cuda.grid(1)  # noqa: F821
     if j < idx.size:
         if scatter_entry(idx, val32, val16, half, j, out):
-            cuda.atomic.add(bad, 0, 1)  # noqa: F821
+            cuda.atomic.add(bad, slot, 1)  # noqa: F821
 
 
 @cuda_kernel

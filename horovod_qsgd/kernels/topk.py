@@ -274,19 +274,31 @@ def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
     return min(k, idx.size)
 
 
-def sparse_accumulate(idx, values, out, *, half):
+def sparse_accumulate(idx, values, out, *, half, bad_counts=None, slot=0):
     """out[idx[j]] += values[j] for valid entries (idx == -1 is padding).
 
     Returns the number of entries whose index is neither -1 nor in range.
+    With ``bad_counts`` (int64 counters on the same device, from
+    :func:`error_counters`) that number is added to ``bad_counts[slot]``
+    instead and None is returned: one read then checks many payloads.
     """
     gpu = on_cuda(idx, values, out)
     if idx.size == 0:
-        return 0
+        return 0 if bad_counts is None else None
     if gpu:
         idx, values, out = device_view(idx), device_view(values), device_view(out)
     val32, val16 = (empty(1, np.float32, gpu), values) if half else (values, empty(1, np.uint16, gpu))
-    if gpu:
-        bad = zeros(1, np.int64, gpu)
-        _sel.scatter_kernel[idx.size](idx, val32, val16, half, out, bad)
-        return int(to_host(bad, True)[0])
-    return int(cpu_launch(_sel.scatter_cpu, idx.size, idx, val32, val16, half, out, 1 << 14))
+    if not gpu:
+        bad = int(cpu_launch(_sel.scatter_cpu, idx.size, idx, val32, val16, half, out, 1 << 14))
+        if bad_counts is None:
+            return bad
+        bad_counts[slot] += bad
+        return None
+    counts = zeros(1, np.int64, True) if bad_counts is None else device_view(bad_counts)
+    _sel.scatter_kernel[idx.size](idx, val32, val16, half, out, counts, np.int64(0 if bad_counts is None else slot))
+    return int(to_host(counts, True)[0]) if bad_counts is None else None
+
+
+def error_counters(n, gpu):
+    """n zeroed int64 counters for :func:`sparse_accumulate`'s ``bad_counts``."""
+    return zeros(n, np.int64, gpu)

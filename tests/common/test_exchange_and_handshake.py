@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+from horovod_qsgd.codecs import PayloadError, QSGDCodec, TopKCodec
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import check_payloads, decode_sum, reduction_scale
 from horovod_qsgd.common.handshake import check_settings, settings_record, verify_settings
@@ -107,3 +107,16 @@ def test_walk_reports_a_fixed_size_payload_of_another_length():
     with pytest.raises(CompressionMismatchError, match=r"rank 1's payload says \d+ bytes, a QSGDCodec payload of "
                                                        r"1000 elements has \d+; it is damaged"):
         check_payloads(np.concatenate([parts[0], second]), [0, 1], [1000, 1000], codec, "w")
+
+
+def test_a_top_k_index_out_of_range_is_reported_with_its_payload():
+    codec = TopKCodec(ratio=0.1)
+    rows = [np.arange(100, dtype=np.float32) * (1 + r) for r in range(3)]
+    parts = _payloads(codec, rows, residual=np.zeros(100, np.float32), step=0, key=1)
+    parts[1] = parts[1].copy()
+    parts[1][16:20] = np.frombuffer(np.int32(105).tobytes(), np.uint8)  # the first index, past the tensor's end
+    with pytest.raises(PayloadError, match=r"corrupt top-k payload: 1 entries have an index outside \[0, 100\)"):
+        codec.decode_accumulate(parts[1], np.zeros(100, np.float32))
+    with pytest.raises(PayloadError, match=r"corrupt top-k payload \(number 1 of 3\): 1 entries have an index "
+                                           r"outside \[0, 100\)"):
+        decode_sum(codec, np.concatenate(parts), 3, 100, "w", np.zeros(100, np.float32))

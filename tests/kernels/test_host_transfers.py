@@ -38,6 +38,12 @@ def test_decoding_all_ranks_payloads_reads_the_device_once(report, call):
     assert report[call]["d2h"] <= 1
 
 
+@pytest.mark.parametrize("call", ["topk-1% decode of 3 ranks", "on a stream: gaussiank-1% decode of 3 ranks"])
+def test_top_k_decode_of_all_ranks_reads_headers_and_index_checks_once(report, call):
+    assert report[call]["h2d"] == 0
+    assert report[call]["d2h"] <= 2  # was one read per rank plus the headers'
+
+
 def test_every_launch_allocation_and_copy_goes_to_the_callers_stream(report):
     on_a_stream = {name: entry for name, entry in report.items() if name.startswith("on a stream:")}
     assert len(on_a_stream) == 11 and all(entry["launch"] > 0 for entry in on_a_stream.values())
