@@ -1,7 +1,7 @@
 """Scratch arrays and views on the array's device, for the host-side drivers of the kernels."""
 import numpy as np
 
-from ._dual import as_device, cuda_kernel, current_stream
+from ._dual import as_device, cuda_kernel, current_allocator, current_stream
 
 
 def cuda_module():
@@ -15,7 +15,16 @@ def device_view(a):
 
 
 def empty(shape, dtype, gpu):
-    return cuda_module().device_array(shape, dtype, stream=current_stream()) if gpu else np.empty(shape, dtype)
+    """Uninitialised scratch: numpy, or device memory from the current allocator (see ``launch_stream``)."""
+    if not gpu:
+        return np.empty(shape, dtype)
+    allocate = current_allocator()
+    if allocate is None:
+        return cuda_module().device_array(shape, dtype, stream=current_stream())
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = as_device(allocate(max(count, 1) * dtype.itemsize))  # views keep the allocator's object alive
+    return raw[:max(count, 1) * dtype.itemsize].view(dtype)[:count].reshape(shape)
 
 
 @cuda_kernel
@@ -63,7 +72,10 @@ def to_host(a, gpu):
 
 def to_device(host):
     """A new device array holding a copy of a numpy array, made on the current stream."""
-    return cuda_module().to_device(np.ascontiguousarray(host), stream=current_stream())
+    host = np.ascontiguousarray(host)
+    a = empty(host.shape, host.dtype, True)
+    copy_to(a, host)
+    return a
 
 
 def copy_to(dst, host):

@@ -38,7 +38,7 @@ import numpy as np
 __all__ = [
     "core", "cuda_twin", "cuda_kernel", "is_cuda_array", "as_device", "on_cuda",
     "cpu_launcher", "cpu_launch", "set_cpu_threads", "cpu_threads", "cpu_threads_chosen",
-    "fmul32", "fmul64", "launch_config", "SERIAL_BELOW", "launch_stream", "current_stream",
+    "fmul32", "fmul64", "launch_config", "SERIAL_BELOW", "launch_stream", "current_stream", "current_allocator",
 ]
 
 # ------------------------------------------------------------ JIT cache --
@@ -154,25 +154,36 @@ _THREAD = threading.local()
 
 
 @contextlib.contextmanager
-def launch_stream(stream):
+def launch_stream(stream, allocate=None):
     """Kernel launches, device scratch and copies made by this thread inside go to ``stream``.
 
     ``stream``: a numba stream (``cuda.external_stream(torch_stream.cuda_stream)``
     for PyTorch's); 0 is numba's default stream. The adapters enter it with
     the stream the framework wrote the gradient on, so the kernels are ordered
     after that write and before the framework's next use, without a sync.
+
+    ``allocate(nbytes)``: where device scratch comes from, an object with
+    ``__cuda_array_interface__`` of at least ``nbytes`` bytes, kept alive by
+    the arrays viewing it (PyTorch's caching allocator, which reuses memory
+    on that stream; numba's own ``cuMemAlloc``/``cuMemFree`` synchronise and
+    cannot use what PyTorch holds). None: numba allocates.
     """
-    previous = getattr(_THREAD, "stream", 0)
-    _THREAD.stream = stream
+    previous = getattr(_THREAD, "stream", 0), getattr(_THREAD, "allocate", None)
+    _THREAD.stream, _THREAD.allocate = stream, allocate
     try:
         yield
     finally:
-        _THREAD.stream = previous
+        _THREAD.stream, _THREAD.allocate = previous
 
 
 def current_stream():
     """The stream this thread's launches go to (see :func:`launch_stream`)."""
     return getattr(_THREAD, "stream", 0)
+
+
+def current_allocator():
+    """The scratch allocator of this thread's :func:`launch_stream`, or None."""
+    return getattr(_THREAD, "allocate", None)
 
 
 class cuda_kernel:

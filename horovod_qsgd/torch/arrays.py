@@ -23,7 +23,8 @@ def kernel_stream(device):
     it is ready, and on a node with several GPUs every kernel would run on
     GPU 0 unless the job called ``torch.cuda.set_device``. Horovod's ready
     event is recorded on the current stream after ``compress``, so it covers
-    the kernels too. CPU devices: nothing changes.
+    the kernels too. Scratch memory comes from PyTorch's caching allocator on
+    that stream. CPU devices: nothing changes.
     """
     if device.type != "cuda":
         yield
@@ -31,6 +32,11 @@ def kernel_stream(device):
     from numba import cuda
     index = device.index if device.index is not None else torch.cuda.current_device()
     handle = torch.cuda.current_stream(index).cuda_stream
+    stream = cuda.external_stream(handle) if handle else cuda.default_stream()
+
+    def allocate(nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
     with cuda.gpus[index]:
-        with launch_stream(cuda.external_stream(handle) if handle else cuda.default_stream()):
+        with launch_stream(stream, allocate):
             yield

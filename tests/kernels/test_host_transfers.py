@@ -48,3 +48,10 @@ def test_every_launch_allocation_and_copy_goes_to_the_callers_stream(report):
     on_a_stream = {name: entry for name, entry in report.items() if name.startswith("on a stream:")}
     assert len(on_a_stream) == 11 and all(entry["launch"] > 0 for entry in on_a_stream.values())
     assert {name: entry["off_stream"] for name, entry in report.items() if entry["off_stream"]} == {}
+
+
+def test_scratch_comes_from_the_callers_allocator_when_it_names_one(report):
+    on_a_stream = {name: entry for name, entry in report.items() if name.startswith("on a stream:")}
+    assert {name: entry["alloc"] for name, entry in on_a_stream.items() if entry["alloc"]} == {}
+    assert sum(entry["allocator"] for entry in on_a_stream.values()) >= 20
+    assert all(entry["allocator"] == 0 for name, entry in report.items() if name not in on_a_stream)

@@ -3,7 +3,8 @@
 Run with NUMBA_ENABLE_CUDASIM=1 (test_host_transfers.py does); prints one
 JSON object: for each call, the copies host-to-device (``h2d``),
 device-to-host (``d2h``), device-to-device (``d2d``) and the device arrays
-allocated (``alloc``), the kernel launches, how many of all those went to
+allocated by numba (``alloc``) or taken from the caller's allocator
+(``allocator``), the kernel launches, how many of all those went to
 another stream than the caller's ``K.launch_stream`` (``off_stream``), and
 whether its result equals the CPU path's. Every host copy waits for the
 GPU's queue to drain on a real device.
@@ -31,8 +32,15 @@ from tests.two_stage_reference import first_stage_inboxes  # noqa: E402
 
 assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run under NUMBA_ENABLE_CUDASIM=1"
 
-counts = {"h2d": 0, "d2h": 0, "d2d": 0, "alloc": 0, "launch": 0, "off_stream": 0}
+counts = {"h2d": 0, "d2h": 0, "d2d": 0, "alloc": 0, "allocator": 0, "launch": 0, "off_stream": 0}
 scope_stream = [0]  # the stream the call under measurement runs in (K.launch_stream)
+scope_allocator = [None]  # and the scratch allocator it names
+
+
+def framework_allocator(nbytes):
+    """Stands in for PyTorch's caching allocator: device bytes that are not numba's allocations."""
+    counts["allocator"] += 1
+    return FakeCUDAArray(np.empty(nbytes, np.uint8))
 
 
 def _on_stream(stream):
@@ -72,7 +80,7 @@ report = {}
 def measure(name, call, expected=None):
     for kind in counts:
         counts[kind] = 0
-    with K.launch_stream(scope_stream[0]):
+    with K.launch_stream(scope_stream[0], scope_allocator[0]):
         result = call()
     entry = dict(counts)
     if expected is not None:
@@ -157,8 +165,9 @@ def main():
     randomk = RandomKCodec(ratio=0.01)
     encode_case("randomk-1% encode", randomk, x)
     decode_case("randomk-1% decode of 3 ranks", randomk, rows)
-    # Every launch, allocation and copy of every codec goes to the stream of K.launch_stream.
-    scope_stream[0] = cuda.stream()
+    # Every launch, allocation and copy of every codec goes to the stream of K.launch_stream, and
+    # scratch memory comes from its allocator.
+    scope_stream[0], scope_allocator[0] = cuda.stream(), framework_allocator
     for name, codec, residual in [("qsgd-4", qsgd, None), ("qsgd-4 elias", QSGDCodec(bits=4, encoding="elias"), None),
                                   ("topk-1%", topk, np.zeros(x.size, np.float32)),
                                   ("gaussiank-1%", TopKCodec(ratio=0.01, selector="gaussian"),
