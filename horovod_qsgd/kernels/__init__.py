@@ -28,8 +28,9 @@ CPU execution.  Every CPU launcher exists twice (:class:`._dual.cpu_launcher`):
 a ``prange`` parallel build for large arrays and a serial build below
 ``SERIAL_BELOW`` (65536) elements, because waking numba's thread pool costs
 more than encoding a small tensor.  Both release the GIL.  Compiled code is
-cached on disk (``cache=True``); the cache entries are stamped with a hash of
-*all* kernel sources, because launchers inline cores from other files.
+cached on disk (``cache=True``, the CUDA kernels too); the cache entries are
+stamped with a hash of *all* kernel sources, because launchers inline cores
+from other files.
 
 Threading.  numba's ``workqueue`` layer aborts the process when parallel
 kernels are launched from several threads at once (TensorFlow runs ops

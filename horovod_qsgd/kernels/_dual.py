@@ -199,7 +199,9 @@ class cuda_kernel:
 
     def __getitem__(self, nthreads):
         if self._kernel is None:
-            self._kernel = _cuda().jit(_retarget(self.fn))
+            # cache=True: compiled once per machine, not in every process's first backward; the cache is
+            # stamped with all kernel sources (see the locators above), as the CPU builds are
+            self._kernel = _cuda().jit(_retarget(self.fn), cache=True)
         grid, block = launch_config(nthreads)
         return self._kernel[grid, block, current_stream()]
 
