@@ -30,9 +30,9 @@ On a GPU the codecs still run on the host: ``tf.numpy_function`` hands them
 host copies, and TensorFlow offers no zero-copy (DLPack) view of a tensor
 inside a ``tf.function`` graph. Each compressed gradient costs 8 bytes of
 PCIe per coordinate (its fp32 copy down, the decoded fp32 sum up; 16 with
-Top-k's error feedback, whose residual variable crosses both ways too) and
-the payloads travel through Horovod's CPU collectives, not NCCL. Uncompressed
-tensors (below ``min_numel``) stay on the GPU.
+Top-k's error feedback, whose residual variable crosses both ways too), and
+the payloads start and end on the host wherever TensorFlow places Horovod's
+allgather. Uncompressed tensors (below ``min_numel``) stay on the GPU.
 
 Everything that changes from step to step lives in ``tf.Variable`` objects
 (per gradient: an int64 step counter for the counter-based RNG and, with error
