@@ -154,14 +154,21 @@ class Codec:
     def max_payload_nbytes(self, numel):
         raise NotImplementedError
 
-    def decode_accumulate_all(self, buffer, spans, outs):
-        """Adds the payloads at ``spans`` ([(start, end, checked header)]) of ``buffer`` to ``outs``, in order.
+    def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
+        """Adds the payloads at ``spans`` ([(start, end, header)]) of ``buffer`` to ``outs``, in order.
 
         What an exchange decodes per tensor; codecs whose decode has checks
-        to read back (top-k) read them once for all payloads.
+        to read back (top-k) read them once for all payloads. With
+        ``defer_checks`` they return those checks as a uint8 array on the
+        payloads' device instead (None: nothing to check), for the caller to
+        read with the headers and pass to :meth:`raise_for_checks`.
         """
         for (start, end, header), out in zip(spans, outs):
             self.decode_accumulate(buffer[start:end], out, header=header)
+        return None
+
+    def raise_for_checks(self, checks, spans):
+        """Raises PayloadError if the host bytes of ``decode_accumulate_all``'s deferred checks show a fault."""
 
     # -- helpers for subclasses -------------------------------------------
 

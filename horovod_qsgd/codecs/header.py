@@ -70,9 +70,15 @@ def parse_header(buf):
     return Header(version, codec_id, numel, digest, nbytes)
 
 
-def read_header_bytes(buf, offsets):
-    """The 16 header bytes at each offset of a numpy or CUDA uint8 array; a device is read once for all."""
-    return [row.tobytes() for row in gather_bytes(buf, offsets, HEADER_NBYTES)]
+def read_header_bytes(buf, offsets, tail=None):
+    """The 16 header bytes at each offset of a numpy or CUDA uint8 array; a device is read once for all.
+
+    ``tail`` (uint8, same device) is read in the same copy: then returns (headers, tail's host bytes).
+    """
+    if tail is None:
+        return [row.tobytes() for row in gather_bytes(buf, offsets, HEADER_NBYTES)]
+    rows, tail_bytes = gather_bytes(buf, offsets, HEADER_NBYTES, tail)
+    return [row.tobytes() for row in rows], tail_bytes
 
 
 def split_payloads(buf):

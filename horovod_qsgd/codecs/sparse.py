@@ -167,7 +167,7 @@ class TopKCodec(Codec):
             raise PayloadError(f"corrupt top-k payload: {bad} entries have an index outside "
                                f"[0, {h.numel}) that is not the padding value -1")
 
-    def decode_accumulate_all(self, buffer, spans, outs):
+    def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
         """As :meth:`Codec.decode_accumulate_all`; the index checks of all payloads are read back once."""
         bad_counts = None
         for slot, ((start, end, header), out) in enumerate(zip(spans, outs)):
@@ -177,8 +177,15 @@ class TopKCodec(Codec):
             idx, vals = self._sections(payload, h.numel)
             K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16", bad_counts=bad_counts, slot=slot)
         if bad_counts is None:
-            return
-        bad = bad_counts if isinstance(bad_counts, np.ndarray) else K.host_copy(bad_counts)
+            return None
+        checks = bad_counts.view(np.uint8)
+        if defer_checks:
+            return checks
+        self.raise_for_checks(checks if isinstance(checks, np.ndarray) else K.host_copy(checks), spans)
+        return None
+
+    def raise_for_checks(self, checks, spans):
+        bad = np.frombuffer(np.ascontiguousarray(checks).tobytes(), np.int64)
         if bad.any():
             slot = int(np.flatnonzero(bad)[0])
             raise PayloadError(f"corrupt top-k payload (number {slot} of {len(spans)}): {int(bad[slot])} entries have "

@@ -1,5 +1,6 @@
 """Reading what the collectives return: payloads walked and checked, decoded, scaled."""
-from horovod_qsgd.codecs import HEADER_NBYTES, PayloadError, pack_header, parse_header, read_header_bytes
+from horovod_qsgd.codecs import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, pack_header, parse_header,
+                                 read_header_bytes)
 from horovod_qsgd.common.errors import CompressionMismatchError
 
 # Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
@@ -12,17 +13,38 @@ def refusal_notice():
     return pack_header(REFUSAL_CODEC_ID, 0, 0, HEADER_NBYTES)
 
 
-def _predicted_offsets(codec, numels, total_nbytes):
-    """Where each payload starts if every sender used ``codec`` (sizes fixed by numel), within the buffer."""
-    if not codec.payload_nbytes_is_fixed:
-        return []
-    offsets, offset = [], 0
-    for numel in numels:
-        if offset + HEADER_NBYTES > total_nbytes:
-            break
-        offsets.append(offset)
-        offset += codec.max_payload_nbytes(numel)
-    return offsets
+def _checked_header(head, sender, numel, codec, tensor_name, what):
+    """The parsed header ``head`` (16 host bytes) that ``sender`` sent, or CompressionMismatchError naming the fault."""
+    try:
+        header = parse_header(head)
+    except PayloadError as exc:
+        raise CompressionMismatchError(
+            f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} sent no horovod_qsgd {what} ({exc}). "
+            "Every rank must use the same compression for this tensor.") from exc
+    if header.codec_id == REFUSAL_CODEC_ID:
+        raise CompressionMismatchError(
+            f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} found a mismatch in what it received "
+            "and sent no result; its error names the rank and the difference. Every rank must use the "
+            "same model and compressor settings.")
+    problems = []
+    if header.version != WIRE_VERSION:
+        problems.append(f"wire format version {header.version} (here {WIRE_VERSION})")
+    if header.codec_id != codec.codec_id:
+        problems.append(f"codec id {header.codec_id} (here {codec.codec_id})")
+    if header.digest != codec.digest:
+        problems.append(f"settings digest {header.digest:#010x} (here {codec.digest:#010x})")
+    if header.numel != numel:
+        problems.append(f"{header.numel} elements (here {numel}): the tensor's shape differs")
+    if problems:
+        raise CompressionMismatchError(
+            f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} does not match this rank's: "
+            + "; ".join(problems) + ". Every rank must use the same model and compressor settings.")
+    if codec.payload_nbytes_is_fixed and header.nbytes != codec.max_payload_nbytes(numel):
+        raise CompressionMismatchError(
+            f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
+            f"a {type(codec).__name__} payload of {numel} elements has {codec.max_payload_nbytes(numel)}; "
+            "it is damaged.")
+    return header
 
 
 def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
@@ -31,47 +53,17 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
     Every header is checked against this rank's codec and the element count
     ``numels[i]`` expected from ``senders[i]``, so a rank with another codec,
     setting or tensor shape raises here, on every rank, instead of decoding
-    garbage. Where the codec's payload sizes are fixed, all headers of a
-    device buffer are read in one copy; variable sizes (Elias) are walked,
-    a read per payload.
+    garbage. A device buffer is read header by header (see :func:`decode_checked`
+    for the one-read path).
     """
     total_nbytes = buffer.size
-    predicted = _predicted_offsets(codec, numels, total_nbytes)
-    read_ahead = dict(zip(predicted, read_header_bytes(buffer, predicted)))
     spans, offset = [], 0
     for sender, numel in zip(senders, numels):
         if offset + HEADER_NBYTES > total_nbytes:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {tensor_name!r}: the received {what}s end after {offset} bytes, "
                 f"before rank {sender}'s; a rank sent a truncated or foreign payload.")
-        head = read_ahead.get(offset)
-        try:
-            header = parse_header(head if head is not None else read_header_bytes(buffer, [offset])[0])
-        except PayloadError as exc:
-            raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} sent no horovod_qsgd {what} ({exc}). "
-                "Every rank must use the same compression for this tensor.") from exc
-        if header.codec_id == REFUSAL_CODEC_ID:
-            raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} found a mismatch in what it received "
-                "and sent no result; its error names the rank and the difference. Every rank must use the "
-                "same model and compressor settings.")
-        problems = []
-        if header.codec_id != codec.codec_id:
-            problems.append(f"codec id {header.codec_id} (here {codec.codec_id})")
-        if header.digest != codec.digest:
-            problems.append(f"settings digest {header.digest:#010x} (here {codec.digest:#010x})")
-        if header.numel != numel:
-            problems.append(f"{header.numel} elements (here {numel}): the tensor's shape differs")
-        if problems:
-            raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} does not match this rank's: "
-                + "; ".join(problems) + ". Every rank must use the same model and compressor settings.")
-        if codec.payload_nbytes_is_fixed and header.nbytes != codec.max_payload_nbytes(numel):
-            raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
-                f"a {type(codec).__name__} payload of {numel} elements has {codec.max_payload_nbytes(numel)}; "
-                "it is damaged.")
+        header = _checked_header(read_header_bytes(buffer, [offset])[0], sender, numel, codec, tensor_name, what)
         if offset + header.nbytes > total_nbytes:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
@@ -85,10 +77,40 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
     return spans
 
 
+def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payload"):
+    """Adds the payload of ``senders[i]`` (``numels[i]`` elements) in ``buffer`` to ``outs[i]``, checked.
+
+    Where the codec's payload sizes are fixed and fill the buffer exactly, the
+    payloads are decoded where they must start and checked afterwards: every
+    header and the codec's own checks come back in one device read. A
+    mismatch then raises as :func:`check_payloads` does, after garbage went
+    into ``outs`` (callers discard them on error; no decode writes outside its
+    output). Other buffers (variable sizes, a refusal, a short or long buffer)
+    are walked and checked first.
+    """
+    if codec.payload_nbytes_is_fixed:
+        sizes = [codec.max_payload_nbytes(numel) for numel in numels]
+        if sum(sizes) == buffer.size:
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            spans = [(start, start + size, Header(WIRE_VERSION, codec.codec_id, numel, codec.digest, size))
+                     for start, size, numel in zip(starts, sizes, numels)]
+            checks = codec.decode_accumulate_all(buffer, spans, outs, defer_checks=True)
+            if checks is None:
+                heads = read_header_bytes(buffer, starts)
+            else:
+                heads, check_bytes = read_header_bytes(buffer, starts, tail=checks)
+            for head, sender, numel in zip(heads, senders, numels):
+                _checked_header(head, sender, numel, codec, tensor_name, what)
+            if checks is not None:
+                codec.raise_for_checks(check_bytes, spans)
+            return
+    spans = check_payloads(buffer, senders, numels, codec, tensor_name, what)
+    codec.decode_accumulate_all(buffer, spans, outs)
+
+
 def decode_sum(codec, gathered, num_ranks, numel, tensor_name, total):
     """Adds every rank's payload in an allgather's result, checked and decoded in rank order, to ``total``."""
-    spans = check_payloads(gathered, range(num_ranks), [numel] * num_ranks, codec, tensor_name)
-    codec.decode_accumulate_all(gathered, spans, [total] * num_ranks)
+    decode_checked(codec, gathered, range(num_ranks), [numel] * num_ranks, [total] * num_ranks, tensor_name)
 
 
 SNAP_TOLERANCE = 1e-2  # relative distance at which a placeholder is snapped to num_ranks or 1

@@ -28,7 +28,7 @@ kernels) that the adapters allocate; the collectives are the adapters' job.
 """
 import zlib
 
-from horovod_qsgd.common.exchange import check_payloads
+from horovod_qsgd.common.exchange import decode_checked
 
 EXCHANGES = ("allgather", "two_stage", "auto")
 # Below this many elements a tensor stays on one collective under exchange="auto": an alltoall is not
@@ -169,9 +169,8 @@ class TwoStage:
         """
         begin, end = self.owned
         senders = [r for r in range(self.num_ranks) if r != self.rank]
-        spans = check_payloads(received, senders, [end - begin] * len(senders), self.first, self.name,
-                               "first-stage slice")
-        self.first.decode_accumulate_all(received, spans, [total] * len(spans))
+        decode_checked(self.first, received, senders, [end - begin] * len(senders), [total] * len(senders), self.name,
+                       "first-stage slice")
 
     def owned_capacity(self):
         """Bytes of the buffer :meth:`encode_owned` writes into."""
@@ -189,6 +188,5 @@ class TwoStage:
 
     def decode_gathered(self, gathered, out):
         """Adds every owner's decoded sum into its chunk of ``out`` (float32, zeros on entry)."""
-        spans = check_payloads(gathered, range(self.num_ranks), [e - b for b, e in self.bounds], self.second,
-                               self.name, "second-stage sum")
-        self.second.decode_accumulate_all(gathered, spans, [out[begin:end] for begin, end in self.bounds])
+        decode_checked(self.second, gathered, range(self.num_ranks), [e - b for b, e in self.bounds],
+                       [out[begin:end] for begin, end in self.bounds], self.name, "second-stage sum")

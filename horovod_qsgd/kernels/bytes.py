@@ -15,7 +15,7 @@ numpy buffers take the plain slice assignments.
 
 import numpy as np
 
-from ._arrays import device_view, empty, to_host
+from ._arrays import copy_to, device_view, empty, to_host
 from ._dual import cuda_kernel, on_cuda
 
 __all__ = ["store_bytes", "gather_bytes", "MAX_STORE", "OFFSETS_PER_LAUNCH"]
@@ -54,20 +54,28 @@ def store_bytes(buf, offset, data):
     store_kernel[len(data)](device_view(buf), np.int64(offset), tuple(np.uint8(b) for b in data))
 
 
-def gather_bytes(buf, offsets, length):
+def gather_bytes(buf, offsets, length, tail=None):
     """Host uint8 array of shape (len(offsets), length): row i is ``buf[offsets[i]:offsets[i] + length]``.
 
     A device buffer is read with one copy whatever the number of offsets.
+    ``tail`` (a uint8 array on the same device) is read in that same copy:
+    then returns (rows, host copy of tail).
     """
     offsets = [int(o) for o in offsets]
     for o in offsets:
         if o < 0 or o + length > buf.size:
             raise ValueError(f"gather_bytes: bytes {o}..{o + length} lie outside the {buf.size}-byte buffer")
-    if not on_cuda(buf) or not offsets:
-        return np.array([np.asarray(buf[o:o + length]) for o in offsets], np.uint8).reshape(len(offsets), length)
-    out = empty((len(offsets), length), np.uint8, True)
-    view = device_view(buf)
+    if not on_cuda(buf):
+        rows = np.array([buf[o:o + length] for o in offsets], np.uint8).reshape(len(offsets), length)
+        return rows if tail is None else (rows, np.array(tail, np.uint8))
+    head = len(offsets) * length
+    out = empty(head + (0 if tail is None else tail.size), np.uint8, True)
+    view, rows = device_view(buf), out[:head].reshape((len(offsets), length))
     for first in range(0, len(offsets), OFFSETS_PER_LAUNCH):
         group = tuple(np.int64(o) for o in offsets[first:first + OFFSETS_PER_LAUNCH])
-        gather_kernel[len(group) * length](view, group, np.int64(length), out, np.int64(first))
-    return to_host(out, True)
+        gather_kernel[len(group) * length](view, group, np.int64(length), rows, np.int64(first))
+    if tail is not None and tail.size:
+        copy_to(out[head:], device_view(tail))
+    host = to_host(out, True)
+    rows = host[:head].reshape(len(offsets), length)
+    return rows if tail is None else (rows, host[head:])

@@ -120,3 +120,22 @@ def test_a_top_k_index_out_of_range_is_reported_with_its_payload():
     with pytest.raises(PayloadError, match=r"corrupt top-k payload \(number 1 of 3\): 1 entries have an index "
                                            r"outside \[0, 100\)"):
         decode_sum(codec, np.concatenate(parts), 3, 100, "w", np.zeros(100, np.float32))
+
+
+def test_payloads_decoded_before_their_headers_are_read_still_raise_on_a_mismatch():
+    # Same sizes, so decode_sum decodes first and checks the headers after (one device read): the
+    # mismatch must be reported exactly as the walk reports it.
+    rows = [np.ones(1000, np.float32)] * 2
+    ours, other = QSGDCodec(bits=4), QSGDCodec(bits=4, seed=5)
+    parts = _payloads(ours, rows[:1], step=0, key=1) + _payloads(other, rows[1:], step=0, key=2)
+    gathered = np.concatenate(parts)
+    assert gathered.size == 2 * ours.max_payload_nbytes(1000)
+    with pytest.raises(CompressionMismatchError, match=r"rank 1's payload does not match this rank's: settings digest"):
+        decode_sum(ours, gathered, 2, 1000, "w", np.zeros(1000, np.float32))
+    newer = np.concatenate(_payloads(ours, rows, step=0, key=1))
+    newer[ours.max_payload_nbytes(1000) + 2] = 9  # rank 1's wire format version
+    with pytest.raises(CompressionMismatchError, match=r"rank 1's payload does not match this rank's: wire format "
+                                                       r"version 9 \(here 1\)"):
+        decode_sum(ours, newer, 2, 1000, "w", np.zeros(1000, np.float32))
+    with pytest.raises(CompressionMismatchError, match=r"wire format version 9 \(here 1\)"):
+        check_payloads(newer, [0, 1], [1000, 1000], ours, "w")
