@@ -182,8 +182,9 @@ def summarize(results, epoch=None, metric="accuracy", goal_configs=GOAL_CONFIGS,
                "max": float(final.max()),
                "delta": None, "delta_se": None, "goal": None}
         if base is not None and name != "none":
+            # over the seeds both have: a configuration with fewer seeds is compared on those alone
             paired = np.array([value - base[seed] for seed, value in by_seed.items() if seed in base])
-            row["delta"] = float(final.mean() - np.mean(list(base.values())))
+            row["delta"] = float(paired.mean())
             row["delta_se"] = _std_error(paired)
             if name in goal_configs:
                 row["goal"] = row["delta"] >= -tolerance if higher_is_better else row["delta"] <= tolerance

@@ -35,3 +35,13 @@ def test_summary_pairs_seeds_and_checks_the_goal():
     assert rows["qsgd-4bit"]["goal"] is True and rows["randomk-1%"]["goal"] is None  # not a goal config
     table = format_table(summarize(results))
     assert "| topk-1% | 97.50 | 0.58 | 96.50–98.50 | -0.50 ± 0.00 | **no** |" in table
+
+
+def test_a_configuration_with_fewer_seeds_is_compared_on_its_own_seeds():
+    def runs(finals):
+        return [{"seed": seed, "loss": [1.0, 0.1], "accuracy": [50.0, acc]} for seed, acc in finals.items()]
+
+    results = {"none": runs({0: 98.0, 1: 96.0, 2: 99.0}), "fp16": runs({1: 96.5})}
+    fp16 = {r["name"]: r for r in summarize(results)}["fp16"]
+    assert fp16["delta"] == 0.5  # against seed 1's 96.0, not the mean of three seeds (97.67)
+    assert "| fp16 | 96.50 | – | 96.50–96.50 | +0.50 ± – |  |" in format_table(summarize(results))
