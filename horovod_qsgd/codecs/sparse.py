@@ -164,8 +164,7 @@ class TopKCodec(Codec):
         idx, vals = self._sections(payload, h.numel)
         bad = K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16")
         if bad:
-            raise PayloadError(f"corrupt top-k payload: {bad} entries have an index outside "
-                               f"[0, {h.numel}) that is not the padding value -1")
+            raise _index_error(bad, h.numel)
 
     def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
         """As :meth:`Codec.decode_accumulate_all`; the index checks of all payloads are read back once."""
@@ -185,11 +184,15 @@ class TopKCodec(Codec):
         return None
 
     def raise_for_checks(self, checks, spans):
-        bad = np.frombuffer(np.ascontiguousarray(checks).tobytes(), np.int64)
+        bad = np.ascontiguousarray(checks).view(np.int64)  # one out-of-range count per payload
         if bad.any():
             slot = int(np.flatnonzero(bad)[0])
-            raise PayloadError(f"corrupt top-k payload (number {slot} of {len(spans)}): {int(bad[slot])} entries have "
-                               f"an index outside [0, {spans[slot][2].numel}) that is not the padding value -1")
+            raise _index_error(int(bad[slot]), spans[slot][2].numel, f" (number {slot} of {len(spans)})")
+
+
+def _index_error(count, numel, which=""):
+    return PayloadError(f"corrupt top-k payload{which}: {count} entries have an index outside [0, {numel}) "
+                        "that is not the padding value -1")
 
 
 class RandomKCodec(Codec):

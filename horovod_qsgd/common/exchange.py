@@ -1,4 +1,6 @@
 """Reading what the collectives return: payloads walked and checked, decoded, scaled."""
+import itertools
+
 from horovod_qsgd.codecs import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, pack_header, parse_header,
                                  read_header_bytes)
 from horovod_qsgd.common.errors import CompressionMismatchError
@@ -91,7 +93,7 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
     if codec.payload_nbytes_is_fixed:
         sizes = [codec.max_payload_nbytes(numel) for numel in numels]
         if sum(sizes) == buffer.size:
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            starts = list(itertools.accumulate(sizes, initial=0))[:-1]
             spans = [(start, start + size, Header(WIRE_VERSION, codec.codec_id, numel, codec.digest, size))
                      for start, size, numel in zip(starts, sizes, numels)]
             checks = codec.decode_accumulate_all(buffer, spans, outs, defer_checks=True)
