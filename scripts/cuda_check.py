@@ -83,17 +83,36 @@ def main():
     run_case("topk_exact_ties", TopKCodec(ratio=0.05, error_feedback=False), x, 0, 0, None)
     run_case("topk_gaussian_ef_fp16", TopKCodec(ratio=0.05, selector="gaussian", value_dtype="float16"),
              rng.standard_normal(900).astype(np.float32), 3, 4, rng.standard_normal(900).astype(np.float32))
-    # exact top-k on the sampled-candidate path (n > 4 * sample size)
+    # the approximate selectors' refinements: a heavy tail moves Gaussian-k's first threshold out of the
+    # band; ties leave no threshold in it (the closest count is used)
+    heavy = rng.standard_cauchy(900).astype(np.float32)
+    run_case("topk_gaussian_refined", TopKCodec(ratio=0.05, selector="gaussian", error_feedback=False), heavy, 1, 2,
+             None)
+    ties = np.nan_to_num(x)
+    run_case("topk_gaussian_ties_no_band", TopKCodec(ratio=0.05, selector="gaussian", error_feedback=False),
+             ties, 1, 2, None)
+    run_case("topk_sample_ef", TopKCodec(ratio=0.05, selector="sample"), heavy, 7, 8,
+             rng.standard_normal(900).astype(np.float32))
+    # not finite: Gaussian-k's moments and the sampled threshold fall back to the exact select
+    run_case("topk_gaussian_nan_exact", TopKCodec(ratio=0.05, selector="gaussian"), x, 1, 2, np.zeros(700, np.float32))
+    inf = heavy.copy()
+    inf[::10] = np.inf
+    run_case("topk_sample_inf_exact", TopKCodec(ratio=0.05, selector="sample", value_dtype="float16"), inf, 3, 4,
+             np.zeros(900, np.float32))
+    # exact top-k on the sampled-candidate path (n > 4 * sample size), and where the bound lets through
+    # more than a quarter of the entries (all equal) and the select runs over all of them
     n = 20_000
     run_case("topk_exact_sampled_ef_fp16", TopKCodec(ratio=0.05, value_dtype="float16"),
              rng.standard_normal(n).astype(np.float32), 5, 6, rng.standard_normal(n).astype(np.float32))
+    run_case("topk_exact_sampled_all_equal", TopKCodec(ratio=0.05), np.full(n, 0.5, np.float32), 5, 6,
+             np.zeros(n, np.float32))
     # kernel-level: random-k indices, fp16 widening
     base = K.stream_base(1, 2, 3, K.PURPOSE_RANDOMK)
     check("randomk indices CUDA == CPU",
           same(K.randomk_indices(1000, 37, base), K.randomk_indices(1000, 37, base, gpu=True).copy_to_host()))
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
-    total = len(cases) + 5
+    total = len(cases) + 10
     if not SIMULATED:
         total += run_large_cases(rng)
     if failures:

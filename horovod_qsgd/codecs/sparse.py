@@ -140,22 +140,11 @@ class TopKCodec(Codec):
         n = x.size
         idx, vals = self._sections(out, n)
         cap = idx.size
-        half = self.value_dtype == "float16"
-        used = 0
-        if n:
-            used = K.topk_select(x, residual, idx, vals, k=self.k(n), selector=self.selector,
-                                 error_feedback=self.error_feedback, half=half,
-                                 sample_base=K.stream_base(self.seed, step, key, K.PURPOSE_SAMPLE),
-                                 sample_size=self.sample_size(n))
-        if used < cap:  # padding entries: index -1, value 0
-            pad_i = np.full(cap - used, -1, np.int32)
-            pad_v = np.zeros(cap - used, vals.dtype)
-            if gpu:
-                K.copy_to(idx[used:], pad_i)
-                K.copy_to(vals[used:], pad_v)
-            else:
-                idx[used:] = pad_i
-                vals[used:] = pad_v
+        if n:  # fills every slot: the selected entries, then index -1 and value 0
+            K.topk_select(x, residual, idx, vals, k=self.k(n), selector=self.selector,
+                          error_feedback=self.error_feedback, half=self.value_dtype == "float16",
+                          sample_base=K.stream_base(self.seed, step, key, K.PURPOSE_SAMPLE),
+                          sample_size=self.sample_size(n))
         return self._finish(out, n, HEADER_NBYTES + cap * (4 + _value_bytes(self.value_dtype)))
 
     def decode_accumulate(self, payload, out, *, header=None):
@@ -305,11 +294,7 @@ class RandomKCodec(Codec):
         write_bytes(out, HEADER_NBYTES, np.array([step], "<u8").tobytes() + np.array([key, 0], "<u4").tobytes())
         off = HEADER_NBYTES + 16
         if self.value_dtype == "float16":
-            if gpu:
-                host = K.host_copy(vals).astype(np.float16).view(np.uint8)
-                write_bytes(out, off, host.tobytes())
-            else:
-                view(out, off, k, np.float16)[:] = vals  # exact: already fp16-rounded
+            K.narrow_f16(vals, view(out, off, k, np.uint16))  # exact: already fp16-rounded
         else:
             if gpu:
                 K.copy_to(view(out, off, k, np.float32), vals)

@@ -16,8 +16,10 @@ Modules:
 * :mod:`.select` - top-k (exact radix select, Gaussian-k, sampled), random-k;
 * :mod:`.lattice` - SwarmSGD's cubic-lattice quantizer and its entry points;
 * :mod:`.api` - the array-level entry points of QSGD, Elias, random-k, fp16;
-* :mod:`.topk` - top-k selection driven from the host (thresholds, radix
-  passes, output placement) and the scatter back;
+* :mod:`.topk` - top-k selection (driven from the host on the CPU, by
+  :mod:`.select_device`'s kernels on a GPU) and the scatter back;
+* :mod:`.select_device` - the GPU's selection: shared-memory histograms,
+  one-block digit choices and scans, tiles written in index order;
 * :mod:`.bytes` - headers written by a kernel from its arguments, many
   payloads' headers read back in one copy.
 
@@ -50,12 +52,13 @@ thread of a larger pool was 2-4x slower).  Measured on the 2-core machine
 with 2 ranks (mlp25m, 1 Gbit/s): QSGD-4 went from 2.65-2.81x to 4.56-4.93x
 the uncompressed throughput.
 
-Device parts that stay on the host: prefix sums over per-bucket or
-per-chunk counts (a few thousand values, copied to the host on CUDA: Elias
-and top-k) and the choice of radix digits; all per-element work runs in the
-kernels.  Headers and padding go to a device as kernel arguments
-(:mod:`.bytes`), so a QSGD encode makes no host copy; the headers of every
-rank's payload are read back in one copy.
+Device parts that stay on the host: prefix sums over per-bucket counts of
+Elias payloads (a few thousand values, copied to the host on CUDA).  Top-k
+on a GPU decides everything on the device (:mod:`.select_device`); on the
+CPU :mod:`.topk` drives the same selection from the host.  Headers and
+padding go to a device as kernel arguments (:mod:`.bytes`), so QSGD and
+top-k encodes make no host copy; the headers of every rank's payload are
+read back in one copy.
 
 Streams.  Every launch, device scratch allocation and copy goes to the
 calling thread's :func:`launch_stream` (numba's default stream outside one);
@@ -68,8 +71,8 @@ from ._arrays import copy_to, device_empty, host_copy
 from ._dual import (as_device, cpu_threads, cpu_threads_chosen, current_stream, is_cuda_array, launch_stream,
                     set_cpu_threads, threading_layer)
 from .bytes import MAX_STORE, gather_bytes, store_bytes
-from .api import (elias_decode_accumulate, elias_encode, qsgd_decode_accumulate, qsgd_encode, randomk_gather,
-                  randomk_indices, randomk_scatter_accumulate, widen_f16)
+from .api import (elias_decode_accumulate, elias_encode, narrow_f16, qsgd_decode_accumulate, qsgd_encode,
+                  randomk_gather, randomk_indices, randomk_scatter_accumulate, widen_f16)
 from .elias import max_bucket_bits
 from .lattice import PURPOSE_LATTICE, decodable_radius, lattice_decode, lattice_encode
 from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
@@ -78,7 +81,7 @@ from .topk import acklam_ppf, error_counters, exact_threshold, sparse_accumulate
 __all__ = [
     "acklam_ppf", "elias_decode_accumulate", "elias_encode", "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
-    "randomk_scatter_accumulate", "sparse_accumulate", "error_counters", "topk_select", "widen_f16",
+    "randomk_scatter_accumulate", "sparse_accumulate", "error_counters", "topk_select", "widen_f16", "narrow_f16",
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
     "as_device", "is_cuda_array", "gather_bytes", "store_bytes", "MAX_STORE",

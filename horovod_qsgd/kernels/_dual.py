@@ -36,7 +36,7 @@ import numba
 import numpy as np
 
 __all__ = [
-    "core", "cuda_twin", "cuda_kernel", "is_cuda_array", "as_device", "on_cuda",
+    "core", "gpu_only", "cuda_twin", "cuda_kernel", "is_cuda_array", "as_device", "on_cuda",
     "cpu_launcher", "cpu_launch", "set_cpu_threads", "cpu_threads", "cpu_threads_chosen",
     "fmul32", "fmul64", "launch_config", "SERIAL_BELOW", "launch_stream", "current_stream", "current_allocator",
 ]
@@ -116,6 +116,16 @@ def core(fn=None, *, cuda_impl=None, inline=False):
         _REGISTRY[id(cpu)] = [cpu, f, cuda_impl, None]
         return cpu
     return wrap(fn) if fn is not None else wrap
+
+
+def gpu_only(fn):
+    """Decorator: a device function for CUDA kernels only (block-level code: shared memory, barriers).
+
+    It has no CPU build; kernels and other device functions call it by its
+    module global name, as they call cores.
+    """
+    _REGISTRY[id(fn)] = [fn, fn, None, None]
+    return fn
 
 
 def _cuda():
@@ -198,12 +208,16 @@ class cuda_kernel:
         self._kernel = None
 
     def __getitem__(self, nthreads):
+        grid, block = launch_config(nthreads)
+        return self.blocks(grid, block)
+
+    def blocks(self, grid, block):
+        """The kernel configured with ``grid`` blocks of ``block`` threads, on the :func:`current_stream`."""
         if self._kernel is None:
             # cache=True: compiled once per machine, not in every process's first backward; the cache is
             # stamped with all kernel sources (see the locators above), as the CPU builds are
             self._kernel = _cuda().jit(_retarget(self.fn), cache=True)
-        grid, block = launch_config(nthreads)
-        return self._kernel[grid, block, current_stream()]
+        return self._kernel[max(1, int(grid)), int(block), current_stream()]
 
 
 def launch_config(nthreads, block=128):

@@ -14,6 +14,7 @@ import numpy as np
 from . import elias as _el
 from . import qsgd as _q
 from . import select as _sel
+from . import select_device as _dev
 from ._arrays import copy_to, device_view, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
@@ -170,12 +171,23 @@ def randomk_gather(x, residual, values, *, base, error_feedback, half, factor):
     f = np.float32(factor)
     if gpu:
         if ef:
-            _sel.ef_accumulate_kernel[(x.size + _sel.CHUNK - 1) // _sel.CHUNK](x, r)
+            _dev.accumulate(x, r)
         _sel.randomk_gather_kernel[values.size](x, r, ef, half, f, base, values)
     else:
         if ef:
             cpu_launch(_sel.ef_accumulate_cpu, x.size, x, r)
         cpu_launch(_sel.randomk_gather_cpu, values.size, x, r, ef, half, f, base, values)
+
+
+def narrow_f16(values, out_u16):
+    """out_u16 = fp16 bit patterns of float32 values (round to nearest even), on the values' device."""
+    gpu = on_cuda(values, out_u16)
+    if values.size == 0:
+        return
+    if gpu:
+        _sel.narrow_f16_kernel[values.size](device_view(values), device_view(out_u16))
+    else:
+        cpu_launch(_sel.narrow_f16_cpu, values.size, values, out_u16)
 
 
 def randomk_scatter_accumulate(values, out, *, base):

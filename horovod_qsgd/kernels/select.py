@@ -112,6 +112,20 @@ def count_chunk(xs, t):
 
 
 @core(inline=True)
+def closer_to(a, b, k):
+    """Whether a count of ``a`` entries is closer to ``k`` than one of ``b``, in ratio.
+
+    max(a, k) / min(a, k) < max(b, k) / min(b, k), cross-multiplied (exact
+    in int64 for counts below 2**31); a count of 0 is never closer.
+    """
+    if a == 0:
+        return False
+    if b == 0:
+        return True
+    return max(a, k) * min(b, k) < max(b, k) * min(a, k)
+
+
+@core(inline=True)
 def emit(src, j, i, pos, idx, val32, val16, half, ef):
     """Write entry ``pos`` = (i, src[j]); with ``ef`` leave the residual in src[j]."""
     a = src[j]
@@ -279,6 +293,12 @@ def randomk_index(n, k, j, base, idx):
 
 
 @core
+def narrow_entry(vals, j, out16):
+    """out16[j] = fp16 bits of vals[j] (round to nearest even)."""
+    out16[j] = f32_to_f16_rne(vals[j])
+
+
+@core
 def hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows):
     """Histogram of chunk c (with the error-feedback accumulation when ef)."""
     lo = c * chunk
@@ -420,6 +440,12 @@ def randomk_gather_cpu(x, r, ef, half, factor, base, vals):
 
 
 @cpu_launcher
+def narrow_f16_cpu(vals, out16):
+    for j in numba.prange(vals.size):
+        narrow_entry(vals, j, out16)
+
+
+@cpu_launcher
 def randomk_scatter_cpu(vals, base, out):
     n = out.size
     k = vals.size
@@ -435,68 +461,6 @@ def randomk_index_cpu(n, base, idx):
 
 
 # ----------------------------------------------------------- CUDA kernels --
-
-@cuda_kernel
-def ef_accumulate_kernel(x, r):
-    c = cuda.grid(1)  # noqa: F821
-    if c * CHUNK < x.size:
-        ef_accumulate_item(x, r, c)
-
-
-@cuda_kernel
-def hist_kernel(x, r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
-    c = cuda.grid(1)  # noqa: F821
-    if c < rows.shape[0]:
-        hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
-
-
-@cuda_kernel
-def moments_kernel(x, r, ef, sums, lanes):
-    c = cuda.grid(1)  # noqa: F821
-    if c < sums.shape[0]:
-        moments_item(x, r, ef, c, sums, lanes[c])
-
-
-@cuda_kernel
-def count_kernel(x, r, ef, t, counts):
-    c = cuda.grid(1)  # noqa: F821
-    if c < counts.size:
-        count_item(x, r, ef, c, t, counts)
-
-
-@cuda_kernel
-def compact_kernel(src, t, starts, cand):
-    c = cuda.grid(1)  # noqa: F821
-    if c < starts.size:
-        compact_item(src, c, t, starts, cand)
-
-
-@cuda_kernel
-def gather_abs_kernel(src, cand, out):
-    j = cuda.grid(1)  # noqa: F821
-    if j < cand.size:
-        gather_abs(src, cand, j, out)
-
-
-@cuda_kernel
-def emit_candidates_kernel(src, cand, cbits, thresh, eq_take, idx, val32, val16, half, ef):
-    if cuda.grid(1) == 0:  # noqa: F821 (one thread: k entries, sequential by design)
-        emit_candidates(src, cand, cbits, thresh, eq_take, idx, val32, val16, half, ef)
-
-
-@cuda_kernel
-def write_exact_kernel(src, bits, thresh, eq_take, starts, idx, val32, val16, half, ef, chunk):
-    c = cuda.grid(1)  # noqa: F821
-    if c < starts.size:
-        write_exact_item(src, bits, c, chunk, thresh, eq_take, starts, idx, val32, val16, half, ef)
-
-
-@cuda_kernel
-def write_thresh_kernel(src, t, starts, cap, idx, val32, val16, half, ef):
-    c = cuda.grid(1)  # noqa: F821
-    if c < starts.size:
-        write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef)
-
 
 @cuda_kernel
 def scatter_kernel(idx, val32, val16, half, out, bad, slot):
@@ -518,6 +482,13 @@ def randomk_gather_kernel(x, r, ef, half, factor, base, vals):
     j = cuda.grid(1)  # noqa: F821
     if j < vals.size:
         randomk_gather(x, r, ef, half, factor, x.size, vals.size, j, base, vals)
+
+
+@cuda_kernel
+def narrow_f16_kernel(vals, out16):
+    j = cuda.grid(1)  # noqa: F821
+    if j < vals.size:
+        narrow_entry(vals, j, out16)
 
 
 @cuda_kernel

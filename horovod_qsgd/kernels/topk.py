@@ -1,17 +1,20 @@
-"""Top-k selection driven from the host: the selectors' thresholds, passes and writes, and the scatter back.
+"""Top-k selection: the selectors' thresholds, passes and writes, and the scatter back.
 
-The per-element work runs in :mod:`.select`'s cores (CPU launchers or CUDA
-kernels); what stays here is the choice between them: the radix passes of
-the exact selector (histograms summed on the host, digits chosen there), the
+On the CPU the per-element work runs in :mod:`.select`'s cores and the
+choices between them are made here, on the host: the radix passes of the
+exact selector (histograms summed on the host, digits chosen there), the
 Gaussian-k threshold from the moments with up to three count refinements,
 DGC's sampled threshold, and the prefix sums that place each chunk's output.
+On a CUDA device the same choices are kernels (:mod:`.select_device`), so an
+encode never waits for the GPU; the selected entries are the same bytes.
 """
 import math
 
 import numpy as np
 
 from . import select as _sel
-from ._arrays import device_view, empty, float_bits, to_device, to_host, zeros
+from . import select_device as _dev
+from ._arrays import device_view, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = ["topk_select", "sparse_accumulate", "exact_threshold", "acklam_ppf"]
@@ -19,11 +22,11 @@ __all__ = ["topk_select", "sparse_accumulate", "exact_threshold", "acklam_ppf"]
 
 _EXACT_CHUNK = 1 << 18
 _EXACT_SAMPLE_MIN = 4096  # samples for the exact selector's lower bound
-_DIGITS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the radix passes
+_DIGITS = _dev.RADIX_DIGITS
 
 
-def _radix_select(x, r, bits, ef, k, gpu, chunk=_EXACT_CHUNK):
-    """Exact k-th largest key of ``bits & 0x7fffffff`` by 3 histogram passes.
+def _radix_select(x, r, bits, ef, k, chunk=_EXACT_CHUNK):
+    """Exact k-th largest key of ``bits & 0x7fffffff`` by 3 histogram passes (CPU).
 
     Returns (thresh, gt, eq) with per-chunk counts of keys > thresh and == thresh.
     The first pass also does the error-feedback accumulation when ``ef``.
@@ -35,13 +38,10 @@ def _radix_select(x, r, bits, ef, k, gpu, chunk=_EXACT_CHUNK):
     rows_all = []
     for shift, width in _DIGITS:
         nbins = 1 << width
-        rows = zeros((nch, 4 * nbins), np.int32, gpu)  # 4 sub-histograms per chunk
-        if gpu:
-            _sel.hist_kernel[nch](x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
-        else:
-            cpu_launch(_sel.hist_cpu, n, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
+        rows = np.zeros((nch, 4 * nbins), np.int32)  # 4 sub-histograms per chunk
+        cpu_launch(_sel.hist_cpu, n, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
         ef = False
-        rows = to_host(rows, gpu).astype(np.int64).reshape(nch, 4, nbins).sum(axis=1)
+        rows = rows.astype(np.int64).reshape(nch, 4, nbins).sum(axis=1)
         total = rows.sum(axis=0)
         above = np.cumsum(total[::-1])  # above[t] = count in bins >= nbins-1-t
         t = int(np.searchsorted(above, kk))  # first t with above[t] >= kk
@@ -56,11 +56,13 @@ def _radix_select(x, r, bits, ef, k, gpu, chunk=_EXACT_CHUNK):
 
 
 def exact_threshold(values, k):
-    """k-th largest |value| (float32) of a float32 array, by radix select."""
-    gpu = on_cuda(values)
-    if gpu:
-        values = device_view(values)
-    thresh, _, _ = _radix_select(values, values, float_bits(values), False, k, gpu)
+    """k-th largest |value| (float32) of a float32 array, by radix select.
+
+    On a CUDA device the select runs there and the result is read back (one copy).
+    """
+    if on_cuda(values):
+        return _dev.exact_threshold(device_view(values), k)
+    thresh, _, _ = _radix_select(values, values, float_bits(values), False, k)
     return np.array([thresh], np.uint32).view(np.float32)[0]
 
 
@@ -91,19 +93,14 @@ def acklam_ppf(p):
            (((((b[0] * rr + b[1]) * rr + b[2]) * rr + b[3]) * rr + b[4]) * rr + 1)
 
 
-def _count(src, t, gpu, x=None, ef=False):
+def _count(src, t, x=None, ef=False):
     """Per-chunk counts of not (|src| < t); with ef, first src = x + src in place."""
-    nch = (src.size + _sel.CHUNK - 1) // _sel.CHUNK
-    counts = empty(nch, np.int64, gpu)
-    x = x if ef else src  # count_item counts its first array unless ef
-    if gpu:
-        _sel.count_kernel[nch](x, src, ef, t, counts)
-    else:
-        cpu_launch(_sel.count_cpu, src.size, x, src, ef, t, counts)
-    return to_host(counts, gpu)
+    counts = np.empty((src.size + _sel.CHUNK - 1) // _sel.CHUNK, np.int64)
+    cpu_launch(_sel.count_cpu, src.size, x if ef else src, src, ef, t, counts)  # counts its first array unless ef
+    return counts
 
 
-def _refine(src, t, k, gpu, max_refinements=3, x=None, ef_pending=False):
+def _refine(src, t, k, max_refinements=_dev.REFINEMENTS, x=None, ef_pending=False):
     """(threshold, per-chunk counts) after at most 3 refinements of t.
 
     A refinement halves t when fewer than 2k/3 entries pass and multiplies
@@ -112,14 +109,12 @@ def _refine(src, t, k, gpu, max_refinements=3, x=None, ef_pending=False):
     the steps cannot overshoot back and forth across the band.  If no
     threshold lands in the band, the one whose count is closest to k (in
     ratio) is used.  ``ef_pending``: the first count pass also forms
-    acc = x + src in place.
+    acc = x + src in place.  The device runs the same steps in
+    :func:`.select_device.refine_kernel`.
     """
-    def badness(total):
-        return math.inf if total == 0 else abs(math.log(total / k))
-
     lo = hi = None  # thresholds known to pass too many / too few
-    counts = _count(src, np.float32(t), gpu, x=x, ef=ef_pending)
-    best = (badness(int(counts.sum())), t, counts)
+    counts = _count(src, np.float32(t), x=x, ef=ef_pending)
+    best = (int(counts.sum()), t, counts)
     for _ in range(max_refinements):
         total = int(counts.sum())
         if 3 * total < 2 * k:
@@ -130,12 +125,12 @@ def _refine(src, t, k, gpu, max_refinements=3, x=None, ef_pending=False):
             t = t * 1.5 if hi is None else (hi + t) / 2
         else:
             return np.float32(t), counts
-        counts = _count(src, np.float32(t), gpu)
+        counts = _count(src, np.float32(t))
         total = int(counts.sum())
         if 2 * k <= 3 * total <= 4 * k:
             return np.float32(t), counts
-        if badness(total) < best[0]:
-            best = (badness(total), t, counts)
+        if _sel.closer_to(total, best[0], k):
+            best = (total, t, counts)
     return np.float32(best[1]), best[2]
 
 
@@ -145,89 +140,115 @@ def _exclusive(c):
     return out
 
 
+def gaussian_z(k, n):
+    """Phi^-1(1 - k / (2n)): Gaussian-k's threshold in standard deviations."""
+    p = 1.0 - k / (2.0 * n)
+    return acklam_ppf(p) if p < 1.0 else 0.0
+
+
+def exact_sample_rank(k, n, m):
+    """(rank j, or None for a full select): the sampled lower bound is the j-th largest of m samples."""
+    if 4 * m >= n:  # small tensor: sampling saves nothing
+        return None
+    kk = k * m / n
+    return min(m, int(math.ceil(kk + 4 * math.sqrt(kk) + 4)))
+
+
 def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
                 sample_base=None, sample_size=0):
-    """Select entries of acc = x (+ residual) into idx (int32) / values; returns the count.
+    """Select entries of acc = x (+ residual) into idx (int32) / values, then pad.
 
-    ``idx.size`` is the capacity; emitted entries come first in index order;
-    the caller pads the rest.  ``values`` is float32, or uint16 fp16 bits
-    when ``half``.  With ``error_feedback`` the residual is updated in place.
+    ``idx.size`` is the capacity; emitted entries come first in index order,
+    the unused slots get index -1 and value 0.  ``values`` is float32, or
+    uint16 fp16 bits when ``half``.  With ``error_feedback`` the residual is
+    updated in place.  On a CUDA device every step runs there
+    (:mod:`.select_device`): no host copy.
     """
     gpu = on_cuda(x, residual, idx, values)
     n = x.size
     cap = idx.size
     if n == 0 or cap == 0:
-        return 0
+        return
+    ef = bool(error_feedback)
     if gpu:
         x, residual, idx, values = device_view(x), device_view(residual), device_view(idx), device_view(values)
-    ef = bool(error_feedback)
-    r = residual if ef else x
-    val32, val16 = (empty(1, np.float32, gpu), values) if half else (values, empty(1, np.uint16, gpu))
-    src = r  # acc lives in the residual after the first pass (or is x)
-
-    if selector == "exact":
-        return _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, sample_base)
-    nch = (n + _sel.CHUNK - 1) // _sel.CHUNK
-    if selector == "gaussian":
-        sums = empty((nch, 2), np.float64, gpu)
-        if gpu:
-            _sel.moments_kernel[nch](x, r, ef, sums, empty((nch, 2 * _sel._LANES), np.float64, True))
+        r = residual if ef else x
+        val32, val16 = (empty(1, np.float32, True), values) if half else (values, empty(1, np.uint16, True))
+        if selector == "exact":
+            m = exact_sample_size(k, n)
+            j = exact_sample_rank(k, n, m)
+            _dev.select_exact(x, r, idx, val32, val16, k=k, ef=ef, half=half,
+                              sample=None if j is None else (m, j, sample_base))
+        elif selector == "gaussian":
+            _dev.select_by_threshold(x, r, idx, val32, val16, k=k, ef=ef, half=half, gaussian_z=gaussian_z(k, n))
+        elif selector == "sample":
+            _dev.select_by_threshold(x, r, idx, val32, val16, k=k, ef=ef, half=half,
+                                     sample=(sample_size, sample_rank(k, n, sample_size), sample_base))
         else:
-            cpu_launch(_sel.moments_cpu, n, x, r, ef, sums)
+            raise ValueError(f"unknown selector {selector!r}")
+        return
+    r = residual if ef else x
+    val32, val16 = (np.empty(1, np.float32), values) if half else (values, np.empty(1, np.uint16))
+    used = _select_cpu(x, r, idx, val32, val16, half, ef, k, selector, sample_base, sample_size)
+    idx[used:] = -1
+    values[used:] = 0
+
+
+def _select_cpu(x, r, idx, val32, val16, half, ef, k, selector, sample_base, sample_size):
+    n = x.size
+    cap = idx.size
+    src = r  # acc lives in the residual after the first pass (or is x)
+    if selector == "exact":
+        return _exact_sampled(x, r, idx, val32, val16, half, ef, k, sample_base)
+    if selector == "gaussian":
+        sums = np.empty(((n + _sel.CHUNK - 1) // _sel.CHUNK, 2), np.float64)
+        cpu_launch(_sel.moments_cpu, n, x, r, ef, sums)
         s1, s2 = 0.0, 0.0
-        for a, b in to_host(sums, gpu):  # fixed order on every device
+        for a, b in sums:  # fixed order on every device
             s1 += float(a)
             s2 += float(b)
         mu = s1 / n
         sigma = math.sqrt(max(s2 / n - mu * mu, 0.0)) if math.isfinite(s2) else float("nan")
         if not (math.isfinite(mu) and math.isfinite(sigma)):  # NaN/inf: select exactly
-            return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
-        p = 1.0 - k / (2.0 * n)
-        t = abs(mu) + sigma * (acklam_ppf(p) if p < 1.0 else 0.0)
+            return _exact_full(x, r, False, idx, val32, val16, half, ef, k)
+        t = abs(mu) + sigma * gaussian_z(k, n)
         pending = False  # the moments pass formed acc
     elif selector == "sample":
         m = sample_size
-        sample = empty(m, np.float32, gpu)
-        if gpu:
-            _sel.gather_sample_kernel[m](x, r, ef, sample_base, sample)
-        else:
-            cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, sample_base, sample)
-        kk = max(1, (k * m + n // 2) // n)
-        t = float(exact_threshold(sample, kk))
+        sample = np.empty(m, np.float32)
+        cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, sample_base, sample)
+        t = float(exact_threshold(sample, sample_rank(k, n, m)))
         if not math.isfinite(t):
-            return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
+            return _exact_full(x, r, ef, idx, val32, val16, half, ef, k)
         pending = ef  # the first count pass forms acc
     else:
         raise ValueError(f"unknown selector {selector!r}")
-    t32, counts = _refine(src, t, k, gpu, x=x, ef_pending=pending)
-    starts = _exclusive(counts)
-    if gpu:
-        _sel.write_thresh_kernel[nch](src, t32, to_device(starts), cap, idx, val32, val16, half, ef)
-    else:
-        cpu_launch(_sel.write_thresh_cpu, n, src, t32, starts, cap, idx, val32, val16, half, ef)
+    t32, counts = _refine(src, t, k, x=x, ef_pending=pending)
+    cpu_launch(_sel.write_thresh_cpu, n, src, t32, _exclusive(counts), cap, idx, val32, val16, half, ef)
     return min(int(counts.sum()), cap)
 
 
-def _exact_full(x, r, ef_pending, idx, val32, val16, half, ef, k, gpu):
+def sample_rank(k, n, m):
+    """Rank in the m-sample whose value is the sample selector's threshold: k m / n rounded, at least 1."""
+    return max(1, (k * m + n // 2) // n)
+
+
+def _exact_full(x, r, ef_pending, idx, val32, val16, half, ef, k):
     """Exact top-k by 3 radix histogram passes over all of acc, then compaction.
 
     ``r`` holds acc (or is x); ``ef_pending``: the first pass still has to
     form acc = x + r in place.  ``ef``: leave acc - sent in r.
     """
     src = r
-    thresh, gt, eq = _radix_select(x, r, float_bits(src), ef_pending, k, gpu)
+    thresh, gt, eq = _radix_select(x, r, float_bits(src), ef_pending, k)
     eq_take = np.clip(k - int(gt.sum()) - _exclusive(eq), 0, eq)
     starts = _exclusive(gt + eq_take)
-    if gpu:
-        _sel.write_exact_kernel[starts.size](src, float_bits(src), thresh, to_device(eq_take), to_device(starts),
-                                             idx, val32, val16, half, ef, _EXACT_CHUNK)
-    else:
-        cpu_launch(_sel.write_exact_cpu, src.size, src, float_bits(src), thresh, eq_take, starts, idx, val32, val16,
-                   half, ef, _EXACT_CHUNK)
+    cpu_launch(_sel.write_exact_cpu, src.size, src, float_bits(src), thresh, eq_take, starts, idx, val32, val16,
+               half, ef, _EXACT_CHUNK)
     return min(k, idx.size)
 
 
-def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
+def _exact_sampled(x, r, idx, val32, val16, half, ef, k, base):
     """Exact top-k: a sampled lower bound on the threshold filters candidates.
 
     The j-th largest of m stratified samples of |acc| (j = kk + 4 sqrt(kk) + 4
@@ -239,39 +260,32 @@ def _exact_sampled(x, r, idx, val32, val16, half, ef, k, gpu, base):
     the bound was too high or too loose, the full radix select runs instead.
     """
     n = x.size
-    m = min(n, max(_EXACT_SAMPLE_MIN, -(-64 * n // k)))
-    if 4 * m >= n:  # small tensor: sampling saves nothing
-        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
-    sample = empty(m, np.float32, gpu)
-    if gpu:
-        _sel.gather_sample_kernel[m](x, r, ef, base, sample)
-    else:
-        cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, base, sample)
-    kk = k * m / n
-    j = min(m, int(math.ceil(kk + 4 * math.sqrt(kk) + 4)))
+    m = exact_sample_size(k, n)
+    j = exact_sample_rank(k, n, m)
+    if j is None:
+        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k)
+    sample = np.empty(m, np.float32)
+    cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, base, sample)
     t_low = exact_threshold(sample, j)
     if not np.isfinite(t_low):
-        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k, gpu)
-    counts = _count(r, t_low, gpu, x=x, ef=ef)  # acc now lives in r
+        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k)
+    counts = _count(r, t_low, x=x, ef=ef)  # acc now lives in r
     total = int(counts.sum())
     if total < k or total > n // 4:
-        return _exact_full(x, r, False, idx, val32, val16, half, ef, k, gpu)
+        return _exact_full(x, r, False, idx, val32, val16, half, ef, k)
     starts = _exclusive(counts)
-    cand = empty(total, np.int64, gpu)
-    cvals = empty(total, np.float32, gpu)
-    if gpu:
-        _sel.compact_kernel[starts.size](r, t_low, to_device(starts), cand)
-        _sel.gather_abs_kernel[total](r, cand, cvals)
-    else:
-        cpu_launch(_sel.compact_cpu, n, r, t_low, starts, cand)
-        cpu_launch(_sel.gather_abs_cpu, total, r, cand, cvals)
-    thresh, gt, eq = _radix_select(cvals, cvals, float_bits(cvals), False, k, gpu, chunk=total)
-    eq_take = k - int(gt.sum())
-    if gpu:
-        _sel.emit_candidates_kernel[1](r, cand, float_bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
-    else:
-        _sel.emit_candidates(r, cand, float_bits(cvals), thresh, eq_take, idx, val32, val16, half, ef)
+    cand = np.empty(total, np.int64)
+    cvals = np.empty(total, np.float32)
+    cpu_launch(_sel.compact_cpu, n, r, t_low, starts, cand)
+    cpu_launch(_sel.gather_abs_cpu, total, r, cand, cvals)
+    thresh, gt, eq = _radix_select(cvals, cvals, float_bits(cvals), False, k, chunk=total)
+    _sel.emit_candidates(r, cand, float_bits(cvals), thresh, k - int(gt.sum()), idx, val32, val16, half, ef)
     return min(k, idx.size)
+
+
+def exact_sample_size(k, n):
+    """Samples behind the exact selector's lower bound: m = min(n, max(4096, ceil(64 n / k)))."""
+    return min(n, max(_EXACT_SAMPLE_MIN, -(-64 * n // k)))
 
 
 def sparse_accumulate(idx, values, out, *, half, bad_counts=None, slot=0):

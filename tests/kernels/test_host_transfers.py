@@ -30,6 +30,14 @@ def test_qsgd_encode_copies_nothing_between_host_and_device(report, call):
     assert (report[call]["h2d"], report[call]["d2h"]) == (0, 0)
 
 
+# The bound is one read per top-k encode; every choice now runs on the device, so none.
+@pytest.mark.parametrize("call", ["topk-1% encode", "topk-5% encode (sampled candidates)", "gaussiank-1% encode",
+                                  "sample-k 1% encode", "on a stream: topk-1% encode",
+                                  "on a stream: gaussiank-1% encode", "on a stream: randomk-1% fp16 encode"])
+def test_sparse_encode_copies_nothing_between_host_and_device(report, call):
+    assert (report[call]["h2d"], report[call]["d2h"]) == (0, 0)
+
+
 @pytest.mark.parametrize("call", ["qsgd-4 decode of 3 ranks", "qsgd-8 decode of 3 ranks",
                                   "qsgd-4 two stages: sum of the first stage's slices",
                                   "qsgd-4 two stages: decode of the second stage's sums",

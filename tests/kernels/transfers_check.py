@@ -158,10 +158,16 @@ def main():
     decode_case("qsgd-4 decode of 3 ranks", qsgd, rows)
     decode_case("qsgd-8 decode of 3 ranks", QSGDCodec(bits=8, bucket_size=128), rows)
     two_stage_case("qsgd-4 two stages", QSGDCodec(bits=4, bucket_size=256))
-    # Not yet held to a bound (issue #14): the sparse codecs' selections and checks still read back per call.
     topk = TopKCodec(ratio=0.01)
-    encode_case("topk-1% encode", topk, x, residual=np.zeros(x.size, np.float32))
+    zeros = np.zeros(x.size, np.float32)
+    encode_case("topk-1% encode", topk, x, residual=zeros)  # k = 200: the radix select over all of acc
+    # k = 1000 of 20,000: over the candidates above a sampled bound
+    encode_case("topk-5% encode (sampled candidates)", TopKCodec(ratio=0.05), x, residual=x[::-1].copy())
+    encode_case("gaussiank-1% encode", TopKCodec(ratio=0.01, selector="gaussian", value_dtype="float16"), x,
+                residual=zeros)
+    encode_case("sample-k 1% encode", TopKCodec(ratio=0.01, selector="sample"), x, residual=zeros)
     decode_case("topk-1% decode of 3 ranks", topk, rows, residual=True)
+    # Not held to a bound: random-k's and Elias's decodes still read each payload's fields.
     randomk = RandomKCodec(ratio=0.01)
     encode_case("randomk-1% encode", randomk, x)
     decode_case("randomk-1% decode of 3 ranks", randomk, rows)
