@@ -286,6 +286,16 @@ def compact_kernel(r, keys, low, starts, st, cand_idx, cand_keys):
 
 # ------------------------------------------ thresholds (approximate) --
 
+@gpu_only
+def acc_value(x, r, ef, i):
+    """acc[i] in float64; with ``ef``, r[i] = x[i] + r[i] (float32) first."""
+    a = x[i]
+    if ef:
+        a = a + r[i]
+        r[i] = a
+    return np.float64(a)
+
+
 @cuda_kernel
 def moments_block_kernel(x, r, ef, sums):
     """sums[c] = (sum, sum of squares) of chunk c of acc in float64, in :func:`.select.moments_chunk`'s order.
@@ -303,12 +313,7 @@ def moments_block_kernel(x, r, ef, sums):
     s1 = _ZERO64
     s2 = _ZERO64
     for q in range(blocks):
-        i = lo + q * _LANES + u
-        a = x[i]
-        if ef:
-            a = a + r[i]
-            r[i] = a
-        v = np.float64(a)
+        v = acc_value(x, r, ef, lo + q * _LANES + u)
         s1 += v
         s2 += fmul64(v, v)
     lane_sum[u] = s1
@@ -321,11 +326,7 @@ def moments_block_kernel(x, r, ef, sums):
             s1 += lane_sum[w]
             s2 += lane_sq[w]
         for i in range(lo + blocks * _LANES, hi):
-            a = x[i]
-            if ef:
-                a = a + r[i]
-                r[i] = a
-            v = np.float64(a)
+            v = acc_value(x, r, ef, i)
             s1 += v
             s2 += fmul64(v, v)
         sums[c, 0] = s1
