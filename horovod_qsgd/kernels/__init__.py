@@ -20,6 +20,7 @@ Modules:
   :mod:`.select_device`'s kernels on a GPU) and the scatter back;
 * :mod:`.select_device` - the GPU's selection: shared-memory histograms,
   one-block digit choices and scans, tiles written in index order;
+* :mod:`.scan` - block-wide prefix sums (the selection's tiles, Elias's bucket ends);
 * :mod:`.bytes` - headers written by a kernel from its arguments, many
   payloads' headers read back in one copy.
 
@@ -52,11 +53,11 @@ thread of a larger pool was 2-4x slower).  Measured on the 2-core machine
 with 2 ranks (mlp25m, 1 Gbit/s): QSGD-4 went from 2.65-2.81x to 4.56-4.93x
 the uncompressed throughput.
 
-Device parts that stay on the host: prefix sums over per-bucket counts of
-Elias payloads (a few thousand values, copied to the host on CUDA).  Top-k
-on a GPU decides everything on the device (:mod:`.select_device`); on the
-CPU :mod:`.topk` drives the same selection from the host.  Headers and
-padding go to a device as kernel arguments (:mod:`.bytes`), so QSGD and
+Nothing of an encode's logic stays on the host: top-k on a GPU decides
+everything on the device (:mod:`.select_device`; on the CPU :mod:`.topk`
+drives the same selection from the host), Elias's bucket ends are summed
+there (:mod:`.scan`) and only the payload's length is read back.  Headers
+and padding go to a device as kernel arguments (:mod:`.bytes`), so QSGD and
 top-k encodes make no host copy; the headers of every rank's payload are
 read back in one copy.
 

@@ -15,7 +15,8 @@ from . import elias as _el
 from . import qsgd as _q
 from . import select as _sel
 from . import select_device as _dev
-from ._arrays import copy_to, device_view, empty, float_bits, to_host, zeros
+from .scan import inclusive_sums
+from ._arrays import device_view, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = [
@@ -110,12 +111,12 @@ def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, st
     else:
         cpu_launch(_el.sizes_cpu, n, x, float_bits(x), bucket_size, use_l2, half, s, stochastic, base,
                    scale32, scale16, nbytes)
-    cum = np.cumsum(to_host(nbytes, gpu))  # prefix sum on the host (nb values)
-    total = int(cum[-1])
+    cum = empty(nb, np.int64, gpu)
+    total = inclusive_sums(nbytes, cum)  # the one read: the payload's length
     if total > stream.size or total >= 2 ** 32:
         raise ValueError(f"Elias stream needs {total} bytes, only {stream.size} available")
     if gpu:
-        copy_to(ends, cum.astype(np.uint32))
+        _el.narrow_ends_kernel[nb](cum, ends)
         _el.write_kernel[nb](x, bucket_size, s, stochastic, base, scale32, ends, stream)
     else:
         ends[:] = cum

@@ -235,3 +235,11 @@ def decode_kernel(stream, ends, bucket, scale32, s, out, status):
     b = cuda.grid(1)  # noqa: F821
     if b < ends.size:
         decode_item(stream, ends, b, bucket, scale32, s, out, status)
+
+
+@cuda_kernel
+def narrow_ends_kernel(cum, ends):
+    """ends (uint32) = cumulative byte ends (int64, checked below 2**32 by the caller)."""
+    b = cuda.grid(1)  # noqa: F821
+    if b < ends.size:
+        ends[b] = cum[b]

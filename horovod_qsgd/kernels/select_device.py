@@ -32,14 +32,12 @@ import numpy as np
 
 from ._arrays import empty, float_bits, to_host
 from ._dual import cuda_kernel, fmul64, gpu_only
+from .scan import _SIMULATED, B, block_exclusive_scan
 from .select import CHUNK, _LANES, closer_to, emit, gather_sample_kernel
 
 __all__ = ["accumulate", "select_exact", "select_by_threshold", "exact_threshold", "RADIX_DIGITS", "REFINEMENTS"]
 
-# numba's simulator runs every GPU thread as a Python thread, and its barriers cost more than the
-# work: there blocks have 64 threads of 64 elements (the kernels are written for any shape)
-_SIMULATED = bool(numba.config.ENABLE_CUDASIM)
-B = 64 if _SIMULATED else 256  # threads per block of the block-level kernels
+# B threads per block (from .scan); in numba's simulator fewer threads take more elements each
 ITEMS = 64 if _SIMULATED else 8  # consecutive elements per thread in a tile
 TILE = B * ITEMS  # elements per tile (one block)
 NBINS = 2048  # bins of the widest radix digit (11 bits)
@@ -78,24 +76,6 @@ _EQ_ONE = 1 << 32  # an equal key counts in the high half of a packed count, a g
 _LOW32 = (1 << 32) - 1
 _ZERO64 = np.float64(0.0)
 _NAN64 = np.float64(np.nan)
-
-
-@gpu_only
-def block_exclusive_scan(buf, t, v):
-    """(sum of ``v`` over the block's threads before ``t``, sum over all); ``buf``: shared int64[B]."""
-    buf[t] = v
-    cuda.syncthreads()  # noqa: F821
-    off = 1
-    while off < B:
-        add = buf[t - off] if t >= off else 0
-        cuda.syncthreads()  # noqa: F821
-        buf[t] += add
-        cuda.syncthreads()  # noqa: F821
-        off *= 2
-    inclusive = buf[t]
-    total = buf[B - 1]
-    cuda.syncthreads()  # noqa: F821 (buf may be reused at once)
-    return inclusive - v, total
 
 
 @gpu_only

@@ -38,6 +38,12 @@ def test_sparse_encode_copies_nothing_between_host_and_device(report, call):
     assert (report[call]["h2d"], report[call]["d2h"]) == (0, 0)
 
 
+def test_elias_encode_reads_back_only_its_length(report):
+    # a variable-length payload: the host needs its length (the bucket ends are summed on the device)
+    entry = report["on a stream: qsgd-4 elias encode"]
+    assert (entry["h2d"], entry["d2h"]) == (0, 1)
+
+
 @pytest.mark.parametrize("call", ["qsgd-4 decode of 3 ranks", "qsgd-8 decode of 3 ranks",
                                   "qsgd-4 two stages: sum of the first stage's slices",
                                   "qsgd-4 two stages: decode of the second stage's sums",
