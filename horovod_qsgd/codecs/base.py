@@ -5,7 +5,8 @@ import zlib
 
 import numpy as np
 
-from ..kernels import MAX_STORE, as_device, copy_to, host_copy, is_cuda_array, store_bytes, widen_f16
+from ..kernels import (MAX_STORE, as_device, copy_to, error_counters, host_copy, is_cuda_array, store_bytes,
+                       widen_f16)
 from .header import WIRE_VERSION, PayloadError, pack_header, parse_header
 
 __all__ = ["Codec", "to_float32", "check_choice", "align4"]
@@ -169,6 +170,27 @@ class Codec:
 
     def raise_for_checks(self, checks, spans):
         """Raises PayloadError if the host bytes of ``decode_accumulate_all``'s deferred checks show a fault."""
+
+    def _decode_all_counting(self, buffer, spans, outs, defer_checks, width, decode_one):
+        """``decode_accumulate_all`` for a decode that counts its faults on the payloads' device.
+
+        ``decode_one(header, payload, out, counters)`` adds to ``counters``,
+        ``width`` zeroed int64 values of the payload's own; they are read
+        back once for all payloads (or returned as bytes with ``defer_checks``).
+        """
+        counters = None
+        for slot, ((start, end, header), out) in enumerate(zip(spans, outs)):
+            h, payload, out, gpu = self._open_payload(buffer[start:end], out, header)
+            if counters is None:
+                counters = error_counters(width * len(spans), gpu)
+            decode_one(h, payload, out, counters[width * slot:width * (slot + 1)])
+        if counters is None:
+            return None
+        checks = counters.view(np.uint8)
+        if defer_checks:
+            return checks
+        self.raise_for_checks(checks if isinstance(checks, np.ndarray) else host_copy(checks), spans)
+        return None
 
     # -- helpers for subclasses -------------------------------------------
 

@@ -153,11 +153,32 @@ class QSGDCodec(Codec):
         if self.encoding == "fixed":
             K.qsgd_decode_accumulate(scales, payload[off:off + (n * self.bits + 7) // 8], out, **kw)
             return
+        try:
+            self._decode_elias(h, payload, out)
+        except ValueError as e:
+            raise PayloadError(str(e)) from None
+
+    def _decode_elias(self, h, payload, out, counters=None):
+        n = h.numel
+        scales, off = self._sections(payload, n)
         nb = self._nbuckets(n)
         s0 = off + 4 * nb
         if h.nbytes < s0:
             raise PayloadError(f"truncated Elias payload: {h.nbytes} bytes, the offsets alone end at {s0}")
-        try:
-            K.elias_decode_accumulate(scales, view(payload, off, nb, np.uint32), payload[s0:h.nbytes], out, **kw)
-        except ValueError as e:
-            raise PayloadError(str(e)) from None
+        K.elias_decode_accumulate(scales, view(payload, off, nb, np.uint32), payload[s0:h.nbytes], out,
+                                  bucket_size=self.bucket_size, bits=self.bits, half=self.scale_dtype == "float16",
+                                  counters=counters)
+
+    def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
+        """As :meth:`Codec.decode_accumulate_all`; Elias payloads check their streams on their device and
+        the checks of all payloads are read back once."""
+        if self.encoding == "fixed":
+            return super().decode_accumulate_all(buffer, spans, outs, defer_checks=defer_checks)
+        return self._decode_all_counting(buffer, spans, outs, defer_checks, 3, self._decode_elias)
+
+    def raise_for_checks(self, checks, spans):
+        counters = np.ascontiguousarray(checks).view(np.int64).reshape(-1, 3)
+        for slot, ((_, _, header), row) in enumerate(zip(spans, counters)):
+            error = K.elias_error(row, self._nbuckets(header.numel))
+            if error:
+                raise PayloadError(f"{error} (payload number {slot} of {len(spans)})")

@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from .. import kernels as K
-from .base import (Codec, _check_array, _is_cuda, align4, check_choice, check_int, check_ratio, read_bytes,
+from .base import (Codec, _check_array, _is_cuda, align4, check_choice, check_int, check_ratio,
                    to_float32, view, write_bytes)
 from .header import HEADER_NBYTES, PayloadError
 
@@ -157,20 +157,10 @@ class TopKCodec(Codec):
 
     def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
         """As :meth:`Codec.decode_accumulate_all`; the index checks of all payloads are read back once."""
-        bad_counts = None
-        for slot, ((start, end, header), out) in enumerate(zip(spans, outs)):
-            h, payload, out, gpu = self._open_payload(buffer[start:end], out, header)
-            if bad_counts is None:
-                bad_counts = K.error_counters(len(spans), gpu)
+        def decode_one(h, payload, out, bad_count):
             idx, vals = self._sections(payload, h.numel)
-            K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16", bad_counts=bad_counts, slot=slot)
-        if bad_counts is None:
-            return None
-        checks = bad_counts.view(np.uint8)
-        if defer_checks:
-            return checks
-        self.raise_for_checks(checks if isinstance(checks, np.ndarray) else K.host_copy(checks), spans)
-        return None
+            K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16", bad_counts=bad_count, slot=0)
+        return self._decode_all_counting(buffer, spans, outs, defer_checks, 1, decode_one)
 
     def raise_for_checks(self, checks, spans):
         bad = np.ascontiguousarray(checks).view(np.int64)  # one out-of-range count per payload
@@ -306,12 +296,11 @@ class RandomKCodec(Codec):
         h, payload, out, gpu = self._open_payload(payload, out, header)
         n = h.numel
         k = self.k(n)
-        meta = np.frombuffer(read_bytes(payload, HEADER_NBYTES, 16), np.uint8)
-        step = int(meta[:8].view("<u8")[0])
-        key = int(meta[8:12].view("<u4")[0])
         off = HEADER_NBYTES + 16
         if self.value_dtype == "float16":
             vals = K.widen_f16(view(payload, off, k, np.uint16))
         else:
             vals = view(payload, off, k, np.float32)
-        K.randomk_scatter_accumulate(vals, out, base=self._base(step, key))
+        # the indices' stream comes from the payload's step and key, read on the payload's device
+        K.randomk_scatter_payload(vals, out, payload[HEADER_NBYTES:HEADER_NBYTES + 12], seed=self.seed,
+                                  purpose=K.PURPOSE_RANDOMK)

@@ -15,6 +15,7 @@ from . import elias as _el
 from . import qsgd as _q
 from . import select as _sel
 from . import select_device as _dev
+from .rng import seed_word
 from .scan import inclusive_sums
 from ._arrays import device_view, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
@@ -124,8 +125,14 @@ def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, st
     return total
 
 
-def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, half):
-    """out += decoded Elias stream; ValueError naming the first corrupt bucket."""
+def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, half, counters=None):
+    """out += decoded Elias stream; ValueError naming the first corrupt bucket.
+
+    Each bucket checks its own byte range and stream on its device.  With
+    ``counters`` (int64[3] on the same device, zeroed, see :func:`elias_error`)
+    the faults are added there instead of read back, for one read of many
+    payloads' checks; None is returned.
+    """
     gpu = on_cuda(scales, ends, stream, out)
     if out.size == 0:
         return
@@ -133,18 +140,30 @@ def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, hal
     nb = ends.size
     if gpu:
         scales, ends, stream, out = device_view(scales), device_view(ends), device_view(stream), device_view(out)
-    ends_h = to_host(ends, gpu)
-    if np.any(np.diff(ends_h.astype(np.int64)) < 0) or int(ends_h[-1]) > stream.size:
-        raise ValueError("Elias bucket offsets are not increasing or run past the stream")
     scale32 = _stored_scales(scales, half, gpu)
-    status = zeros(nb, np.int32, gpu)
+    status = empty(nb, np.int32, gpu)
+    own = counters is None
+    counters = zeros(3, np.int64, gpu) if own else (device_view(counters) if gpu else counters)
     if gpu:
         _el.decode_kernel[nb](stream, ends, bucket_size, scale32, s, out, status)
+        _el.tally_kernel[nb](status, counters)
     else:
         cpu_launch(_el.decode_cpu, out.size, stream, ends, bucket_size, scale32, s, out, status)
-    bad = np.flatnonzero(to_host(status, gpu))
-    if bad.size:
-        raise ValueError(f"corrupt Elias stream in bucket {int(bad[0])} (and {bad.size - 1} more)")
+        for b in np.flatnonzero(status):
+            _el.tally_status(status, b, counters)
+    if own:
+        error = elias_error(to_host(counters, gpu), nb)
+        if error:
+            raise ValueError(error)
+
+
+def elias_error(counters, nb):
+    """The message for a payload's Elias decode counters (host int64[3]), or None when it decoded cleanly."""
+    if counters[0]:
+        return "Elias bucket offsets are not increasing or run past the stream"
+    if counters[1]:
+        return f"corrupt Elias stream in bucket {nb - int(counters[2])} (and {int(counters[1]) - 1} more)"
+    return None
 
 
 # --------------------------------------------------------------- random-k --
@@ -201,6 +220,20 @@ def randomk_scatter_accumulate(values, out, *, base):
         _sel.randomk_scatter_kernel[values.size](values, base, out)
     else:
         cpu_launch(_sel.randomk_scatter_cpu, values.size, values, base, out)
+
+
+def randomk_scatter_payload(values, out, meta, *, seed, purpose):
+    """As :func:`randomk_scatter_accumulate`, with the stream of the step and key in ``meta`` (12 payload
+    bytes on the values' device): computed there, not read back."""
+    gpu = on_cuda(values, out, meta)
+    if values.size == 0:
+        return
+    seed_w = seed_word(seed)
+    if gpu:
+        values, out, meta = device_view(values), device_view(out), device_view(meta)
+        _sel.randomk_scatter_payload_kernel[values.size](values, meta, seed_w, np.uint64(purpose), out)
+    else:
+        cpu_launch(_sel.randomk_scatter_payload_cpu, values.size, values, meta, seed_w, np.uint64(purpose), out)
 
 
 def widen_f16(src_u16):

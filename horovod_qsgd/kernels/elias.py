@@ -166,6 +166,9 @@ def bucket_decode(src, out, scale, s):
         out[i] = out[i] + fmul32(q, scale)
 
 
+BAD_OFFSETS = 2  # decode status of a bucket whose byte range is not inside the stream
+
+
 @core
 def bucket_bounds(ends, b):
     return (0 if b == 0 else int(ends[b - 1])), int(ends[b])
@@ -189,9 +192,24 @@ def write_item(x, b, bucket, s, stochastic, base, scale32, ends, stream):
 
 @core
 def decode_item(stream, ends, b, bucket, scale32, s, out, status):
+    """status[b] = 0, 1 for a corrupt stream, BAD_OFFSETS when the bucket's byte range is not in the stream."""
     p0, p1 = bucket_bounds(ends, b)
+    if p1 < p0 or p1 > stream.size:
+        status[b] = BAD_OFFSETS
+        return
     lo = b * bucket
     status[b] = bucket_decode(stream[p0:p1], out[lo:min(out.size, lo + bucket)], scale32[b], s)
+
+
+@core
+def tally_status(status, b, counters):
+    """Adds bucket b's status to a payload's counters: [offsets out of the stream, corrupt buckets,
+    nb - first corrupt bucket (a maximum, so that zeroed counters need no sentinel)]."""
+    if status[b] == BAD_OFFSETS:
+        counters[0] += 1
+    elif status[b]:
+        counters[1] += 1
+        counters[2] = max(counters[2], status.size - b)
 
 
 # ------------------------------------------------------------ CPU launchers --
@@ -243,3 +261,14 @@ def narrow_ends_kernel(cum, ends):
     b = cuda.grid(1)  # noqa: F821
     if b < ends.size:
         ends[b] = cum[b]
+
+
+@cuda_kernel
+def tally_kernel(status, counters):
+    b = cuda.grid(1)  # noqa: F821
+    if b < status.size and status[b]:
+        if status[b] == BAD_OFFSETS:
+            cuda.atomic.add(counters, 0, 1)  # noqa: F821
+        else:
+            cuda.atomic.add(counters, 1, 1)  # noqa: F821
+            cuda.atomic.max(counters, 2, status.size - b)  # noqa: F821

@@ -77,6 +77,11 @@ def stream_base(seed, step, key, purpose):
     return np.uint64(h)
 
 
+def seed_word(seed):
+    """The first word of every stream of ``seed``: :func:`payload_stream_base` goes on from it."""
+    return np.uint64(mix64_py(_check_u("seed", seed, 64) + _GOLDEN_INT))
+
+
 def uniform_py(base, i):
     """Reference for :func:`uniform` on Python ints."""
     h = mix64_py(int(base) + (i + 1) * _GOLDEN_INT)
@@ -94,6 +99,23 @@ def mix64(z):
     z = (z ^ (z >> _S30)) * _M1
     z = (z ^ (z >> _S27)) * _M2
     return z ^ (z >> _S31)
+
+
+@core(inline=True)
+def payload_stream_base(meta, seed_w, purpose):
+    """:func:`stream_base` with step and key read from 12 payload bytes (uint64 and uint32, little-endian).
+
+    ``seed_w`` is :func:`seed_word`; a kernel computes the base from a
+    payload on the device, so a decode need not read the payload's step and key back.
+    """
+    step = np.uint64(0)
+    for i in range(8):
+        step |= np.uint64(meta[i]) << np.uint64(8 * i)
+    key = np.uint64(0)
+    for i in range(4):
+        key |= np.uint64(meta[8 + i]) << np.uint64(8 * i)
+    h = mix64(seed_w ^ step)
+    return mix64(h ^ ((key << _S8) | np.uint64(purpose)))
 
 
 @core(inline=True)

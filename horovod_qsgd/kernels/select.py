@@ -23,7 +23,7 @@ import numpy as np
 
 from ._dual import core, cpu_launcher, cuda_kernel, fmul64
 from .half import f16_to_f32, f32_to_f16_rne
-from .rng import random_u32
+from .rng import payload_stream_base, random_u32
 
 __all__ = ["CHUNK", "stratum_index"]
 
@@ -440,6 +440,15 @@ def randomk_gather_cpu(x, r, ef, half, factor, base, vals):
 
 
 @cpu_launcher
+def randomk_scatter_payload_cpu(vals, meta, seed_w, purpose, out):
+    base = payload_stream_base(meta, seed_w, purpose)
+    n = out.size
+    k = vals.size
+    for j in numba.prange(k):
+        randomk_scatter(vals, n, k, j, base, out)
+
+
+@cpu_launcher
 def narrow_f16_cpu(vals, out16):
     for j in numba.prange(vals.size):
         narrow_entry(vals, j, out16)
@@ -482,6 +491,13 @@ def randomk_gather_kernel(x, r, ef, half, factor, base, vals):
     j = cuda.grid(1)  # noqa: F821
     if j < vals.size:
         randomk_gather(x, r, ef, half, factor, x.size, vals.size, j, base, vals)
+
+
+@cuda_kernel
+def randomk_scatter_payload_kernel(vals, meta, seed_w, purpose, out):
+    j = cuda.grid(1)  # noqa: F821
+    if j < vals.size:
+        randomk_scatter(vals, out.size, vals.size, j, payload_stream_base(meta, seed_w, purpose), out)
 
 
 @cuda_kernel

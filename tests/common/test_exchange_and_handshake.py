@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from horovod_qsgd.codecs import PayloadError, QSGDCodec, TopKCodec
+from horovod_qsgd.codecs.header import HEADER_NBYTES
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import check_payloads, decode_sum, reduction_scale
 from horovod_qsgd.common.handshake import check_settings, settings_record, verify_settings
@@ -120,6 +121,23 @@ def test_a_top_k_index_out_of_range_is_reported_with_its_payload():
     with pytest.raises(PayloadError, match=r"corrupt top-k payload \(number 1 of 3\): 1 entries have an index "
                                            r"outside \[0, 100\)"):
         decode_sum(codec, np.concatenate(parts), 3, 100, "w", np.zeros(100, np.float32))
+
+
+def test_corrupt_elias_payloads_are_reported_with_their_number():
+    codec = QSGDCodec(bits=4, bucket_size=64, encoding="elias")
+    rows = [np.linspace(-1, 1, 640, dtype=np.float32) * (1 + r) for r in range(3)]
+    parts = [p.copy() for p in _payloads(codec, rows, step=0, key=1)]
+    ends = HEADER_NBYTES + 4 * 10  # the bucket ends follow the 10 float32 scales
+    streams = ends + 4 * 10
+    parts[1][streams:] = 0xFF  # every bucket's stream runs on past its 64 elements
+    with pytest.raises(PayloadError,
+                       match=r"corrupt Elias stream in bucket 0 \(and 9 more\) \(payload number 1 of 3\)"):
+        decode_sum(codec, np.concatenate(parts), 3, 640, "w", np.zeros(640, np.float32))
+    parts[2][ends + 8:ends + 12] = 0xFF  # the third bucket ends past the stream
+    with pytest.raises(PayloadError, match=r"offsets are not increasing or run past the stream \(payload number 2 "):
+        decode_sum(codec, np.concatenate([parts[0], parts[0], parts[2]]), 3, 640, "w", np.zeros(640, np.float32))
+    with pytest.raises(PayloadError, match=r"^Elias bucket offsets are not increasing or run past the stream$"):
+        codec.decode_accumulate(parts[2], np.zeros(640, np.float32))
 
 
 def test_payloads_decoded_before_their_headers_are_read_still_raise_on_a_mismatch():

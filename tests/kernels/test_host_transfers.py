@@ -44,11 +44,19 @@ def test_elias_encode_reads_back_only_its_length(report):
     assert (entry["h2d"], entry["d2h"]) == (0, 1)
 
 
+def test_elias_decode_reads_each_header_of_the_walk_and_all_checks_once(report):
+    # variable-size payloads are walked one header per rank (3); every bucket's checks come back in one read
+    entry = report["on a stream: qsgd-4 elias decode of 3 ranks"]
+    assert (entry["h2d"], entry["d2h"]) == (0, 3 + 1)
+
+
 @pytest.mark.parametrize("call", ["qsgd-4 decode of 3 ranks", "qsgd-8 decode of 3 ranks",
                                   "qsgd-4 two stages: sum of the first stage's slices",
                                   "qsgd-4 two stages: decode of the second stage's sums",
                                   # the headers and every payload's index check in the same read
-                                  "topk-1% decode of 3 ranks", "on a stream: gaussiank-1% decode of 3 ranks"])
+                                  "topk-1% decode of 3 ranks", "on a stream: gaussiank-1% decode of 3 ranks",
+                                  # random-k's index stream comes from each payload's step and key, on the device
+                                  "randomk-1% decode of 3 ranks", "on a stream: randomk-1% fp16 decode of 3 ranks"])
 def test_decoding_all_ranks_payloads_reads_the_device_once(report, call):
     assert report[call]["h2d"] == 0
     assert report[call]["d2h"] <= 1

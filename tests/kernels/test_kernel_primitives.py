@@ -8,8 +8,8 @@ import pytest
 from horovod_qsgd.kernels import acklam_ppf, stream_base
 from horovod_qsgd.kernels.half import bits_to_f32, f16_to_f32, f32_to_f16_rne, f32_to_f16_up
 from horovod_qsgd.kernels.qsgd import pack_group, pack_span
-from horovod_qsgd.kernels.rng import (field_uniform, paired_fields, paired_uniform, paired_uniform_py, uniform,
-                                      uniform_py)
+from horovod_qsgd.kernels.rng import (field_uniform, paired_fields, paired_uniform, paired_uniform_py,
+                                      payload_stream_base, seed_word, uniform, uniform_py)
 
 
 def _values():
@@ -136,3 +136,10 @@ def test_acklam_ppf_accuracy():
         assert abs(acklam_ppf(p) - scipy_stats.norm.ppf(p)) < 1e-8 * max(1.0, abs(scipy_stats.norm.ppf(p)))
     with pytest.raises(ValueError):
         acklam_ppf(1.0)
+
+
+@pytest.mark.parametrize("seed,step,key", [(0, 0, 0), (2 ** 64 - 1, 2 ** 64 - 1, 2 ** 32 - 1), (12345, 77, 4242)])
+def test_payload_stream_base_reads_step_and_key_as_stream_base_takes_them(seed, step, key):
+    meta = np.frombuffer(np.array([step], "<u8").tobytes() + np.array([key], "<u4").tobytes(), np.uint8)
+    assert payload_stream_base(meta, seed_word(seed), np.uint64(3)) == stream_base(seed, step, key, 3)
+    assert payload_stream_base(meta, seed_word(seed), np.uint64(3)) != stream_base(seed, step ^ 1, key, 3)

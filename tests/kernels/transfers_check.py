@@ -167,7 +167,6 @@ def main():
                 residual=zeros)
     encode_case("sample-k 1% encode", TopKCodec(ratio=0.01, selector="sample"), x, residual=zeros)
     decode_case("topk-1% decode of 3 ranks", topk, rows, residual=True)
-    # Not held to a bound: random-k's and Elias's decodes still read each payload's fields.
     randomk = RandomKCodec(ratio=0.01)
     encode_case("randomk-1% encode", randomk, x)
     decode_case("randomk-1% decode of 3 ranks", randomk, rows)
