@@ -20,10 +20,10 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..kernels import as_device, gather_bytes, host_copy, is_cuda_array
+from ..kernels import as_device, gather_bytes, gather_chain, host_copy, is_cuda_array
 
 __all__ = ["HEADER_NBYTES", "WIRE_VERSION", "MAGIC", "Header", "PayloadError",
-           "parse_header", "pack_header", "split_payloads", "read_header_bytes"]
+           "parse_header", "pack_header", "split_payloads", "read_header_bytes", "read_header_chain"]
 
 MAGIC = b"HQ"
 WIRE_VERSION = 1
@@ -79,6 +79,13 @@ def read_header_bytes(buf, offsets, tail=None):
         return [row.tobytes() for row in gather_bytes(buf, offsets, HEADER_NBYTES)]
     rows, tail_bytes = gather_bytes(buf, offsets, HEADER_NBYTES, tail)
     return [row.tobytes() for row in rows], tail_bytes
+
+
+def read_header_chain(buf, count):
+    """The 16 header bytes of the first ``count`` payloads concatenated in ``buf`` (each starts where
+    the one before ends, by its header's length); a device is walked there and read once. Past a header
+    whose length would not advance, or beyond the buffer's end, the rows are zeros."""
+    return [row.tobytes() for row in gather_chain(buf, count, HEADER_NBYTES, HEADER_NBYTES - 4)]
 
 
 def split_payloads(buf):

@@ -2,7 +2,7 @@
 import itertools
 
 from horovod_qsgd.codecs import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, pack_header, parse_header,
-                                 read_header_bytes)
+                                 read_header_bytes, read_header_chain)
 from horovod_qsgd.common.errors import CompressionMismatchError
 
 # Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
@@ -55,17 +55,18 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
     Every header is checked against this rank's codec and the element count
     ``numels[i]`` expected from ``senders[i]``, so a rank with another codec,
     setting or tensor shape raises here, on every rank, instead of decoding
-    garbage. A device buffer is read header by header (see :func:`decode_checked`
-    for the one-read path).
+    garbage. The headers are found by following their lengths on the
+    buffer's device and read in one copy.
     """
     total_nbytes = buffer.size
     spans, offset = [], 0
-    for sender, numel in zip(senders, numels):
+    heads = read_header_chain(buffer, len(senders))  # row i is the header at the offset the walk reaches
+    for sender, numel, head in zip(senders, numels, heads):
         if offset + HEADER_NBYTES > total_nbytes:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {tensor_name!r}: the received {what}s end after {offset} bytes, "
                 f"before rank {sender}'s; a rank sent a truncated or foreign payload.")
-        header = _checked_header(read_header_bytes(buffer, [offset])[0], sender, numel, codec, tensor_name, what)
+        header = _checked_header(head, sender, numel, codec, tensor_name, what)
         if offset + header.nbytes > total_nbytes:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "

@@ -71,7 +71,7 @@ device-wide sync.
 from ._arrays import copy_to, device_empty, host_copy
 from ._dual import (as_device, cpu_threads, cpu_threads_chosen, current_stream, is_cuda_array, launch_stream,
                     set_cpu_threads, threading_layer)
-from .bytes import MAX_STORE, gather_bytes, store_bytes
+from .bytes import MAX_STORE, gather_bytes, gather_chain, store_bytes
 from .api import (elias_decode_accumulate, elias_encode, elias_error, narrow_f16, qsgd_decode_accumulate,
                   qsgd_encode, randomk_gather, randomk_indices, randomk_scatter_accumulate, randomk_scatter_payload,
                   widen_f16)
@@ -87,7 +87,7 @@ __all__ = [
     "widen_f16", "narrow_f16",
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
-    "as_device", "is_cuda_array", "gather_bytes", "store_bytes", "MAX_STORE",
+    "as_device", "is_cuda_array", "gather_bytes", "gather_chain", "store_bytes", "MAX_STORE",
     "launch_stream", "current_stream", "copy_to", "device_empty", "host_copy",
     "PURPOSE_LATTICE", "PURPOSE_RANDOMK", "PURPOSE_ROUNDING", "PURPOSE_SAMPLE",
 ]

@@ -8,17 +8,19 @@ it stops backward from overlapping with communication. Here:
   kernel that takes them as its arguments: a launch, no copy;
 * :func:`gather_bytes` collects equal-length runs at many offsets (every
   rank's payload header in an allgather's result) into one scratch array
-  and reads that back in a single copy.
+  and reads that back in a single copy;
+* :func:`gather_chain` does the same where each run's offset follows from
+  the run before (variable-size payloads), following the chain on the device.
 
 numpy buffers take the plain slice assignments.
 """
 
 import numpy as np
 
-from ._arrays import copy_to, device_view, empty, to_host
+from ._arrays import clear, copy_to, device_view, empty, to_host
 from ._dual import cuda_kernel, on_cuda
 
-__all__ = ["store_bytes", "gather_bytes", "MAX_STORE", "OFFSETS_PER_LAUNCH"]
+__all__ = ["store_bytes", "gather_bytes", "gather_chain", "MAX_STORE", "OFFSETS_PER_LAUNCH"]
 
 MAX_STORE = 64  # bytes one store_bytes call passes as kernel arguments
 OFFSETS_PER_LAUNCH = 128  # offsets one gather launch takes as arguments (1 KiB of the 4 KiB parameter space)
@@ -37,6 +39,25 @@ def gather_kernel(buf, offsets, length, out, first_row):
     row = t // length
     if row < len(offsets):
         out[first_row + row, t - row * length] = buf[offsets[row] + t - row * length]
+
+
+@cuda_kernel
+def chain_kernel(buf, length, field, out):
+    """One thread follows the chain: row i is the run at offset_i, offset_{i+1} = offset_i + the
+    little-endian uint32 at offset_i + field; it stops where a run would pass the end or not advance."""
+    if cuda.grid(1) == 0:  # noqa: F821 (a few hundred dependent steps: nothing to parallelise)
+        offset = 0
+        for i in range(out.shape[0]):
+            if offset + length > buf.size:
+                break
+            for j in range(length):
+                out[i, j] = buf[offset + j]
+            step = 0
+            for j in range(4):
+                step |= np.int64(buf[offset + field + j]) << (8 * j)
+            if step < length:
+                break
+            offset += step
 
 
 def store_bytes(buf, offset, data):
@@ -79,3 +100,31 @@ def gather_bytes(buf, offsets, length, tail=None):
     host = to_host(out, True)
     rows = host[:head].reshape(len(offsets), length)
     return rows if tail is None else (rows, host[head:])
+
+
+def gather_chain(buf, count, length, field):
+    """Host uint8 array (count, length): the runs of a chain of variable-length records in ``buf``.
+
+    Record i starts where record i-1 ends: at its start plus the
+    little-endian uint32 at byte ``field`` of it (the payload headers'
+    length). Where the chain stops (a record would pass the end of ``buf``
+    or has a length below ``length``) the remaining rows are zeros. A device
+    buffer is followed on the device and read once.
+    """
+    if not 0 <= field <= length - 4:
+        raise ValueError(f"gather_chain: the length field at byte {field} is not inside a {length}-byte run")
+    if not on_cuda(buf):
+        rows, offset = np.zeros((count, length), np.uint8), 0
+        for i in range(count):
+            if offset + length > buf.size:
+                break
+            rows[i] = buf[offset:offset + length]
+            step = int(np.frombuffer(rows[i, field:field + 4].tobytes(), "<u4")[0])
+            if step < length:
+                break
+            offset += step
+        return rows
+    out = empty((count, length), np.uint8, True)
+    clear(out)
+    chain_kernel[1](device_view(buf), np.int64(length), np.int64(field), out)
+    return to_host(out, True)

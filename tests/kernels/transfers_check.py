@@ -170,6 +170,15 @@ def main():
     randomk = RandomKCodec(ratio=0.01)
     encode_case("randomk-1% encode", randomk, x)
     decode_case("randomk-1% decode of 3 ranks", randomk, rows)
+    # The header chain of variable-size payloads, followed on the device: whole, cut inside the last
+    # payload (the walk stops there), and with a header claiming 4 bytes (the chain cannot advance).
+    chain = np.concatenate(payloads(QSGDCodec(bits=4, encoding="elias"), rows))
+    broken = chain.copy()
+    broken[12:16] = np.frombuffer(np.uint32(4).tobytes(), np.uint8)
+    for name, buf in [("whole", chain), ("cut", chain[:-8]), ("not advancing", broken)]:
+        d_buf = device(buf)
+        measure(f"header chain of 3 elias payloads, {name}", lambda: K.gather_chain(d_buf, 4, 16, 12),
+                K.gather_chain(buf, 4, 16, 12))
     # Every launch, allocation and copy of every codec goes to the stream of K.launch_stream, and
     # scratch memory comes from its allocator.
     scope_stream[0], scope_allocator[0] = cuda.stream(), framework_allocator
