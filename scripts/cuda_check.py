@@ -27,6 +27,7 @@ from numba import cuda  # noqa: E402
 
 from horovod_qsgd import kernels as K  # noqa: E402
 from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
+from horovod_qsgd.common.exchange import decode_checked  # noqa: E402
 from horovod_qsgd.testdata import load_vectors, make_codec  # noqa: E402
 
 failures = []
@@ -112,7 +113,7 @@ def main():
           same(K.randomk_indices(1000, 37, base), K.randomk_indices(1000, 37, base, gpu=True).copy_to_host()))
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
-    total = len(cases) + 10
+    total = len(cases) + 10 + run_elias_exchange_cases(rng)
     if not SIMULATED:
         total += run_large_cases(rng)
     if failures:
@@ -121,6 +122,46 @@ def main():
     where = "CUDA-simulator" if SIMULATED else f"CUDA ({cuda.get_current_device().name})"
     print(f"OK: {total} {where} checks bit-identical to the CPU path and the test vectors")
     return 0
+
+
+def _decode_all(codec, buf, numel, ranks, device):
+    """(decoded rows' bytes or None, the error's type and message or None) of decode_checked."""
+    outs = [np.full(numel, 0.25, np.float32) for _ in range(ranks)]
+    if device:
+        buf, outs = cuda.to_device(buf), [cuda.to_device(o) for o in outs]
+    try:
+        decode_checked(codec, buf, range(ranks), [numel] * ranks, outs, "w")
+    except Exception as exc:  # compared between CPU and CUDA: the same type and message
+        return None, f"{type(exc).__name__}: {exc}"
+    return [(o.copy_to_host() if device else o).tobytes() for o in outs], None
+
+
+def run_elias_exchange_cases(rng, numel=1000, ranks=3):
+    """Elias payloads on a GPU decode where the device finds them (the header chain) and are checked
+    after: sums and error messages equal the CPU's, which walks the headers first."""
+    count = 0
+    for codec in [QSGDCodec(bits=4, encoding="elias"),
+                  QSGDCodec(bits=3, bucket_size=300, norm="l2", scale_dtype="float16", encoding="elias")]:
+        parts = []
+        for r in range(ranks):
+            out = np.zeros(codec.max_payload_nbytes(numel), np.uint8)
+            parts.append(out[:codec.encode(rng.standard_normal(numel).astype(np.float32), out, step=5, key=r)])
+        whole = np.concatenate(parts)
+        second = parts[0].size
+        damaged = {"whole": whole, "cut": whole[:-8], "stream": whole.copy(),
+                   # payload 1 cut to 24 bytes and saying so: the chain adds up, its stream is missing
+                   "truncated": np.concatenate([parts[0], parts[1][:24], parts[2]])}
+        damaged["stream"][-30:-4] ^= 0x5A
+        for name, at, value in [("not advancing", 12, 4), ("wrong length", second + 12, 20),
+                                ("numel", 4, numel - 1), ("truncated", second + 12, 24)]:
+            damaged[name] = damaged.get(name, whole).copy()
+            damaged[name][at:at + 4] = np.frombuffer(np.uint32(value).tobytes(), np.uint8)
+        for name, buf in damaged.items():
+            cpu, gpu = _decode_all(codec, buf, numel, ranks, False), _decode_all(codec, buf, numel, ranks, True)
+            check(f"elias exchange {codec.scale_dtype} {name}: CUDA == CPU ({cpu[1]} / {gpu[1]})", cpu == gpu)
+            check(f"elias exchange {codec.scale_dtype} {name}: raises", (cpu[1] is None) == (name == "whole"))
+            count += 1
+    return count
 
 
 def run_large_cases(rng, n=1_000_003):

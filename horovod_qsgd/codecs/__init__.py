@@ -16,12 +16,12 @@ refused with TypeError.
 """
 
 from .base import Codec, to_float32
-from .header import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, pack_header, parse_header, read_header_bytes,
-                     read_header_chain, split_payloads)
+from .header import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, follow_header_chain, pack_header,
+                     parse_header, read_header_bytes, read_header_chain, split_payloads)
 from .lattice import ExactCodec, LatticeCodec
 from .qsgd import QSGDCodec
 from .sparse import RandomKCodec, TopKCodec
 
 __all__ = ["QSGDCodec", "TopKCodec", "RandomKCodec", "LatticeCodec", "ExactCodec", "parse_header", "HEADER_NBYTES", "PayloadError",
            "Header", "WIRE_VERSION", "Codec", "to_float32", "split_payloads", "pack_header",
-           "read_header_bytes", "read_header_chain"]
+           "read_header_bytes", "read_header_chain", "follow_header_chain"]

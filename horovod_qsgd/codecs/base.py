@@ -130,6 +130,8 @@ class Codec:
 
     codec_id = 0
     payload_nbytes_is_fixed = True
+    # int64 check counters per payload of decode_accumulate_chained; 0: the codec has no chained decode
+    chained_check_width = 0
     MAX_NUMEL = 2 ** 32 - 1
 
     def config(self):
@@ -167,6 +169,14 @@ class Codec:
         for (start, end, header), out in zip(spans, outs):
             self.decode_accumulate(buffer[start:end], out, header=header)
         return None
+
+    def decode_accumulate_chained(self, buffer, records, outs, counters):
+        """Adds the variable-size payloads of a CUDA ``buffer`` to ``outs`` where only the device knows
+        their starts: ``records`` (device int64 (len(outs), 2), each payload's (start, length) or (-1, 0),
+        from :func:`~.header.follow_header_chain`). Faults go to ``counters`` (device int64,
+        ``chained_check_width`` zeroed values per payload) for :meth:`raise_for_checks` once the headers
+        have been read and checked; garbage may go into ``outs`` meanwhile, never outside them."""
+        raise NotImplementedError(f"{type(self).__name__} has no chained decode")
 
     def raise_for_checks(self, checks, spans):
         """Raises PayloadError if the host bytes of ``decode_accumulate_all``'s deferred checks show a fault."""

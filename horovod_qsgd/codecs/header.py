@@ -20,10 +20,11 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..kernels import as_device, gather_bytes, gather_chain, host_copy, is_cuda_array
+from ..kernels import as_device, follow_chain, gather_bytes, gather_chain, host_copy, is_cuda_array
 
 __all__ = ["HEADER_NBYTES", "WIRE_VERSION", "MAGIC", "Header", "PayloadError",
-           "parse_header", "pack_header", "split_payloads", "read_header_bytes", "read_header_chain"]
+           "parse_header", "pack_header", "split_payloads", "read_header_bytes", "read_header_chain",
+           "follow_header_chain"]
 
 MAGIC = b"HQ"
 WIRE_VERSION = 1
@@ -86,6 +87,14 @@ def read_header_chain(buf, count):
     the one before ends, by its header's length); a device is walked there and read once. Past a header
     whose length would not advance, or beyond the buffer's end, the rows are zeros."""
     return [row.tobytes() for row in gather_chain(buf, count, HEADER_NBYTES, HEADER_NBYTES - 4)]
+
+
+def follow_header_chain(buf, count, checks_nbytes):
+    """The chain of :func:`read_header_chain` in a CUDA buffer, followed on the device and not yet read:
+    a :class:`~horovod_qsgd.kernels.bytes.DeviceChain` whose ``records`` hold each payload's (start,
+    length) for kernels to decode at, with ``checks_nbytes`` of zeroed scratch (``tail``) for their
+    checks; its ``read()`` returns the 16-byte rows and the checks' host bytes in one copy."""
+    return follow_chain(as_device(buf), count, HEADER_NBYTES, HEADER_NBYTES - 4, checks_nbytes)
 
 
 def split_payloads(buf):

@@ -3,7 +3,7 @@
 import numpy as np
 
 from .. import kernels as K
-from .base import Codec, align4, check_choice, check_int, view, write_bytes
+from .base import Codec, _check_array, align4, check_choice, check_int, view, write_bytes
 from .header import HEADER_NBYTES, PayloadError
 
 __all__ = ["QSGDCodec"]
@@ -82,6 +82,7 @@ class QSGDCodec(Codec):
         self.seed = check_int("seed", seed, 0, 2 ** 64 - 1)
         self.levels = (1 << (self.bits - 1)) - 1
         self.payload_nbytes_is_fixed = self.encoding == "fixed"
+        self.chained_check_width = 0 if self.payload_nbytes_is_fixed else 3
 
     def config(self):
         return {"bits": self.bits, "bucket_size": self.bucket_size, "norm": self.norm,
@@ -158,16 +159,41 @@ class QSGDCodec(Codec):
         except ValueError as e:
             raise PayloadError(str(e)) from None
 
+    def _elias_layout(self, n):
+        """Byte offsets of the scales, the bucket ends and the streams inside an Elias payload of n elements."""
+        ends_at = HEADER_NBYTES + align4(self._scale_bytes(n))
+        return HEADER_NBYTES, ends_at, ends_at + 4 * self._nbuckets(n)
+
+    def _elias_truncation(self, h):
+        stream_at = self._elias_layout(h.numel)[2]
+        if h.nbytes < stream_at:
+            return f"truncated Elias payload: {h.nbytes} bytes, the offsets alone end at {stream_at}"
+        return None
+
     def _decode_elias(self, h, payload, out, counters=None):
+        error = self._elias_truncation(h)
+        if error:
+            if counters is not None:
+                return  # raise_for_checks reports it with the payload's number
+            raise PayloadError(error)
         n = h.numel
-        scales, off = self._sections(payload, n)
-        nb = self._nbuckets(n)
-        s0 = off + 4 * nb
-        if h.nbytes < s0:
-            raise PayloadError(f"truncated Elias payload: {h.nbytes} bytes, the offsets alone end at {s0}")
-        K.elias_decode_accumulate(scales, view(payload, off, nb, np.uint32), payload[s0:h.nbytes], out,
-                                  bucket_size=self.bucket_size, bits=self.bits, half=self.scale_dtype == "float16",
-                                  counters=counters)
+        scales, _ = self._sections(payload, n)
+        _, ends_at, stream_at = self._elias_layout(n)
+        K.elias_decode_accumulate(scales, view(payload, ends_at, self._nbuckets(n), np.uint32),
+                                  payload[stream_at:h.nbytes], out, bucket_size=self.bucket_size, bits=self.bits,
+                                  half=self.scale_dtype == "float16", counters=counters)
+
+    def decode_accumulate_chained(self, buffer, records, outs, counters):
+        """As :meth:`Codec.decode_accumulate_chained`: every Elias payload's buckets decode in parallel at
+        the payload's start as the device found it."""
+        if self.payload_nbytes_is_fixed:
+            return super().decode_accumulate_chained(buffer, records, outs, counters)
+        width = self.chained_check_width
+        for slot, out in enumerate(outs):
+            out = _check_array("out", out, np.float32, gpu=True)
+            K.elias_decode_chained(buffer, records, slot, out, counters[width * slot:width * (slot + 1)],
+                                   layout=self._elias_layout(out.size), bucket_size=self.bucket_size,
+                                   bits=self.bits, half=self.scale_dtype == "float16")
 
     def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
         """As :meth:`Codec.decode_accumulate_all`; Elias payloads check their streams on their device and
@@ -179,6 +205,6 @@ class QSGDCodec(Codec):
     def raise_for_checks(self, checks, spans):
         counters = np.ascontiguousarray(checks).view(np.int64).reshape(-1, 3)
         for slot, ((_, _, header), row) in enumerate(zip(spans, counters)):
-            error = K.elias_error(row, self._nbuckets(header.numel))
+            error = self._elias_truncation(header) or K.elias_error(row, self._nbuckets(header.numel))
             if error:
                 raise PayloadError(f"{error} (payload number {slot} of {len(spans)})")

@@ -1,8 +1,10 @@
 """Reading what the collectives return: payloads walked and checked, decoded, scaled."""
 import itertools
 
-from horovod_qsgd.codecs import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, pack_header, parse_header,
-                                 read_header_bytes, read_header_chain)
+import numpy as np
+
+from horovod_qsgd.codecs import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, follow_header_chain, pack_header,
+                                 parse_header, read_header_bytes, read_header_chain)
 from horovod_qsgd.common.errors import CompressionMismatchError
 
 # Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
@@ -58,9 +60,13 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
     garbage. The headers are found by following their lengths on the
     buffer's device and read in one copy.
     """
-    total_nbytes = buffer.size
-    spans, offset = [], 0
     heads = read_header_chain(buffer, len(senders))  # row i is the header at the offset the walk reaches
+    return _checked_spans(heads, buffer.size, senders, numels, codec, tensor_name, what)
+
+
+def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, what):
+    """:func:`check_payloads` for the host bytes of the header chain, ``heads``."""
+    spans, offset = [], 0
     for sender, numel, head in zip(senders, numels, heads):
         if offset + HEADER_NBYTES > total_nbytes:
             raise CompressionMismatchError(
@@ -89,7 +95,10 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
     mismatch then raises as :func:`check_payloads` does, after garbage went
     into ``outs`` (callers discard them on error; no decode writes outside its
     output). Other buffers (variable sizes, a refusal, a short or long buffer)
-    are walked and checked first.
+    are walked and checked first, except variable-size payloads on a device
+    (Elias): those are decoded where the device finds them by following the
+    header chain, and the chain's headers come back with the codec's checks
+    in one read.
     """
     if codec.payload_nbytes_is_fixed:
         sizes = [codec.max_payload_nbytes(numel) for numel in numels]
@@ -107,6 +116,15 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
             if checks is not None:
                 codec.raise_for_checks(check_bytes, spans)
             return
+    elif codec.chained_check_width and not isinstance(buffer, np.ndarray):
+        width = codec.chained_check_width
+        chain = follow_header_chain(buffer, len(senders), 8 * width * len(senders))
+        codec.decode_accumulate_chained(buffer, chain.records, outs, chain.tail.view(np.int64))
+        heads, check_bytes = chain.read()
+        spans = _checked_spans([row.tobytes() for row in heads], buffer.size, senders, numels, codec,
+                               tensor_name, what)
+        codec.raise_for_checks(check_bytes, spans)
+        return
     spans = check_payloads(buffer, senders, numels, codec, tensor_name, what)
     codec.decode_accumulate_all(buffer, spans, outs)
 

@@ -22,7 +22,8 @@ Modules:
   one-block digit choices and scans, tiles written in index order;
 * :mod:`.scan` - block-wide prefix sums (the selection's tiles, Elias's bucket ends);
 * :mod:`.bytes` - headers written by a kernel from its arguments, many
-  payloads' headers read back in one copy.
+  payloads' headers read back in one copy, variable-size payloads' header
+  chain followed on the device.
 
 Everything a codec needs is exported here; codecs do not import the
 modules above directly.
@@ -71,8 +72,9 @@ device-wide sync.
 from ._arrays import copy_to, device_empty, host_copy
 from ._dual import (as_device, cpu_threads, cpu_threads_chosen, current_stream, is_cuda_array, launch_stream,
                     set_cpu_threads, threading_layer)
-from .bytes import MAX_STORE, gather_bytes, gather_chain, store_bytes
-from .api import (elias_decode_accumulate, elias_encode, elias_error, narrow_f16, qsgd_decode_accumulate,
+from .bytes import MAX_STORE, follow_chain, gather_bytes, gather_chain, store_bytes
+from .api import (elias_decode_accumulate, elias_decode_chained, elias_encode, elias_error, narrow_f16,
+                  qsgd_decode_accumulate,
                   qsgd_encode, randomk_gather, randomk_indices, randomk_scatter_accumulate, randomk_scatter_payload,
                   widen_f16)
 from .elias import max_bucket_bits
@@ -81,13 +83,13 @@ from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
 from .topk import acklam_ppf, error_counters, exact_threshold, sparse_accumulate, topk_select
 
 __all__ = [
-    "acklam_ppf", "elias_decode_accumulate", "elias_encode", "elias_error", "exact_threshold",
+    "acklam_ppf", "elias_decode_accumulate", "elias_decode_chained", "elias_encode", "elias_error", "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
     "randomk_scatter_accumulate", "randomk_scatter_payload", "sparse_accumulate", "error_counters", "topk_select",
     "widen_f16", "narrow_f16",
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
-    "as_device", "is_cuda_array", "gather_bytes", "gather_chain", "store_bytes", "MAX_STORE",
+    "as_device", "is_cuda_array", "gather_bytes", "gather_chain", "follow_chain", "store_bytes", "MAX_STORE",
     "launch_stream", "current_stream", "copy_to", "device_empty", "host_copy",
     "PURPOSE_LATTICE", "PURPOSE_RANDOMK", "PURPOSE_ROUNDING", "PURPOSE_SAMPLE",
 ]

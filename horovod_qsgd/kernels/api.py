@@ -21,7 +21,7 @@ from ._arrays import device_view, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = [
-    "qsgd_encode", "qsgd_decode_accumulate", "elias_encode", "elias_decode_accumulate",
+    "qsgd_encode", "qsgd_decode_accumulate", "elias_encode", "elias_decode_accumulate", "elias_decode_chained",
     "randomk_indices", "randomk_gather", "randomk_scatter_accumulate", "widen_f16",
 ]
 
@@ -155,6 +155,23 @@ def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, hal
         error = elias_error(to_host(counters, gpu), nb)
         if error:
             raise ValueError(error)
+
+
+def elias_decode_chained(buffer, records, slot, out, counters, *, layout, bucket_size, bits, half):
+    """out += the Elias payload ``records[slot]`` of a device buffer (a device-resident (start, length)
+    from :func:`~.bytes.follow_chain`), the host knowing neither; the faults are added to ``counters``
+    (int64[3], zeroed, see :func:`elias_error`). ``layout``: the byte offsets of the scales, the bucket ends
+    and the stream inside a payload of ``out.size`` elements."""
+    if out.size == 0:
+        return
+    buffer, out, counters = device_view(buffer), device_view(out), device_view(counters)
+    nb = (out.size + bucket_size - 1) // bucket_size
+    whole = buffer[:buffer.size // 4 * 4]  # the payload starts found on the device are multiples of 4
+    status = empty(nb, np.int32, True)
+    _el.chained_decode_kernel[nb](buffer, whole.view(np.uint32), whole.view(np.float32), whole.view(np.uint16),
+                                  records, np.int64(slot), tuple(np.int64(v) for v in layout), bucket_size, half,
+                                  (1 << (bits - 1)) - 1, out, status)
+    _el.tally_kernel[nb](status, counters)
 
 
 def elias_error(counters, nb):

@@ -10,7 +10,9 @@ it stops backward from overlapping with communication. Here:
   rank's payload header in an allgather's result) into one scratch array
   and reads that back in a single copy;
 * :func:`gather_chain` does the same where each run's offset follows from
-  the run before (variable-size payloads), following the chain on the device.
+  the run before (variable-size payloads), following the chain on the device;
+  :func:`follow_chain` leaves the chain there, with every run's start for
+  kernels to decode at, and reads it back later with their checks.
 
 numpy buffers take the plain slice assignments.
 """
@@ -20,7 +22,8 @@ import numpy as np
 from ._arrays import clear, copy_to, device_view, empty, to_host
 from ._dual import cuda_kernel, on_cuda
 
-__all__ = ["store_bytes", "gather_bytes", "gather_chain", "MAX_STORE", "OFFSETS_PER_LAUNCH"]
+__all__ = ["store_bytes", "gather_bytes", "gather_chain", "follow_chain", "DeviceChain", "MAX_STORE",
+           "OFFSETS_PER_LAUNCH"]
 
 MAX_STORE = 64  # bytes one store_bytes call passes as kernel arguments
 OFFSETS_PER_LAUNCH = 128  # offsets one gather launch takes as arguments (1 KiB of the 4 KiB parameter space)
@@ -42,11 +45,15 @@ def gather_kernel(buf, offsets, length, out, first_row):
 
 
 @cuda_kernel
-def chain_kernel(buf, length, field, out):
+def chain_kernel(buf, length, field, out, records):
     """One thread follows the chain: row i is the run at offset_i, offset_{i+1} = offset_i + the
-    little-endian uint32 at offset_i + field; it stops where a run would pass the end or not advance."""
+    little-endian uint32 at offset_i + field; it stops where a run would pass the end or not advance.
+    records[i] = (offset_i, that uint32), or (-1, 0) past the stop."""
     if cuda.grid(1) == 0:  # noqa: F821 (a few hundred dependent steps: nothing to parallelise)
         offset = 0
+        for i in range(out.shape[0]):
+            records[i, 0] = -1
+            records[i, 1] = 0
         for i in range(out.shape[0]):
             if offset + length > buf.size:
                 break
@@ -55,6 +62,8 @@ def chain_kernel(buf, length, field, out):
             step = 0
             for j in range(4):
                 step |= np.int64(buf[offset + field + j]) << (8 * j)
+            records[i, 0] = offset
+            records[i, 1] = step
             if step < length:
                 break
             offset += step
@@ -124,7 +133,39 @@ def gather_chain(buf, count, length, field):
                 break
             offset += step
         return rows
-    out = empty((count, length), np.uint8, True)
-    clear(out)
-    chain_kernel[1](device_view(buf), np.int64(length), np.int64(field), out)
-    return to_host(out, True)
+    return follow_chain(buf, count, length, field).read()
+
+
+class DeviceChain:
+    """A chain followed on the device (:func:`follow_chain`), not yet read.
+
+    ``records``: int64 (count, 2) device array, row i = (start, length field)
+    of run i, (-1, 0) past where the chain stopped; ``tail``: zeroed device
+    uint8 scratch for the checks of kernels that decode at those starts,
+    read back with the runs by :meth:`read`.
+    """
+
+    def __init__(self, count, length, tail_nbytes):
+        head = count * length
+        # the tail follows the rows in one allocation, 8-byte aligned for int64 counters
+        self._tail_at = (head + 7) & ~7
+        self._scratch = empty(self._tail_at + tail_nbytes, np.uint8, True)
+        clear(self._scratch)
+        self.rows = self._scratch[:head].reshape((count, length))
+        self.tail = self._scratch[self._tail_at:]
+        self.records = empty((count, 2), np.int64, True)
+
+    def read(self):
+        """Host rows (count, length), or (rows, tail's host bytes) when a tail was asked for: one copy."""
+        host = to_host(self._scratch, True)
+        rows = host[:self.rows.size].reshape(self.rows.shape)
+        return (rows, host[self._tail_at:]) if self.tail.size else rows
+
+
+def follow_chain(buf, count, length, field, tail_nbytes=0):
+    """Follows the chain of :func:`gather_chain` in a device buffer without reading it: a :class:`DeviceChain`."""
+    if not 0 <= field <= length - 4:
+        raise ValueError(f"follow_chain: the length field at byte {field} is not inside a {length}-byte run")
+    chain = DeviceChain(count, length, tail_nbytes)
+    chain_kernel[1](device_view(buf), np.int64(length), np.int64(field), chain.rows, chain.records)
+    return chain

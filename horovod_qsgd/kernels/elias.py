@@ -32,10 +32,12 @@ import numba
 import numpy as np
 
 from ._dual import core, cpu_launcher, cuda_kernel, fmul32
+from .half import f16_to_f32
 from .qsgd import scale_ok, signed_level, store_scale
 
 __all__ = ["max_bucket_bits", "bucket_nbits", "bucket_write", "bucket_decode",
-           "sizes_cpu", "write_cpu", "decode_cpu", "sizes_kernel", "write_kernel", "decode_kernel"]
+           "sizes_cpu", "write_cpu", "decode_cpu", "sizes_kernel", "write_kernel", "decode_kernel",
+           "chained_decode_kernel"]
 
 _FF = np.uint64(0xFF)
 _U8 = np.uint64(8)
@@ -191,14 +193,41 @@ def write_item(x, b, bucket, s, stochastic, base, scale32, ends, stream):
 
 
 @core
-def decode_item(stream, ends, b, bucket, scale32, s, out, status):
+def decode_bucket(stream, ends, b, bucket, scale, s, out, status):
     """status[b] = 0, 1 for a corrupt stream, BAD_OFFSETS when the bucket's byte range is not in the stream."""
     p0, p1 = bucket_bounds(ends, b)
     if p1 < p0 or p1 > stream.size:
         status[b] = BAD_OFFSETS
         return
     lo = b * bucket
-    status[b] = bucket_decode(stream[p0:p1], out[lo:min(out.size, lo + bucket)], scale32[b], s)
+    status[b] = bucket_decode(stream[p0:p1], out[lo:min(out.size, lo + bucket)], scale, s)
+
+
+@core
+def decode_item(stream, ends, b, bucket, scale32, s, out, status):
+    decode_bucket(stream, ends, b, bucket, scale32[b], s, out, status)
+
+
+@core
+def chained_decode_item(buf, words, floats, halves, records, slot, layout, b, bucket, half, s, out, status):
+    """Bucket b of the payload whose (start, length) only the device knows: ``records[slot]``, from
+    following the payloads' header chain. ``layout`` = the byte offsets of the scales, the bucket ends and
+    the stream inside the payload; ``words``/``floats``/``halves``: ``buf`` viewed as uint32/float32/uint16.
+    A payload whose start or length cannot hold that layout is left alone (status 0): the headers, read
+    after the decode, reject it on the host."""
+    start, nbytes = records[slot, 0], records[slot, 1]
+    scales_at, ends_at, stream_at = layout
+    if start < 0 or start % 4 != 0 or nbytes < stream_at or start + nbytes > buf.size:
+        status[b] = 0
+        return
+    nb = status.size
+    first_end = (start + ends_at) // 4
+    if half:
+        scale = f16_to_f32(int(halves[(start + scales_at) // 2 + b]))
+    else:
+        scale = floats[(start + scales_at) // 4 + b]
+    decode_bucket(buf[start + stream_at:start + nbytes], words[first_end:first_end + nb], b, bucket, scale, s,
+                  out, status)
 
 
 @core
@@ -253,6 +282,13 @@ def decode_kernel(stream, ends, bucket, scale32, s, out, status):
     b = cuda.grid(1)  # noqa: F821
     if b < ends.size:
         decode_item(stream, ends, b, bucket, scale32, s, out, status)
+
+
+@cuda_kernel
+def chained_decode_kernel(buf, words, floats, halves, records, slot, layout, bucket, half, s, out, status):
+    b = cuda.grid(1)  # noqa: F821
+    if b < status.size:
+        chained_decode_item(buf, words, floats, halves, records, slot, layout, b, bucket, half, s, out, status)
 
 
 @cuda_kernel
