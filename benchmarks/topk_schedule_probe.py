@@ -24,8 +24,10 @@ should end near the 2-rank study's 2.848), and the others are schedules
   continuous: the density falls exponentially from 25% to 1% over the first
   N steps, then stays at 1%.
 
-Prints each run's final validation cross-entropy (nats per byte) and writes
-every curve to ``--out``.
+Prints each run's final validation cross-entropy (nats per byte) and each
+schedule's traffic (the compressed tensors' bytes over the run against
+uncompressed: 4 bytes per entry dense, 8 per sent entry, value and index),
+and writes every curve and those ratios to ``--out``.
 """
 import argparse
 import json
@@ -57,6 +59,19 @@ def density(schedule, step):
             return TARGET_DENSITY
         return DGC_START_DENSITY * (TARGET_DENSITY / DGC_START_DENSITY) ** (step / span)
     raise SystemExit(f"unknown schedule {schedule!r}: constant, denseN or dgcN")
+
+
+def traffic_ratio(schedule, steps):
+    """Bytes the compressed tensors send over ``steps`` steps against sending them uncompressed."""
+    return float(np.mean([1.0 if density(schedule, t) >= 1.0 else 2 * density(schedule, t) for t in range(steps)]))
+
+
+def write(path, ranks, corpus, runs):
+    with open(path, "w") as f:
+        json.dump({"ranks": ranks, "settings": STUDY, "min_numel": MIN_NUMEL, "target_density": TARGET_DENSITY,
+                   "corpus": corpus.describe(), "runs": runs,
+                   "bytes_vs_uncompressed": {name: traffic_ratio(name, STUDY["steps"]) for name in runs}},
+                  f, indent=1)
 
 
 def train(corpus, seed, ranks, schedule, s=STUDY):
@@ -134,11 +149,11 @@ def main():
             runs.setdefault(schedule, []).append(run)
             print(f"{schedule:>10} seed {seed}: validation {run['validation'][-1]:.4f} nats/byte "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
-            with open(args.out, "w") as f:
-                json.dump({"ranks": args.ranks, "settings": STUDY, "min_numel": MIN_NUMEL,
-                           "target_density": TARGET_DENSITY, "corpus": corpus.describe(), "runs": runs}, f, indent=1)
-    print("mean final validation: " + ", ".join(
-        f"{name} {np.mean([r['validation'][-1] for r in rs]):.4f}" for name, rs in runs.items()))
+            write(args.out, args.ranks, corpus, runs)
+    write(args.out, args.ranks, corpus, runs)
+    for name, rs in runs.items():
+        print(f"{name:>10}: mean final validation {np.mean([r['validation'][-1] for r in rs]):.4f} nats/byte, "
+              f"bytes 1/{1 / traffic_ratio(name, STUDY['steps']):.1f} of uncompressed")
 
 
 if __name__ == "__main__":
