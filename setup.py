@@ -16,7 +16,10 @@ setup(
         "tensorflow": ["tensorflow-cpu==2.21.0", "tf-keras==2.21.0"],
         "test": ["pytest", "pytest-timeout", "scipy", "scikit-learn"],
         "bench": ["matplotlib"],
-        # numba's CUDA target with NVVM and libdevice from the package index (PyTorch's CUDA wheels lack them)
-        "cuda": ["numba-cuda[cu12]"],
+        # numba's CUDA target with NVVM and libdevice from the package index (PyTorch's CUDA wheels lack
+        # them); take the one of your CUDA major version (torch.version.cuda): the other would install
+        # cuda-bindings and toolkit wheels of the wrong major version
+        "cuda12": ["numba-cuda[cu12]"],
+        "cuda13": ["numba-cuda[cu13]"],
     },
 )

@@ -15,7 +15,7 @@ Usage: python scripts/build_horovod.py [--force] [--cache DIR]
 A user with CUDA GPUs builds the NCCL variant with
     HOROVOD_GPU_OPERATIONS=NCCL python scripts/build_horovod.py --force
 It needs nvcc (on PATH or in $CUDA_HOME/bin) and NCCL's header and library:
-$HOROVOD_NCCL_HOME, /usr, $CUDA_HOME, or the nvidia-nccl-cu12 wheel that
+$HOROVOD_NCCL_HOME, /usr, $CUDA_HOME, or the nvidia-nccl-cu12/-cu13 wheel that
 PyTorch's CUDA build installs (its unversioned libnccl.so is linked in the
 cache). It builds for the visible GPUs' architectures unless
 HOROVOD_BUILD_CUDA_CC_LIST is set, and checks nccl_built() afterwards.
@@ -145,7 +145,7 @@ def _nccl_home(cache_dir):
         return include, link_dir
     sys.exit("build_horovod: HOROVOD_GPU_OPERATIONS=NCCL needs NCCL's nccl.h and libnccl.so; none found in "
              + ", ".join(filter(None, candidates)) + ". Set HOROVOD_NCCL_HOME, or install PyTorch's CUDA build "
-             "(it brings the nvidia-nccl-cu12 wheel).")
+             "(it brings the nvidia-nccl-cu12 or -cu13 wheel).")
 
 
 def gpu_build_env(cache_dir):

@@ -137,6 +137,32 @@ def _simulated():
     return bool(numba.config.ENABLE_CUDASIM)
 
 
+NVVM_MISSING = (
+    "horovod_qsgd: numba's CUDA target found no NVVM/libdevice, which it needs to compile the kernels for "
+    "a GPU; PyTorch's CUDA wheels do not ship them. Fix: install horovod_qsgd with the extra of your CUDA "
+    "major version (PyTorch's is torch.version.cuda), `pip install -e '.[cuda12]'` or `'.[cuda13]'` in its "
+    "checkout, or point CUDA_HOME at a CUDA toolkit.")
+
+
+_NVVM_FOUND = []
+
+
+def require_nvvm():
+    """Raises RuntimeError naming the fix when numba cannot load NVVM to compile for a GPU.
+
+    Loading it is what the first compile does anyway (numba's own error says to
+    use conda); a failure here would fail there too.
+    """
+    if _NVVM_FOUND:
+        return
+    from numba.cuda.cudadrv import nvvm
+    try:
+        nvvm.NVVM()
+    except Exception as error:  # numba raises NvvmSupportError, numba-cuda its library finder's errors
+        raise RuntimeError(f"{NVVM_MISSING} ({type(error).__name__}: {error})") from error
+    _NVVM_FOUND.append(True)
+
+
 def _retarget(fn):
     """Copy of ``fn`` whose global cores resolve to their CUDA twins."""
     g = dict(fn.__globals__)
@@ -214,6 +240,8 @@ class cuda_kernel:
     def blocks(self, grid, block):
         """The kernel configured with ``grid`` blocks of ``block`` threads, on the :func:`current_stream`."""
         if self._kernel is None:
+            if not _simulated():
+                require_nvvm()  # else numba's first compile fails with advice for conda
             # cache=True: compiled once per machine, not in every process's first backward; the cache is
             # stamped with all kernel sources (see the locators above), as the CPU builds are
             self._kernel = _cuda().jit(_retarget(self.fn), cache=True)
