@@ -42,12 +42,17 @@ def _scale_arrays(scales, nb, half, gpu):
     return scales, empty(1, np.uint16, gpu)
 
 
+def _levels(bits):
+    """QSGD's s: the nonzero magnitudes a ``bits``-bit signed code can hold."""
+    return (1 << (bits - 1)) - 1
+
+
 def qsgd_encode(x, scales, codes, *, bucket_size, bits, use_l2, half, stochastic, base):
     """Quantise x (float32) into scales (float32, or uint16 fp16 bits) and codes (uint8)."""
     gpu = on_cuda(x, scales, codes)
     n = x.size
     nb = (n + bucket_size - 1) // bucket_size
-    s = (1 << (bits - 1)) - 1
+    s = _levels(bits)
     if n == 0:
         return
     if not gpu:
@@ -80,7 +85,7 @@ def qsgd_decode_accumulate(scales, codes, out, *, bucket_size, bits, half):
     n = out.size
     if n == 0:
         return
-    s = (1 << (bits - 1)) - 1
+    s = _levels(bits)
     if gpu:
         scales, codes, out = device_view(scales), device_view(codes), device_view(out)
     scale32 = _stored_scales(scales, half, gpu)
@@ -101,7 +106,7 @@ def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, st
     nb = ends.size
     if n == 0:
         return 0
-    s = (1 << (bits - 1)) - 1
+    s = _levels(bits)
     if gpu:
         x, scales, ends, stream = device_view(x), device_view(scales), device_view(ends), device_view(stream)
     scale32, scale16 = _scale_arrays(scales, nb, half, gpu)
@@ -136,7 +141,7 @@ def elias_decode_accumulate(scales, ends, stream, out, *, bucket_size, bits, hal
     gpu = on_cuda(scales, ends, stream, out)
     if out.size == 0:
         return
-    s = (1 << (bits - 1)) - 1
+    s = _levels(bits)
     nb = ends.size
     if gpu:
         scales, ends, stream, out = device_view(scales), device_view(ends), device_view(stream), device_view(out)
@@ -170,7 +175,7 @@ def elias_decode_chained(buffer, records, slot, out, counters, *, layout, bucket
     status = empty(nb, np.int32, True)
     _el.chained_decode_kernel[nb](buffer, whole.view(np.uint32), whole.view(np.float32), whole.view(np.uint16),
                                   records, np.int64(slot), tuple(np.int64(v) for v in layout), bucket_size, half,
-                                  (1 << (bits - 1)) - 1, out, status)
+                                  _levels(bits), out, status)
     _el.tally_kernel[nb](status, counters)
 
 
