@@ -27,6 +27,7 @@ which runs the core as plain Python on numpy scalars, give the same bits):
 """
 
 import contextlib
+import functools
 import hashlib
 import os
 import threading
@@ -144,23 +145,18 @@ NVVM_MISSING = (
     "checkout, or point CUDA_HOME at a CUDA toolkit.")
 
 
-_NVVM_FOUND = []
-
-
+@functools.cache  # a success is kept, a failure raises again on the next call
 def require_nvvm():
     """Raises RuntimeError naming the fix when numba cannot load NVVM to compile for a GPU.
 
     Loading it is what the first compile does anyway (numba's own error says to
     use conda); a failure here would fail there too.
     """
-    if _NVVM_FOUND:
-        return
     from numba.cuda.cudadrv import nvvm
     try:
         nvvm.NVVM()
     except Exception as error:  # numba raises NvvmSupportError, numba-cuda its library finder's errors
         raise RuntimeError(f"{NVVM_MISSING} ({type(error).__name__}: {error})") from error
-    _NVVM_FOUND.append(True)
 
 
 def _retarget(fn):

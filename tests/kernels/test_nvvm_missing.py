@@ -22,7 +22,9 @@ class FakeNVVM:
 @pytest.fixture
 def real_gpu_target(monkeypatch):
     monkeypatch.setattr(numba.config, "ENABLE_CUDASIM", 0)
-    monkeypatch.setattr(_dual, "_NVVM_FOUND", [])
+    _dual.require_nvvm.cache_clear()
+    yield
+    _dual.require_nvvm.cache_clear()
 
 
 def test_first_kernel_without_nvvm_names_the_extras(monkeypatch, real_gpu_target):
