@@ -7,7 +7,7 @@ class CompressionStats:
 
     FIELDS = ("tensors_compressed", "tensors_passed_through", "bytes_uncompressed", "bytes_sent",
               "encode_seconds", "wait_seconds", "decode_seconds",
-              "tensors_two_stage", "bytes_sent_first_stage", "bytes_sent_second_stage")
+              "tensors_two_stage", "bytes_sent_first_stage", "bytes_sent_second_stage", "tensors_nonfinite")
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -43,6 +43,10 @@ class CompressionStats:
         owners, ``bytes_sent_second_stage`` its re-encoded sums (both are in
         ``bytes_sent`` too). ``exchanges`` maps each compressed tensor's name
         to the exchange it used last.
+
+        ``tensors_nonfinite``: compressed results that held inf or NaN (on
+        every rank alike; a loss scaler skips such steps). The step left the
+        error-feedback residuals as they were before it.
         """
         with self._lock:
             stats = dict(self._counts)

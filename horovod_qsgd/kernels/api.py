@@ -202,7 +202,12 @@ def randomk_indices(n, k, base, *, gpu=False):
 
 
 def randomk_gather(x, residual, values, *, base, error_feedback, half, factor):
-    """values[j] = sent value of stratum j (float32; fp16-rounded when half)."""
+    """values[j] = sent value of stratum j (float32; fp16-rounded when half).
+
+    If acc (x, or x + residual with error feedback) holds inf or NaN anywhere,
+    values[0] is NaN: the allreduced sum is then non-finite on every rank, as
+    an uncompressed one would be, wherever the strata fell.
+    """
     gpu = on_cuda(x, residual, values)
     if values.size == 0:
         return
@@ -215,10 +220,12 @@ def randomk_gather(x, residual, values, *, base, error_feedback, half, factor):
         if ef:
             _dev.accumulate(x, r)
         _sel.randomk_gather_kernel[values.size](x, r, ef, half, f, base, values)
+        _sel.poison_if_nonfinite_kernel[r.size](r, values)
     else:
         if ef:
             cpu_launch(_sel.ef_accumulate_cpu, x.size, x, r)
         cpu_launch(_sel.randomk_gather_cpu, values.size, x, r, ef, half, f, base, values)
+        cpu_launch(_sel.poison_if_nonfinite_cpu, r.size, r, values)
 
 
 def narrow_f16(values, out_u16):

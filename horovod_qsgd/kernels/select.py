@@ -31,6 +31,8 @@ CHUNK = 1 << 16
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _ZERO64 = np.float64(0.0)
 _S32 = np.uint64(32)
+_FLT_MAX = np.float32(np.finfo(np.float32).max)
+_NAN32 = np.float32(np.nan)
 
 
 # ------------------------------------------------------------------ cores --
@@ -282,6 +284,15 @@ def randomk_gather(x, r, ef, half, factor, n, k, j, base, vals):
 
 
 @core
+def nonfinite_count(xs):
+    """Number of inf and NaN entries of xs (a NaN fails every comparison)."""
+    count = 0
+    for j in range(xs.size):
+        count += 0 if abs(xs[j]) <= _FLT_MAX else 1
+    return count
+
+
+@core
 def randomk_scatter(vals, n, k, j, base, out):
     i = stratum_index(n, k, j, base)
     out[i] = out[i] + vals[j]
@@ -440,6 +451,13 @@ def randomk_gather_cpu(x, r, ef, half, factor, base, vals):
 
 
 @cpu_launcher
+def poison_if_nonfinite_cpu(src, vals):
+    for c in numba.prange((src.size + CHUNK - 1) // CHUNK):
+        if nonfinite_count(src[c * CHUNK:min(src.size, (c + 1) * CHUNK)]):
+            vals[0] = _NAN32  # every chunk that writes writes the same value
+
+
+@cpu_launcher
 def randomk_scatter_payload_cpu(vals, meta, seed_w, purpose, out):
     base = payload_stream_base(meta, seed_w, purpose)
     n = out.size
@@ -491,6 +509,13 @@ def randomk_gather_kernel(x, r, ef, half, factor, base, vals):
     j = cuda.grid(1)  # noqa: F821
     if j < vals.size:
         randomk_gather(x, r, ef, half, factor, x.size, vals.size, j, base, vals)
+
+
+@cuda_kernel
+def poison_if_nonfinite_kernel(src, vals):
+    i = cuda.grid(1)  # noqa: F821
+    if i < src.size and not (abs(src[i]) <= _FLT_MAX):
+        vals[0] = _NAN32  # every thread that writes writes the same value
 
 
 @cuda_kernel

@@ -76,7 +76,7 @@ class PayloadCompressor(CompressorBase):
 
     @adapter_method
     def compress(self, tensor):
-        step = self._begin(tensor)
+        step, tensor = self._begin(tensor)
         if step is None:
             return self._pass_through(tensor)
         stats = self._runtime.stats
@@ -120,26 +120,32 @@ class PayloadCompressor(CompressorBase):
             slices.set_shape([None])
             splits.set_shape([num_ranks])
             own.set_shape([stage.owned[1] - stage.owned[0]])
+            pending = []
             if residual_var is not None:
                 outputs[3].set_shape(step.flat.shape)
-                residual_var.assign(outputs[3])
+                pending.append((residual_var, outputs[3]))
             step.variable.assign_add(1)
             received, _ = hvd.alltoall(slices, splits=splits, name=op_name(PAYLOAD_PREFIX + step.name),
                                        process_set=process_set)
             return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
-                                         step=step.value, stage=stage, own=own, process_set=process_set)
+                                                step=step.value, stage=stage, own=own, process_set=process_set,
+                                                pending=pending)
 
         def on_encoded(nbytes, seconds):
             stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
                       bytes_sent=nbytes + placeholder_nbytes)
 
         encode = payload_encoder(self.codec, rank_key(step.name, rank), step.numel, on_encoded)
-        payload = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
+        payload, pending = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
         gathered = hvd.allgather(payload, name=op_name(PAYLOAD_PREFIX + step.name), process_set=process_set)
-        return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered)
+        return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
+                                            pending=pending)
 
     def _second_stage(self, ctx):
-        """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives)."""
+        """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives).
+
+        The owner-side residual's new value joins ``ctx.pending``.
+        """
         stage, stats, refusals = ctx.stage, self._runtime.stats, self._runtime.refusals
         owner_var = None
         if self.error_feedback:
@@ -172,7 +178,7 @@ class PayloadCompressor(CompressorBase):
                                                    [tf.uint8, tf.float32], stateful=False,
                                                    name="horovod_qsgd_encode_sum")
             new_owner.set_shape(owner_var.shape)
-            owner_var.assign(new_owner)
+            ctx.pending.append((owner_var, new_owner))
         payload.set_shape([None])
         return hvd.allgather(payload, name=op_name(SECOND_STAGE_PREFIX + ctx.name), process_set=ctx.process_set)
 
@@ -199,10 +205,10 @@ class PayloadCompressor(CompressorBase):
             if scale != 1.0:
                 total *= np.float32(scale)
             stats.add(decode_seconds=time.perf_counter() - start)
-            return total
+            return total, self._finite_flag(total)
 
-        total = tf.numpy_function(decode, [gathered, tensor], tf.float32, stateful=False,
-                                  name="horovod_qsgd_decode")
+        total = self.settle(ctx, tf.numpy_function(decode, [gathered, tensor], [tf.float32, tf.bool],
+                                                   stateful=False, name="horovod_qsgd_decode"))
         result = tf.reshape(total, ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
 
@@ -398,7 +404,7 @@ class RandomK(CompressorBase):
 
     @adapter_method
     def compress(self, tensor):
-        step = self._begin(tensor)
+        step, tensor = self._begin(tensor)
         if step is None:
             return self._pass_through(tensor)
         stats = self._runtime.stats
@@ -413,11 +419,11 @@ class RandomK(CompressorBase):
         # The codec returns fp32 values, fp16-rounded with value_dtype="float16"; those are sent as fp16
         # (an exact cast), as horovod_qsgd.torch.RandomK sends them: the same bytes in both frameworks.
         gather = values_gatherer(self.codec, tensor_key(step.name), on_gathered)
-        values = self._on_host(step, gather, tf.float32, "horovod_qsgd_gather")
+        values, pending = self._on_host(step, gather, tf.float32, "horovod_qsgd_gather")
         if half:
             values = tf.cast(values, tf.float16)
         return values, ExchangeContext(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
-                                step=step.value)
+                                       step=step.value, pending=pending)
 
     @adapter_method
     def decompress(self, tensor, ctx):
@@ -432,10 +438,10 @@ class RandomK(CompressorBase):
             codec.scatter_accumulate(np.ascontiguousarray(values, dtype=np.float32), total,
                                      step=int(step_value), key=key)
             stats.add(decode_seconds=time.perf_counter() - start)
-            return total
+            return total, self._finite_flag(total)
 
-        total = tf.numpy_function(scatter, [tensor, ctx.step], tf.float32, stateful=False,
-                                  name="horovod_qsgd_scatter")
+        total = self.settle(ctx, tf.numpy_function(scatter, [tensor, ctx.step], [tf.float32, tf.bool],
+                                                   stateful=False, name="horovod_qsgd_scatter"))
         result = tf.reshape(total, ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
 

@@ -73,12 +73,14 @@ class _Step:
 
 class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
-    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "stage", "own", "process_set")
+    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "stage", "own", "process_set", "pending")
 
     def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, stage=None, own=None,
-                 process_set=None):
+                 process_set=None, pending=()):
         self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
         self.gathered, self.step = gathered, step
+        # [(state variable, its value after this step)], assigned by settle() if the result is finite
+        self.pending = list(pending)
         # two-stage exchange: gathered holds the first stage's received slices, own this rank's own chunk
         self.stage, self.own, self.process_set = stage, own, process_set
 
@@ -250,6 +252,14 @@ class CompressorBase(tf.Module):
                 residual = np.asarray(entry["residual"], dtype=np.float32)
                 self._residual_variable(name, residual.size).assign(residual)
 
+    def rescale_residuals(self, factor):
+        """Multiplies every error-feedback residual by ``factor`` (a float or a scalar tensor; works in
+        ``tf.function``): call it with new / old loss scale when a loss scaler changes its scale (see
+        ``horovod_qsgd.torch``'s twin), so that residual and gradient stay in the same units."""
+        factor = tf.cast(factor, tf.float32)
+        for variable in list(self._residuals.values()) + list(self._owner_residuals.values()):
+            variable.assign(variable * factor)
+
     # -- statistics -------------------------------------------------------------------------
     def compression_stats(self, reset=False):
         """Counters since the last reset: tensors, bytes before and after, encode/decode seconds.
@@ -265,7 +275,7 @@ class CompressorBase(tf.Module):
         return stats
 
     def _pass_through(self, tensor):
-        nbytes = tensor.shape.num_elements() * tensor.dtype.size if tensor.shape.is_fully_defined() else 0
+        nbytes = tensor.shape.num_elements() * tensor.dtype.size if tensor.shape.is_fully_defined() else None
         if tf.executing_eagerly():
             self._runtime.stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
         else:
@@ -275,39 +285,72 @@ class CompressorBase(tf.Module):
             counter = _PassThroughCounter(nbytes)
             self._runtime.pass_through_counters.append(counter)
             counter.variable.assign_add(1)
+            if nbytes is None:  # no static shape: counted at its run-time size
+                counter.bytes_variable.assign_add(tf.cast(tf.size(tensor), tf.int64) * tensor.dtype.size)
         return tensor, PASS_THROUGH
 
     def _begin(self, tensor):
-        """The step being compressed (site, name, numel, step counter), or None to pass ``tensor`` through."""
-        site, name = self._prepare(tensor)
+        """(the step being compressed, or None to pass the tensor through; the tensor, shaped like its variable).
+
+        A gradient without a static shape (``sparse_as_dense=True`` turns an
+        embedding's IndexedSlices into one) takes its variable's shape, checked at run time.
+        """
+        site, name, tensor = self._prepare(tensor)
         if name is None:
-            return None
+            return None, tensor
         if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
             raise ValueError(
                 f"horovod_qsgd: tensor {name!r} is compressed inside an XLA-compiled function "
                 "(jit_compile=True), which cannot run the codecs' host ops. Compile without XLA: "
                 "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) in Keras.")
         step_var = self._step_variable(name)
-        return _Step(site, name, tensor.shape.num_elements(), step_var, step_var.read_value(), flat_fp32(tensor))
+        return _Step(site, name, tensor.shape.num_elements(), step_var, step_var.read_value(),
+                     flat_fp32(tensor)), tensor
 
     def _on_host(self, step, fn, out_dtype, op_name):
-        """Runs ``fn`` through :func:`host_op`; advances the step counter and the residual variable."""
+        """Runs ``fn`` through :func:`host_op`; advances the step counter.
+
+        Returns (out, pending): the residual variable and its updated value,
+        for :meth:`settle` to assign once the result is known.
+        """
         residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
         out, new_residual = host_op(fn, step.flat, step.value,
                                     None if residual_var is None else residual_var.read_value(),
                                     out_dtype, op_name)
-        if residual_var is not None:
-            residual_var.assign(new_residual)
         step.variable.assign_add(1)
-        return out
+        return out, [] if residual_var is None else [(residual_var, new_residual)]
+
+    def settle(self, ctx, total):
+        """The decoded fp32 ``total`` of ctx's tensor, after its host fn (``total``, a finite flag) ran.
+
+        The step's error-feedback state is assigned only where the result is
+        finite; a gradient with inf or NaN on any rank makes it non-finite on
+        every rank alike (see ``horovod_qsgd.torch.compression``), and the
+        state stays as it was before the step, which a loss scaler skips.
+        """
+        total, finite = total
+        for variable, new_value in ctx.pending:
+            variable.assign(tf.where(finite, new_value, variable.read_value()))
+        return total
+
+    def _finite_flag(self, total):
+        """A host fn's verdict on its decoded result (counted in the statistics when it is not finite)."""
+        finite = bool(np.isfinite(total).all())
+        if not finite:
+            self._runtime.stats.add(tensors_nonfinite=1)
+        return np.bool_(finite)
 
     def _prepare(self, tensor):
         site = find_call_site(tensor, None, hvd.global_process_set)
         self._handshake(site.process_set)
+        variable_shape = None if site.variable is None else site.variable.shape
+        if (not tensor.shape.is_fully_defined() and variable_shape is not None and variable_shape.is_fully_defined()
+                and tensor.shape.is_compatible_with(variable_shape)):
+            tensor = tf.ensure_shape(tensor, variable_shape)
         if self._passes_through(tensor):
-            return site, None
+            return site, None, tensor
         self._check_site(site)
-        return site, self._state_name(site)
+        return site, self._state_name(site), tensor
 
 
 class _Runtime:
@@ -325,18 +368,23 @@ class _Runtime:
 
 
 class _PassThroughCounter:
+    """Calls of one traced pass-through, and their bytes: ``nbytes`` each, or (None) counted at run time."""
+
     def __init__(self, nbytes):
         self.nbytes = nbytes
         self.variable = _new_variable(np.int64(0), "horovod_qsgd_pass_through", tf.int64)
-        self.baseline = 0
+        self.bytes_variable = None if nbytes is not None else _new_variable(
+            np.int64(0), "horovod_qsgd_pass_through_bytes", tf.int64)
+        self.baseline = self.bytes_baseline = 0
 
     def add_to(self, stats, reset):
         count = int(self.variable.numpy())
-        calls = count - self.baseline
+        total_bytes = count * self.nbytes if self.bytes_variable is None else int(self.bytes_variable.numpy())
+        calls, nbytes = count - self.baseline, total_bytes - self.bytes_baseline
         if reset:
-            self.baseline = count
+            self.baseline, self.bytes_baseline = count, total_bytes
         stats = dict(stats)
         stats["tensors_passed_through"] += calls
-        stats["bytes_uncompressed"] += calls * self.nbytes
-        stats["bytes_sent"] += calls * self.nbytes
+        stats["bytes_uncompressed"] += nbytes
+        stats["bytes_sent"] += nbytes
         return stats

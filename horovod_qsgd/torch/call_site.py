@@ -40,7 +40,10 @@ def _from_optimizer(owner, param):
     name = owner._parameter_names.get(param)
     if name is None:
         return None
-    return CallSite(name, owner.op, owner.process_set, result_replaces_input=True)
+    # Horovod's Adasum optimizer (op=hvd.Adasum) is the one distributed optimizer without .op and
+    # .process_set: it always reduces with Adasum, over all ranks.
+    return CallSite(name, getattr(owner, "op", hvd.Adasum), getattr(owner, "process_set", hvd.global_process_set),
+                    result_replaces_input=True)
 
 
 def _from_mpi_ops(code_name, local_vars, element):
@@ -87,3 +90,9 @@ def find_call_site(tensor):
 def check_site(site):
     """Raises unless a payload can be exchanged for this call: it needs a name and a summing op."""
     check_compressible(site.name, site.op == hvd.Adasum)
+
+
+def refuse_adasum(site):
+    """Raises UnsupportedCollectiveError for an Adasum reduction, whatever the tensor, before any collective."""
+    if site.op == hvd.Adasum:
+        check_compressible(site.name or "(unnamed)", True)

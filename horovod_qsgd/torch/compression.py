@@ -47,7 +47,7 @@ from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import (TwoStage, check_exchange, choose_exchange, owner_layout_changed,
                                            qsgd_codecs)
 from horovod_qsgd.torch.arrays import as_array, kernel_stream
-from horovod_qsgd.torch.call_site import check_site, find_call_site
+from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 _PASS_THROUGH = object()
@@ -80,12 +80,20 @@ class _TensorState:
 
 
 class _InFlight:
-    __slots__ = ("handle", "name", "shape", "dtype", "num_ranks", "step", "out")
+    """A compressed tensor between ``compress`` and ``decompress``.
 
-    def __init__(self, handle, name, shape, dtype, num_ranks, step, out):
+    ``residual`` and ``owner_residual`` are this step's updated error-feedback
+    state, kept aside until the result shows whether the step counts (see
+    ``_settle``); ``state`` holds what the last counted step left.
+    """
+    __slots__ = ("handle", "name", "shape", "dtype", "num_ranks", "step", "out", "state", "residual",
+                 "owner_residual")
+
+    def __init__(self, handle, name, shape, dtype, num_ranks, step, out, state=None, residual=None):
         self.handle, self.name, self.shape, self.dtype = handle, name, shape, dtype
         self.num_ranks, self.step = num_ranks, step
         self.out = out  # flat fp32 memory to decode into, or None for a new tensor
+        self.state, self.residual, self.owner_residual = state, residual, None
 
     def zeroed_output(self, device):
         """Zeros to accumulate the decoded payloads in.
@@ -116,6 +124,7 @@ class _CompressorBase:
         self._verified_process_sets = set()
         self._lock = threading.Lock()
         self._stats = CompressionStats()
+        self._nonfinite_on_device = {}  # device -> int64 count of non-finite results (no host read per tensor)
 
     # -- settings ---------------------------------------------------------------------------
     def settings(self):
@@ -173,12 +182,33 @@ class _CompressorBase:
                                            t.get("owner_layout"))
                         for name, t in state["tensors"].items()}
 
+    def rescale_residuals(self, factor):
+        """Multiplies every error-feedback residual by ``factor`` (a float or a 0-d tensor).
+
+        A loss scaler hands the compressor *scaled* gradients, so residuals
+        are kept in the scale of their step. When the scale changes
+        (``GradScaler.update()`` halves it after an overflow and doubles it
+        after ``growth_interval`` good steps), call this with new / old scale;
+        otherwise the mass a residual holds counts once at the wrong scale.
+        """
+        for state in list(self._states.values()):
+            for residual in (state.residual, state.owner_residual):
+                if residual is not None:
+                    residual.mul_(factor)
+
     # -- statistics -------------------------------------------------------------------------
     def compression_stats(self, reset=False):
         """Counters since the last reset: tensors, bytes before and after, encode/decode seconds.
 
         Log it once per step with ``reset=True`` to get per-step numbers.
+        ``tensors_nonfinite`` counts compressed results that held inf or NaN
+        (steps a loss scaler skips; their error-feedback state was kept).
         """
+        with self._lock:
+            counters = list(self._nonfinite_on_device.values())
+        for counter in counters:
+            self._stats.add(tensors_nonfinite=int(counter.item()))
+            counter.zero_()
         return self._stats.snapshot(reset)
 
     def _pass_through(self, tensor):
@@ -195,6 +225,8 @@ class _CompressorBase:
     # -- Horovod's Compression interface ------------------------------------------------------
     def compress(self, tensor):
         site = find_call_site(tensor)
+        # On every rank at its first tensor, before the handshake's collective: no rank waits for another.
+        refuse_adasum(site)
         self._handshake(site.process_set)
         if self._passes_through(tensor):
             return self._pass_through(tensor)
@@ -202,10 +234,12 @@ class _CompressorBase:
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
         state = self._state(site.name, flat.numel(), tensor.device, self.error_feedback)
+        # The step updates a copy: the state changes only once the result shows the step counts (_settle).
+        residual = None if state.residual is None else state.residual.clone()
         with kernel_stream(tensor.device):
-            sent, handle, nbytes = self._encode(tensor, flat, site, state)
+            sent, handle, nbytes = self._encode(tensor, flat, site, state.step, residual)
         out = flat if site.result_replaces_input and flat.data_ptr() == tensor.data_ptr() else None
-        ctx = self._make_context(handle, site, tensor, state, out)
+        ctx = self._make_context(handle, site, tensor, state, out, residual)
         state.step += 1
         self._stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
                         bytes_uncompressed=tensor.numel() * tensor.element_size(), bytes_sent=nbytes)
@@ -219,17 +253,52 @@ class _CompressorBase:
         with kernel_stream(tensor.device):
             received = self._receive(ctx)
             received_at = time.perf_counter()
-            result = self._decode(tensor, ctx, received).view(ctx.shape).to(ctx.dtype)
+            total = self._decode(tensor, ctx, received)
+            self._settle(ctx, total)
+            result = total.view(ctx.shape).to(ctx.dtype)
         self._stats.add(wait_seconds=received_at - start, decode_seconds=time.perf_counter() - received_at)
         return result
 
-    def _encode(self, tensor, flat, site, state):
-        """Returns (tensor for the optimizer's allreduce, collective handle or None, bytes sent)."""
+    def _encode(self, tensor, flat, site, step, residual):
+        """Returns (tensor for the optimizer's allreduce, collective handle or None, bytes sent).
+
+        ``residual``: this step's copy of the error-feedback residual (None without), updated in place.
+        """
         raise NotImplementedError
 
-    def _make_context(self, handle, site, tensor, state, out):
+    def _make_context(self, handle, site, tensor, state, out, residual):
         """What ``decompress`` gets back from ``compress``."""
-        return _InFlight(handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out)
+        return _InFlight(handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out,
+                         state, residual)
+
+    def _settle(self, ctx, total):
+        """Keeps the step's error-feedback state if its result ``total`` is finite, else the state before it.
+
+        A gradient with inf or NaN on any rank (a loss-scale overflow) makes
+        the decoded result non-finite on every rank: QSGD gives the bucket a
+        NaN scale, top-k sends non-finite values first, random-k sets its
+        first value to NaN. Every rank decodes the same bits, so every rank
+        decides alike, without a collective; the loss scaler skips the step
+        and nothing of it stays in the residuals. On a GPU the choice is
+        made on the device (no host read).
+        """
+        finite = torch.isfinite(total).all()
+        updates = [(attr, new) for attr, new in (("residual", ctx.residual), ("owner_residual", ctx.owner_residual))
+                   if new is not None]
+        if total.is_cuda:
+            for attr, new in updates:
+                setattr(ctx.state, attr, torch.where(finite, new, getattr(ctx.state, attr)))
+            with self._lock:
+                counter = self._nonfinite_on_device.get(total.device)
+                if counter is None:
+                    counter = self._nonfinite_on_device[total.device] = torch.zeros(
+                        (), dtype=torch.int64, device=total.device)
+            counter.add_(torch.logical_not(finite).to(torch.int64))
+        elif finite.item():
+            for attr, new in updates:
+                setattr(ctx.state, attr, new)
+        else:
+            self._stats.add(tensors_nonfinite=1)
 
     def _receive(self, ctx):
         """Waits for what ``_encode`` started besides the optimizer's allreduce; returns its result."""
@@ -265,11 +334,11 @@ class _FirstStage:
 
 class _TwoStageInFlight(_InFlight):
     """A tensor between its first-stage alltoall and the end of its second-stage allgather."""
-    __slots__ = ("stage", "own", "process_set", "state", "second_handle")
+    __slots__ = ("stage", "own", "process_set", "second_handle")
 
-    def __init__(self, handle, name, shape, dtype, num_ranks, step, out, stage, own, process_set, state):
-        super().__init__(handle, name, shape, dtype, num_ranks, step, out)
-        self.stage, self.process_set, self.state = stage, process_set, state
+    def __init__(self, handle, name, shape, dtype, num_ranks, step, out, stage, own, process_set, state, residual):
+        super().__init__(handle, name, shape, dtype, num_ranks, step, out, state, residual)
+        self.stage, self.process_set = stage, process_set
         self.own = own  # this rank's own chunk, uncompressed: the start of the owner's sum
         self.second_handle = None
 
@@ -293,28 +362,27 @@ class PayloadCompressor(_CompressorBase):
     def _key(self, name, process_set):
         return rank_key(name, process_set.rank())
 
-    def _encode(self, tensor, flat, site, state):
+    def _encode(self, tensor, flat, site, step, residual):
         num_ranks = site.process_set.size()
         exchange = "allgather" if self.second_codec is None else choose_exchange(
             self.exchange, self.codec, self.second_codec, flat.numel(), num_ranks)
         self._stats.note_exchange(site.name, exchange)
         if exchange == "two_stage" and num_ranks > 1:
-            return self._encode_two_stage(tensor, flat, site, state)
+            return self._encode_two_stage(tensor, flat, site, step, residual)
         out = torch.zeros(self.codec.max_payload_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device)
-        nbytes = self.codec.encode(as_array(flat), as_array(out), step=state.step,
+        nbytes = self.codec.encode(as_array(flat), as_array(out), step=step,
                                    key=self._key(site.name, site.process_set),
-                                   residual=None if state.residual is None else as_array(state.residual))
+                                   residual=None if residual is None else as_array(residual))
         handle = hvd.allgather_async(out[:nbytes], name=PAYLOAD_PREFIX + site.name,
                                      process_set=site.process_set)
         placeholder = self._placeholder(tensor)
         return placeholder, handle, nbytes + placeholder.element_size()
 
-    def _encode_two_stage(self, tensor, flat, site, state):
+    def _encode_two_stage(self, tensor, flat, site, step, residual):
         stage = TwoStage(self.codec, self.second_codec, site.name, flat.numel(), site.process_set.size(),
                          site.process_set.rank())
         out = torch.zeros(stage.send_capacity(), dtype=torch.uint8, device=flat.device)
-        residual = state.residual
-        splits = stage.encode_for_owners(as_array(flat), as_array(out), state.step,
+        splits = stage.encode_for_owners(as_array(flat), as_array(out), step,
                                          None if residual is None else as_array(residual))
         used = sum(splits)
         # This rank's own chunk stays uncompressed: its gradient, plus (top-k) the residual it had there.
@@ -329,11 +397,11 @@ class PayloadCompressor(_CompressorBase):
         self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used)
         return placeholder, _FirstStage(handle, stage, own), used + placeholder.element_size()
 
-    def _make_context(self, handle, site, tensor, state, out):
+    def _make_context(self, handle, site, tensor, state, out, residual):
         if not isinstance(handle, _FirstStage):
-            return super()._make_context(handle, site, tensor, state, out)
+            return super()._make_context(handle, site, tensor, state, out, residual)
         ctx = _TwoStageInFlight(handle.handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(),
-                               state.step, out, handle.stage, handle.own, site.process_set, state)
+                               state.step, out, handle.stage, handle.own, site.process_set, state, residual)
         with self._lock:
             self._awaiting_second_stage.append(ctx)
         return ctx
@@ -364,7 +432,7 @@ class PayloadCompressor(_CompressorBase):
                 used = out.numel()
             else:
                 out = torch.zeros(ctx.stage.owned_capacity(), dtype=torch.uint8, device=total.device)
-                owner_residual = self._owner_residual(ctx, total)
+                owner_residual = ctx.owner_residual = self._owner_residual(ctx, total)
                 used = ctx.stage.encode_owned(as_array(total), as_array(out), ctx.step,
                                               None if owner_residual is None else as_array(owner_residual))
             ctx.second_handle = hvd.allgather_async(out[:used], name=SECOND_STAGE_PREFIX + ctx.name,
@@ -374,7 +442,8 @@ class PayloadCompressor(_CompressorBase):
             raise refused
 
     def _owner_residual(self, ctx, total):
-        """The owner-side residual of ctx's tensor (error feedback only), reset if the ranks changed."""
+        """This step's copy of the owner-side residual of ctx's tensor (error feedback only), reset if the
+        ranks changed."""
         if not self.error_feedback:
             return None
         state, layout = ctx.state, [ctx.stage.num_ranks, ctx.stage.rank]
@@ -384,7 +453,7 @@ class PayloadCompressor(_CompressorBase):
         if state.owner_residual is None:
             state.owner_residual = torch.zeros_like(total)
             state.owner_layout = layout
-        return state.owner_residual
+        return state.owner_residual.clone()
 
     def _receive(self, ctx):
         if isinstance(ctx, _TwoStageInFlight):
@@ -601,10 +670,10 @@ class RandomK(_CompressorBase):
         super().__init__(RandomKCodec(ratio=ratio, seed=seed, value_dtype=value_dtype,
                                       error_feedback=error_feedback, rescale=rescale), min_numel)
 
-    def _encode(self, tensor, flat, site, state):
+    def _encode(self, tensor, flat, site, step, residual):
         values = torch.as_tensor(self.codec.gather(
-            as_array(flat), step=state.step, key=tensor_key(site.name),
-            residual=None if state.residual is None else as_array(state.residual)), device=flat.device)
+            as_array(flat), step=step, key=tensor_key(site.name),
+            residual=None if residual is None else as_array(residual)), device=flat.device)
         if self.codec.value_dtype == "float16":
             values = values.half()  # exact: the codec rounded them to fp16; the allreduce sums in fp16
         return values, None, values.numel() * values.element_size()

@@ -39,6 +39,24 @@ def test_adasum_is_refused(hvd_torch):
 
 
 @pytest.mark.ranks(2, timeout=120)
+def test_adasum_optimizer_is_refused_on_every_rank(hvd_torch):
+    import torch
+    from horovod_qsgd.common.errors import UnsupportedCollectiveError
+    from horovod_qsgd.torch import QSGD, TopK
+    hvd = hvd_torch
+    for compressor in (QSGD(), TopK()):
+        model = torch.nn.Linear(200, 100)  # 20,000 weights to compress, 100 biases to pass through
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(), op=hvd.Adasum,
+                                             compression=compressor)
+        # Horovod's Adasum optimizer used to meet an AttributeError ('SGD' object has no attribute 'op')
+        with pytest.raises(UnsupportedCollectiveError, match="Adasum"):
+            model(torch.ones(4, 200)).sum().backward()
+        del optimizer
+    assert hvd.allreduce(torch.ones(3), name="after", op=hvd.Sum).tolist() == [2.0] * 3  # nothing left waiting
+
+
+@pytest.mark.ranks(2, timeout=120)
 def test_allreduce_without_name_is_refused_for_compressed_tensors(hvd_torch):
     import torch
     from horovod_qsgd.torch import QSGD
