@@ -15,12 +15,13 @@ from horovod_qsgd.torch.compression import QSGD, RandomK, TopK  # noqa: E402
 from horovod_qsgd.codecs.header import PayloadError  # noqa: E402
 from horovod_qsgd.common.errors import CompressionMismatchError, UnsupportedCollectiveError  # noqa: E402
 from horovod_qsgd.kernels import cpu_threads, set_cpu_threads  # noqa: E402
+from horovod_qsgd.torch.join import Join  # noqa: E402
 from horovod_qsgd.torch.swarm import SwarmOptimizer  # noqa: E402
 
 #: Horovod's own compressors, re-exported so a comparison needs one import.
 NoCompression = _hvd.Compression.none
 FP16 = _hvd.Compression.fp16
 
-__all__ = ["QSGD", "TopK", "RandomK", "FP16", "NoCompression", "SwarmOptimizer",
+__all__ = ["QSGD", "TopK", "RandomK", "FP16", "NoCompression", "Join", "SwarmOptimizer",
            "CompressionMismatchError", "UnsupportedCollectiveError", "PayloadError",
            "set_cpu_threads", "cpu_threads"]
