@@ -188,6 +188,17 @@ def elias_error(counters, nb):
     return None
 
 
+# ---------------------------------------------------------------- checks --
+
+def all_finite(x):
+    """True if the host float32 array ``x`` holds no inf or NaN: one vectorised pass on the CPU's threads
+    (numpy's isfinite().all() writes a bool per element first: 2-5x slower on 25M elements)."""
+    counts = np.zeros(-(-x.size // _sel.CHUNK), np.int64)
+    if counts.size:
+        cpu_launch(_sel.nonfinite_counts_cpu, x.size, x, counts)
+    return not counts.any()
+
+
 # --------------------------------------------------------------- random-k --
 
 def randomk_indices(n, k, base, *, gpu=False):

@@ -458,6 +458,12 @@ def poison_if_nonfinite_cpu(src, vals):
 
 
 @cpu_launcher
+def nonfinite_counts_cpu(src, counts):
+    for c in numba.prange(counts.size):
+        counts[c] = nonfinite_count(src[c * CHUNK:min(src.size, (c + 1) * CHUNK)])
+
+
+@cpu_launcher
 def randomk_scatter_payload_cpu(vals, meta, seed_w, purpose, out):
     base = payload_stream_base(meta, seed_w, purpose)
     n = out.size

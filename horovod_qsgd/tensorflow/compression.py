@@ -124,12 +124,11 @@ class PayloadCompressor(CompressorBase):
             if residual_var is not None:
                 outputs[3].set_shape(step.flat.shape)
                 pending.append((residual_var, outputs[3]))
-            step.variable.assign_add(1)
             received, _ = hvd.alltoall(slices, splits=splits, name=op_name(PAYLOAD_PREFIX + step.name),
                                        process_set=process_set)
             return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
-                                                step=step.value, stage=stage, own=own, process_set=process_set,
-                                                pending=pending)
+                                                step=step.value, step_variable=step.variable, stage=stage, own=own,
+                                                process_set=process_set, pending=pending)
 
         def on_encoded(nbytes, seconds):
             stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
@@ -139,7 +138,7 @@ class PayloadCompressor(CompressorBase):
         payload, pending = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
         gathered = hvd.allgather(payload, name=op_name(PAYLOAD_PREFIX + step.name), process_set=process_set)
         return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
-                                            pending=pending)
+                                            step=step.value, step_variable=step.variable, pending=pending)
 
     def _second_stage(self, ctx):
         """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives).
@@ -207,7 +206,7 @@ class PayloadCompressor(CompressorBase):
             stats.add(decode_seconds=time.perf_counter() - start)
             return total, self._finite_flag(total)
 
-        total = self.settle(ctx, tf.numpy_function(decode, [gathered, tensor], [tf.float32, tf.bool],
+        total = self._settle(ctx, tf.numpy_function(decode, [gathered, tensor], [tf.float32, tf.bool],
                                                    stateful=False, name="horovod_qsgd_decode"))
         result = tf.reshape(total, ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
@@ -423,7 +422,7 @@ class RandomK(CompressorBase):
         if half:
             values = tf.cast(values, tf.float16)
         return values, ExchangeContext(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
-                                       step=step.value, pending=pending)
+                                       step=step.value, step_variable=step.variable, pending=pending)
 
     @adapter_method
     def decompress(self, tensor, ctx):
@@ -440,7 +439,7 @@ class RandomK(CompressorBase):
             stats.add(decode_seconds=time.perf_counter() - start)
             return total, self._finite_flag(total)
 
-        total = self.settle(ctx, tf.numpy_function(scatter, [tensor, ctx.step], [tf.float32, tf.bool],
+        total = self._settle(ctx, tf.numpy_function(scatter, [tensor, ctx.step], [tf.float32, tf.bool],
                                                    stateful=False, name="horovod_qsgd_scatter"))
         result = tf.reshape(total, ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)

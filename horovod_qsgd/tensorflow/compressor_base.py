@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
@@ -27,6 +28,7 @@ from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
 from horovod_qsgd.common.two_stage import owner_layout_changed
+from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.host_ops import flat_fp32, host_op
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
@@ -52,6 +54,22 @@ def _new_variable(initial_value, name, dtype):
         return ResourceVariable(initial_value, name=op_name(name), dtype=dtype, trainable=False)
 
 
+def in_legacy_graph():
+    """True while ops are built for a ``tf.compat.v1`` graph that a Session runs (also inside a
+    ``tf.function`` called there, as Horovod's legacy optimizer does): its variables have no value outside
+    the Session, and a plain v1 graph runs a state change only if what the Session fetches depends on it."""
+    with tf.init_scope():
+        return not tf.executing_eagerly()
+
+
+def _eager_value(variable):
+    """The variable's value (numpy), or None for a variable of a ``tf.compat.v1`` graph (only a Session reads it)."""
+    if not isinstance(variable.handle, ops.EagerTensor):
+        return None
+    with context.eager_mode():
+        return variable.numpy()
+
+
 def adapter_method(method):
     """compress/decompress, never converted by autograph.
 
@@ -73,13 +91,14 @@ class _Step:
 
 class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
-    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "stage", "own", "process_set", "pending")
+    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "stage", "own",
+                 "process_set", "pending")
 
-    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, stage=None, own=None,
-                 process_set=None, pending=()):
+    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, stage=None,
+                 own=None, process_set=None, pending=()):
         self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
-        self.gathered, self.step = gathered, step
-        # [(state variable, its value after this step)], assigned by settle() if the result is finite
+        self.gathered, self.step, self.step_variable = gathered, step, step_variable
+        # [(state variable, its value after this step)], assigned by _settle() if the result is finite
         self.pending = list(pending)
         # two-stage exchange: gathered holds the first stage's received slices, own this rank's own chunk
         self.stage, self.own, self.process_set = stage, own, process_set
@@ -152,7 +171,7 @@ class CompressorBase(tf.Module):
         warn_if_oversubscribed("TensorFlow", intra_op, hvd.local_size(),
                                "TF_NUM_INTRAOP_THREADS={share} and TF_NUM_INTEROP_THREADS=1 in the environment "
                                "(or tf.config.threading.set_intra_op_parallelism_threads({share}))")
-        with tf.init_scope():
+        with context.eager_mode():  # also while a tf.compat.v1 graph is built, where init_scope stays in it
             self._check_restored_settings()
 
             def allgather(array, name):
@@ -162,7 +181,10 @@ class CompressorBase(tf.Module):
         self._runtime.verified_process_sets.add(key)
 
     def _check_restored_settings(self):
-        restored = self._settings.numpy().decode("utf-8")
+        restored = _eager_value(self._settings)
+        if restored is None:  # a tf.compat.v1 graph's variable: a Session restores it after this check
+            return
+        restored = restored.decode("utf-8")
         if restored != self._settings_json():
             raise ValueError(f"horovod_qsgd: the checkpoint was written by {restored}, this compressor is "
                              f"{self._settings_json()}; build it with the same arguments.")
@@ -210,7 +232,12 @@ class CompressorBase(tf.Module):
         """The owner-side residual variable of a tensor; recreated (with a warning) for another rank count."""
         with self._runtime.lock, tf.init_scope():
             var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
-            saved = None if layout_var is None else [int(v) for v in layout_var.numpy()]
+            saved = None
+            if layout_var is not None:
+                value = _eager_value(layout_var)
+                # a tf.compat.v1 graph's variable has no value before its Session runs; this process made it
+                # for this rank count, which a process cannot change
+                saved = layout if value is None else [int(v) for v in value]
             if var is not None and (var.shape.num_elements() != size or saved != layout):
                 warnings.warn(owner_layout_changed(name, saved, layout))
                 var = None
@@ -227,8 +254,13 @@ class CompressorBase(tf.Module):
 
         ``tf.train.Checkpoint(compressor=c)`` saves and restores the same
         variables; this is for code that checkpoints with numpy/pickle.
-        Residuals differ between ranks: save each rank's state.
+        Residuals differ between ranks: save each rank's state. In a
+        ``tf.compat.v1`` graph the state lives in graph variables: save it
+        with ``tf.compat.v1.train.Saver`` there.
         """
+        if any(_eager_value(var) is None for var in self._steps.values()):
+            raise RuntimeError("horovod_qsgd: this compressor's state lives in a tf.compat.v1 graph; save and "
+                               "restore it with tf.compat.v1.train.Saver (its variables are global variables).")
         tensors = {name: {"step": int(var.numpy()), "residual": None} for name, var in self._steps.items()}
         for name, var in self._residuals.items():
             tensors.setdefault(name, {"step": 0})["residual"] = var.numpy().copy()
@@ -278,6 +310,19 @@ class CompressorBase(tf.Module):
         nbytes = tensor.shape.num_elements() * tensor.dtype.size if tensor.shape.is_fully_defined() else None
         if tf.executing_eagerly():
             self._runtime.stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
+        elif in_legacy_graph():
+            # No variable to read without a Session: counted by a host op the result depends on.
+            stats, itemsize = self._runtime.stats, tensor.dtype.size
+
+            def count(numel):
+                stats.add(tensors_passed_through=1, bytes_uncompressed=int(numel) * itemsize,
+                          bytes_sent=int(numel) * itemsize)
+                return np.int64(numel)
+
+            counted = tf.numpy_function(count, [tf.size(tensor, out_type=tf.int64)], tf.int64, stateful=True,
+                                        name="horovod_qsgd_count")
+            with tf.control_dependencies([counted]):
+                tensor = tf.identity(tensor)
         else:
             # One counter per traced call site: a variable of its own keeps the gradient's cond branch
             # free of ordering constraints against other gradients (a shared counter would serialize
@@ -308,34 +353,37 @@ class CompressorBase(tf.Module):
                      flat_fp32(tensor)), tensor
 
     def _on_host(self, step, fn, out_dtype, op_name):
-        """Runs ``fn`` through :func:`host_op`; advances the step counter.
+        """Runs ``fn`` through :func:`host_op` (:meth:`_settle` advances the step counter).
 
         Returns (out, pending): the residual variable and its updated value,
-        for :meth:`settle` to assign once the result is known.
+        for :meth:`_settle` to assign once the result is known.
         """
         residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
         out, new_residual = host_op(fn, step.flat, step.value,
                                     None if residual_var is None else residual_var.read_value(),
                                     out_dtype, op_name)
-        step.variable.assign_add(1)
         return out, [] if residual_var is None else [(residual_var, new_residual)]
 
-    def settle(self, ctx, total):
+    def _settle(self, ctx, total):
         """The decoded fp32 ``total`` of ctx's tensor, after its host fn (``total``, a finite flag) ran.
 
-        The step's error-feedback state is assigned only where the result is
-        finite; a gradient with inf or NaN on any rank makes it non-finite on
-        every rank alike (see ``horovod_qsgd.torch.compression``), and the
-        state stays as it was before the step, which a loss scaler skips.
+        Advances the step counter and assigns the step's error-feedback state
+        only where the result is finite: a gradient with inf or NaN on any
+        rank makes it non-finite on every rank alike (see the PyTorch twin,
+        ``_CompressorBase._settle``), and the state stays as it was before
+        the step, which a loss scaler skips.
         """
         total, finite = total
-        for variable, new_value in ctx.pending:
-            variable.assign(tf.where(finite, new_value, variable.read_value()))
-        return total
+        updates = [variable.assign(tf.where(finite, new_value, variable.read_value()))
+                   for variable, new_value in ctx.pending]
+        with tf.control_dependencies([ctx.step]):  # after this step's read: a v1 graph orders nothing by itself
+            updates.append(ctx.step_variable.assign_add(1))
+        with tf.control_dependencies(updates):  # run by a tf.compat.v1 Session too, which fetches only the result
+            return tf.identity(total)
 
     def _finite_flag(self, total):
         """A host fn's verdict on its decoded result (counted in the statistics when it is not finite)."""
-        finite = bool(np.isfinite(total).all())
+        finite = all_finite(total)
         if not finite:
             self._runtime.stats.add(tensors_nonfinite=1)
         return np.bool_(finite)

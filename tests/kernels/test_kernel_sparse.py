@@ -211,3 +211,29 @@ def test_exact_sampled_path_and_its_fallback(monkeypatch, value_dtype):
         assert bits_equal(decode(codec, p, n) + r, acc)
         results.append((p, r))
     assert np.array_equal(results[0][0], results[1][0]) and bits_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("n", [0, 1, 65535, 65536, 65537, 300_000])
+def test_all_finite_finds_one_inf_or_nan_anywhere(n):
+    from horovod_qsgd.kernels import all_finite
+    from horovod_qsgd.kernels.select import CHUNK
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32) * 1e30
+    assert all_finite(x) and all_finite(np.full(n, np.finfo(np.float32).max, np.float32))
+    for position in sorted({0, n // 2, n - 1, min(n - 1, CHUNK), min(n - 1, CHUNK - 1)}) if n else []:
+        for bad in (np.inf, -np.inf, np.nan):
+            y = x.copy()
+            y[position] = bad
+            assert not all_finite(y), (position, bad)
+
+
+def test_random_k_sends_nan_when_acc_holds_one_outside_its_strata():
+    codec, codec_ef = RandomKCodec(ratio=0.01), RandomKCodec(ratio=0.01, error_feedback=True)
+    x = np.ones(100_000, np.float32)
+    outside = next(i for i in range(x.size) if i not in set(codec.indices(x.size, 3, 7).tolist()))
+    assert np.isfinite(codec.gather(x, step=3, key=7)).all()
+    for bad in (np.nan, np.inf):
+        x[outside] = bad
+        values = codec.gather(x, step=3, key=7)
+        assert np.isnan(values[0]) and np.isfinite(values[1:]).all()
+        residual = np.zeros_like(x)
+        assert np.isnan(codec_ef.gather(x, step=3, key=7, residual=residual)[0])
