@@ -451,13 +451,6 @@ def randomk_gather_cpu(x, r, ef, half, factor, base, vals):
 
 
 @cpu_launcher
-def poison_if_nonfinite_cpu(src, vals):
-    for c in numba.prange((src.size + CHUNK - 1) // CHUNK):
-        if nonfinite_count(src[c * CHUNK:min(src.size, (c + 1) * CHUNK)]):
-            vals[0] = _NAN32  # every chunk that writes writes the same value
-
-
-@cpu_launcher
 def nonfinite_counts_cpu(src, counts):
     for c in numba.prange(counts.size):
         counts[c] = nonfinite_count(src[c * CHUNK:min(src.size, (c + 1) * CHUNK)])

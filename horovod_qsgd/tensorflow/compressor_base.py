@@ -62,9 +62,14 @@ def in_legacy_graph():
         return not tf.executing_eagerly()
 
 
+def _is_eager(variable):
+    """False for a variable of a ``tf.compat.v1`` graph, whose value only a Session reads."""
+    return isinstance(variable.handle, ops.EagerTensor)
+
+
 def _eager_value(variable):
-    """The variable's value (numpy), or None for a variable of a ``tf.compat.v1`` graph (only a Session reads it)."""
-    if not isinstance(variable.handle, ops.EagerTensor):
+    """The variable's value (numpy), or None for a variable of a ``tf.compat.v1`` graph."""
+    if not _is_eager(variable):
         return None
     with context.eager_mode():
         return variable.numpy()
@@ -258,7 +263,7 @@ class CompressorBase(tf.Module):
         ``tf.compat.v1`` graph the state lives in graph variables: save it
         with ``tf.compat.v1.train.Saver`` there.
         """
-        if any(_eager_value(var) is None for var in self._steps.values()):
+        if not all(_is_eager(var) for var in self._steps.values()):
             raise RuntimeError("horovod_qsgd: this compressor's state lives in a tf.compat.v1 graph; save and "
                                "restore it with tf.compat.v1.train.Saver (its variables are global variables).")
         tensors = {name: {"step": int(var.numpy()), "residual": None} for name, var in self._steps.items()}

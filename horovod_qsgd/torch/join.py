@@ -32,8 +32,6 @@ waited for after the gradients, so it adds no round trip in front of them.
 A block left by an exception does not shadow (the others would wait for
 steps it cannot take); the exception propagates.
 """
-import copy
-
 import horovod.torch as hvd
 import torch
 
@@ -85,7 +83,7 @@ class Join:
         has_state = callable(getattr(compression, "state_dict", None))
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         while True:
-            saved = copy.deepcopy(compression.state_dict()) if has_state else None
+            saved = compression.state_dict() if has_state else None  # residuals come cloned
             flag = self._flag(0)
             for p in params:
                 if p.grad is None:
