@@ -21,5 +21,8 @@ setup(
         # cuda-bindings and toolkit wheels of the wrong major version
         "cuda12": ["numba-cuda[cu12]"],
         "cuda13": ["numba-cuda[cu13]"],
+        # tests only: compile every kernel for named GPUs without one (scripts/gpu_compile_check.py); pinned so
+        # that the register table in benchmarks/results/gpu/ is reproducible
+        "gpu-compile": ["numba-cuda[cu13]==0.30.4", "nvidia-cuda-nvcc==13.5.37"],
     },
 )

@@ -113,7 +113,7 @@ def main():
           same(K.randomk_indices(1000, 37, base), K.randomk_indices(1000, 37, base, gpu=True).copy_to_host()))
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
-    total = len(cases) + 10 + run_elias_exchange_cases(rng)
+    total = len(cases) + 10 + run_elias_exchange_cases(rng) + run_exchange_decode_cases(rng)
     if not SIMULATED:
         total += run_large_cases(rng)
     if failures:
@@ -162,6 +162,34 @@ def run_elias_exchange_cases(rng, numel=1000, ranks=3):
             check(f"elias exchange {codec.scale_dtype} {name}: raises", (cpu[1] is None) == (name == "whole"))
             count += 1
     return count
+
+
+def run_exchange_decode_cases(rng, numel=1000, ranks=3):
+    """What the adapters decode on a GPU besides single payloads: fixed-size payloads of several ranks
+    checked from their headers read in one copy (QSGD, Top-k), and random-k's allreduced values
+    scattered into place. Sums and error messages equal the CPU's."""
+    count = 0
+    for codec in [QSGDCodec(bits=4), TopKCodec(ratio=0.05, error_feedback=False)]:
+        parts = []
+        for r in range(ranks):
+            out = np.zeros(codec.max_payload_nbytes(numel), np.uint8)
+            parts.append(out[:codec.encode(rng.standard_normal(numel).astype(np.float32), out, step=5, key=r)])
+        whole = np.concatenate(parts)
+        foreign = whole.copy()
+        foreign[parts[0].size + 4:parts[0].size + 8] = np.frombuffer(np.uint32(numel + 1).tobytes(), np.uint8)
+        for name, buf in [("whole", whole), ("numel", foreign)]:
+            cpu, gpu = _decode_all(codec, buf, numel, ranks, False), _decode_all(codec, buf, numel, ranks, True)
+            check(f"{type(codec).__name__} exchange {name}: CUDA == CPU ({cpu[1]} / {gpu[1]})", cpu == gpu)
+            check(f"{type(codec).__name__} exchange {name}: raises", (cpu[1] is None) == (name == "whole"))
+            count += 1
+    codec = RandomKCodec(ratio=0.05)
+    values = codec.gather(rng.standard_normal(numel).astype(np.float32), 3, 4)
+    o_cpu = np.full(numel, 0.25, np.float32)
+    codec.scatter_accumulate(values, o_cpu, 3, 4)
+    d_o = cuda.to_device(np.full(numel, 0.25, np.float32))
+    codec.scatter_accumulate(cuda.to_device(values), d_o, 3, 4)
+    check("randomk scatter_accumulate CUDA == CPU", same(o_cpu, d_o.copy_to_host()))
+    return count + 1
 
 
 def run_large_cases(rng, n=1_000_003):

@@ -5,5 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 bash scripts/setup.sh
+# The tests also compile every CUDA kernel for named GPUs (no GPU needed): numba-cuda and ptxas.
+if ! "$PYTHON" -c 'import numba_cuda; from cuda.pathfinder import find_nvidia_binary_utility as f; assert f("ptxas")' \
+    2>/dev/null; then
+  echo "[test] installing the gpu-compile extra (numba-cuda, NVVM, ptxas; about 700 MB)"
+  "$PYTHON" -m pip install -q -e ".[gpu-compile]"
+fi
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 exec "$PYTHON" -m pytest "$@"

@@ -145,13 +145,29 @@ NVVM_MISSING = (
     "checkout, or point CUDA_HOME at a CUDA toolkit.")
 
 
-@functools.cache  # a success is kept, a failure raises again on the next call
-def require_nvvm():
-    """Raises RuntimeError naming the fix when numba cannot load NVVM to compile for a GPU.
+NUMBA_CUDA_MISSING = (
+    "horovod_qsgd: the CUDA kernels are compiled by numba-cuda (NVIDIA's CUDA target for numba), but "
+    "numba.cuda here is numba's deprecated built-in target ({implementation}), which cannot compile them "
+    "(it fails on min() and max() of two numbers in a kernel). Fix: install horovod_qsgd with the extra of "
+    "your CUDA major version (PyTorch's is torch.version.cuda), `pip install -e '.[cuda12]'` or "
+    "`'.[cuda13]'` in its checkout, or `pip install 'numba-cuda[cu12]'` / `'numba-cuda[cu13]'`.")
 
-    Loading it is what the first compile does anyway (numba's own error says to
-    use conda); a failure here would fail there too.
+
+def require_numba_cuda():
+    """Raises RuntimeError naming the fix unless ``numba.cuda`` is numba-cuda's target."""
+    implementation = getattr(_cuda(), "implementation", "Built-in")
+    if implementation != "NVIDIA":
+        raise RuntimeError(NUMBA_CUDA_MISSING.format(implementation=implementation))
+
+
+@functools.cache  # a success is kept, a failure raises again on the next call
+def require_gpu_compiler():
+    """Raises RuntimeError naming the fix when numba-cuda is not the CUDA target or cannot load NVVM.
+
+    Loading NVVM is what the first compile does anyway (numba's own error says
+    to use conda); a failure here would fail there too.
     """
+    require_numba_cuda()
     from numba.cuda.cudadrv import nvvm
     try:
         nvvm.NVVM()
@@ -237,7 +253,7 @@ class cuda_kernel:
         """The kernel configured with ``grid`` blocks of ``block`` threads, on the :func:`current_stream`."""
         if self._kernel is None:
             if not _simulated():
-                require_nvvm()  # else numba's first compile fails with advice for conda
+                require_gpu_compiler()  # else numba's first compile fails with advice for conda
             # cache=True: compiled once per machine, not in every process's first backward; the cache is
             # stamped with all kernel sources (see the locators above), as the CPU builds are
             self._kernel = _cuda().jit(_retarget(self.fn), cache=True)

@@ -1,0 +1,65 @@
+"""The compile gate: every CUDA kernel compiles with numba-cuda and assembles with ptxas for cc 8.0 and 9.0.
+
+No GPU is needed (scripts/gpu_compile_check.py). The gate itself must fail
+when a kernel spills or was never launched in the simulator, so both are
+provoked here from the same recording of launches.
+"""
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GATE = os.path.join(ROOT, "scripts", "gpu_compile_check.py")
+
+
+def run_gate(*args):
+    done = subprocess.run([sys.executable, GATE, *args], capture_output=True, text=True, timeout=600)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def gate_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gate")
+    launches, table = tmp / "launches.pkl", tmp / "table.md"
+    code, output = run_gate("--save-launches", str(launches), "--table", str(table))
+    return code, output, launches, table
+
+
+@pytest.mark.timeout(900)
+def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(gate_run):
+    code, output, launches, table = gate_run
+    assert code == 0, output
+    with open(launches, "rb") as f:
+        launched = pickle.load(f)
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| ") and "| cc |" not in line]
+    signatures = sum(len(sigs) for sigs in launched.values())
+    assert len(rows) == 2 * signatures  # one row per launch signature and capability
+    assert {row.split(" | ")[1] for row in rows} == {"8.0", "9.0"}
+    assert not any("ERROR" in row for row in rows)
+    assert f"{2 * signatures} of {2 * signatures} compiles" in output
+
+
+@pytest.mark.timeout(900)
+def test_gate_fails_on_spills(gate_run):
+    code, output, launches, _ = gate_run
+    code, output = run_gate("--launches", str(launches), "--table", "", "--cc", "9.0", "--maxrregcount", "24")
+    assert code == 1, output
+    assert "bytes spilled to local memory" in output
+    assert "select_device.tile_scan_kernel for cc 9.0" in output  # 64 registers uncapped
+
+
+@pytest.mark.timeout(900)
+def test_gate_fails_on_a_kernel_the_simulator_never_launched(gate_run, tmp_path):
+    code, output, launches, _ = gate_run
+    with open(launches, "rb") as f:
+        launched = pickle.load(f)
+    del launched[("horovod_qsgd.kernels.bytes", "gather_kernel")]
+    partial = tmp_path / "partial.pkl"
+    with open(partial, "wb") as f:
+        pickle.dump(launched, f)
+    code, output = run_gate("--launches", str(partial), "--table", "", "--cc", "9.0")
+    assert code == 1, output
+    assert "FAIL horovod_qsgd.kernels.bytes.gather_kernel: never launched by the simulator checks" in output
