@@ -246,23 +246,34 @@ class Codec:
             raise TypeError("payload must be a CUDA array when out is one")
         payload = _check_array("payload", payload, np.uint8, gpu=gpu)
         h = parse_header(payload) if header is None else header
-        name = type(self).__name__
-        if h.version != WIRE_VERSION:
-            raise PayloadError(f"wire format version mismatch: payload has {h.version}, "
-                               f"this build reads {WIRE_VERSION}")
-        if h.codec_id != self.codec_id:
-            raise PayloadError(f"codec id mismatch: payload has {h.codec_id}, {name} is {self.codec_id}")
-        if h.numel != out.size:
-            raise PayloadError(f"numel mismatch: payload encodes {h.numel} elements, out has {out.size}")
-        if h.digest != self.digest:
-            raise PayloadError(f"config digest mismatch: payload has {h.digest:#010x}, {self!r} "
-                               f"has {self.digest:#010x} (the ranks use different codec settings)")
+        differences = self.header_differences(h, out.size)
+        if differences:
+            raise PayloadError(f"the payload does not match {self!r} and out: " + "; ".join(differences))
         if payload.size < h.nbytes:
             raise PayloadError(f"truncated payload: header says {h.nbytes} bytes, got {payload.size}")
         if payload.size > h.nbytes:
             raise PayloadError(f"payload has {payload.size} bytes but its header says {h.nbytes}: "
                                f"pass exactly one payload (split concatenations with parse_header)")
-        if self.payload_nbytes_is_fixed and h.nbytes != self.max_payload_nbytes(h.numel):
-            raise PayloadError(f"payload length {h.nbytes} does not match the {self.max_payload_nbytes(h.numel)} "
-                               f"bytes of {name} for {h.numel} elements")
         return h, payload, out, gpu
+
+    def header_differences(self, header, numel):
+        """How a parsed payload header differs from what this codec makes of ``numel`` elements ([] if not).
+
+        The one check of a header against a codec: the codec's own decode
+        raises PayloadError with it, an exchange CompressionMismatchError
+        naming the rank that sent it.
+        """
+        differences = []
+        if header.version != WIRE_VERSION:
+            differences.append(f"wire format version {header.version} (here {WIRE_VERSION})")
+        if header.codec_id != self.codec_id:
+            differences.append(f"codec id {header.codec_id} (here {self.codec_id}, {type(self).__name__})")
+        if header.digest != self.digest:
+            differences.append(f"settings digest {header.digest:#010x} (here {self.digest:#010x}): other codec "
+                               "settings")
+        if header.numel != numel:
+            differences.append(f"{header.numel} elements (here {numel}): the tensor's shape differs")
+        if not differences and self.payload_nbytes_is_fixed and header.nbytes != self.max_payload_nbytes(numel):
+            differences.append(f"{header.nbytes} bytes, where a {type(self).__name__} payload of {numel} elements "
+                               f"has {self.max_payload_nbytes(numel)}: it is damaged")
+        return differences

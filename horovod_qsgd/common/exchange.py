@@ -30,24 +30,11 @@ def _checked_header(head, sender, numel, codec, tensor_name, what):
             f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} found a mismatch in what it received "
             "and sent no result; its error names the rank and the difference. Every rank must use the "
             "same model and compressor settings.")
-    problems = []
-    if header.version != WIRE_VERSION:
-        problems.append(f"wire format version {header.version} (here {WIRE_VERSION})")
-    if header.codec_id != codec.codec_id:
-        problems.append(f"codec id {header.codec_id} (here {codec.codec_id})")
-    if header.digest != codec.digest:
-        problems.append(f"settings digest {header.digest:#010x} (here {codec.digest:#010x})")
-    if header.numel != numel:
-        problems.append(f"{header.numel} elements (here {numel}): the tensor's shape differs")
-    if problems:
+    differences = codec.header_differences(header, numel)
+    if differences:
         raise CompressionMismatchError(
             f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} does not match this rank's: "
-            + "; ".join(problems) + ". Every rank must use the same model and compressor settings.")
-    if codec.payload_nbytes_is_fixed and header.nbytes != codec.max_payload_nbytes(numel):
-        raise CompressionMismatchError(
-            f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
-            f"a {type(codec).__name__} payload of {numel} elements has {codec.max_payload_nbytes(numel)}; "
-            "it is damaged.")
+            + "; ".join(differences) + ". Every rank must use the same model and compressor settings.")
     return header
 
 

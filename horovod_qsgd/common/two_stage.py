@@ -28,7 +28,9 @@ kernels) that the adapters allocate; the collectives are the adapters' job.
 """
 import zlib
 
-from horovod_qsgd.common.exchange import decode_checked
+from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.exchange import decode_checked, refusal_notice
+from horovod_qsgd.kernels import store_bytes
 
 EXCHANGES = ("allgather", "two_stage", "auto")
 # Below this many elements a tensor stays on one collective under exchange="auto": an alltoall is not
@@ -176,6 +178,23 @@ class TwoStage:
         """Bytes of the buffer :meth:`encode_owned` writes into."""
         begin, end = self.owned
         return self.second.max_payload_nbytes(end - begin)
+
+    def sum_and_encode(self, received, total, out, step, owner_residual=None):
+        """The owner's step: the received slices added to ``total``, the sum encoded into ``out``.
+
+        ``total``: this rank's own chunk on entry (see :meth:`accumulate_received`);
+        ``out``: zeroed uint8 of :meth:`owned_capacity` bytes. Returns (bytes used, None), or, when a
+        received slice does not match (another codec, setting or shape on its sender), (bytes of a
+        refusal notice written to ``out``, the CompressionMismatchError): send those bytes in the
+        allgather all the same, so that every peer raises instead of waiting, then raise it.
+        """
+        try:
+            self.accumulate_received(received, total)
+        except CompressionMismatchError as exc:
+            notice = refusal_notice()
+            store_bytes(out, 0, notice)
+            return len(notice), exc
+        return self.encode_owned(total, out, step, owner_residual), None
 
     def encode_owned(self, total, out, step, owner_residual=None):
         """Encodes the owner's sum into ``out``; returns the bytes used.

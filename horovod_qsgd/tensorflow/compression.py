@@ -49,8 +49,8 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
-from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import decode_sum, reduction_scale, refusal_notice
+from horovod_qsgd.common import docs
+from horovod_qsgd.common.exchange import decode_sum, reduction_scale
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
 from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase, ExchangeContext,
@@ -155,15 +155,11 @@ class PayloadCompressor(CompressorBase):
             start = time.perf_counter()
             total = np.array(own, dtype=np.float32)
             owner_residual = None if owner_residual is None else owner_residual.copy()
-            try:
-                stage.accumulate_received(received, total)
-            except CompressionMismatchError as exc:
-                # Still take part in the allgather, with a refusal: the peers raise instead of waiting.
-                refusals[stage.name] = exc
-                out = np.frombuffer(refusal_notice(), dtype=np.uint8).copy()
-            else:
-                out = np.zeros(stage.owned_capacity(), dtype=np.uint8)
-                out = out[:stage.encode_owned(total, out, int(step_value), owner_residual)]
+            out = np.zeros(stage.owned_capacity(), dtype=np.uint8)
+            used, refusal = stage.sum_and_encode(received, total, out, int(step_value), owner_residual)
+            if refusal is not None:
+                refusals[stage.name] = refusal  # raised by this tensor's decode, after the allgather
+            out = out[:used]
             stats.add(bytes_sent=out.size, bytes_sent_second_stage=out.size,
                       encode_seconds=time.perf_counter() - start)
             return out if owner_residual is None else (out, owner_residual)
@@ -213,80 +209,13 @@ class PayloadCompressor(CompressorBase):
 
 
 class QSGD(PayloadCompressor):
-    r"""QSGD: stochastic, unbiased quantization to a few bits per coordinate (Alistarh et al., arXiv 1610.02132).
-
-    The flattened gradient is cut into buckets of ``bucket_size`` values. A
-    bucket :math:`v` with scale :math:`\|v\|` (``norm="max"``: the largest
-    magnitude, as in the paper's experiments; ``"l2"``: the paper's theory)
-    sends, for each coordinate, its sign and a level
-    :math:`\ell_i \in \{0..s\}` with :math:`s = 2^{bits-1}-1`, where
-    :math:`|v_i|/\|v\| \cdot s` is rounded up with probability equal to its
-    fractional part, so :math:`E[Q(v)] = v`.
-
-    Exchange. ``"allgather"``: every rank receives every rank's payload and
-    decodes all N of them; it receives :math:`(N-1)P` bytes for a payload of
-    :math:`P`, so it pays off only for a few ranks. ``"two_stage"``: each rank
-    owns 1/N of the buckets; the slices go to their owners (one alltoall),
-    each owner adds its own unquantized slice and the N-1 decoded ones,
-    quantizes the sum again with ``second_stage_bits`` and the re-quantized
-    sums are allgathered: about :math:`(N-1)/N \cdot (P + P_2)` bytes per
-    rank, flat in N like a ring allreduce. ``"auto"`` (default) takes the
-    allgather at 2 ranks and for tensors under 65536 elements (one collective
-    instead of two) and the two stages otherwise. ``compression_stats()``
-    says which exchange each tensor used and the bytes of each stage.
-
-    The second quantization adds the variance of quantizing a sum of N
-    gradients, which does not shrink with N: with 4+4 bits the relative
-    error of the averaged gradient is 0.21 at 8 ranks against the
-    allgather's 0.09 (``benchmarks/two_stage_error.py``).
-    ``second_stage_bits=8`` brings it to 0.085, below the allgather's, for
-    :math:`(N-1)/N \cdot 0.5P` more bytes. On digits neither showed in
-    accuracy at 4 or 8 ranks (``benchmarks/results/convergence-two-stage``).
-
-    When to change the defaults. ``bits=4`` matched uncompressed within the
-    spread over seeds in both convergence studies (digits with momentum SGD;
-    a byte-level language model with Adam, where it ended 0.04 nats per byte
-    lower): start there. ``bits=8`` (3.9x fewer bytes) when the link is only
-    a little slower than the compute step; ``bits=2`` (15x) when the link
-    dominates the step, for more variance (it ended between 4 and 8 bits on
-    the language model). From about 8 ranks with the two-stage exchange set
-    ``second_stage_bits=8`` (the owners' re-quantization otherwise doubles
-    the error of the averaged gradient). Raise ``min_numel`` when many small
-    tensors make per-tensor overheads dominate ``compression_stats()``;
-    ``bucket_size``, ``norm`` and ``encoding`` rarely need changing.
-
-    Args:
-        bits: wire bits per coordinate, 2..8 (2: ternary, 4: s=7, 8: s=127).
-            Fewer bits, fewer bytes and more variance.
-        bucket_size: coordinates per scale (default 512, the paper's). Larger
-            buckets cost fewer scale bytes but add variance.
-        norm: ``"max"`` (default; lower variance in practice) or ``"l2"``.
-        encoding: ``"fixed"`` (bit-packed, default) or ``"elias"`` (the paper's
-            Elias-coded sparse form; pays off with few levels, ``norm="l2"``
-            and large buckets).
-        scale_dtype: ``"float32"`` (default) or ``"float16"`` per-bucket scales.
-        rounding: ``"stochastic"`` (unbiased, default) or ``"deterministic"``
-            (round to the nearest level: no randomness, but biased).
-        min_numel: tensors with fewer elements go through the ordinary
-            allreduce unquantized (default 10000, as in the paper).
-        seed: seed of the counter-based RNG (rounding depends on seed, step,
-            variable name, rank and element index).
-        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
-        second_stage_bits: bits of the owners' re-quantized sums (default:
-            ``bits``).
+    __doc__ = docs.qsgd("variable", """
 
     State: one int64 step counter per compressed gradient (a ``tf.Variable``;
     checkpoint the compressor with ``tf.train.Checkpoint`` to resume
     bit-exactly). The payload bytes are those of ``horovod_qsgd.torch.QSGD``
     for the same input, step and name. Encoding and decoding run on the host
-    (``tf.numpy_function``).
-
-    Cost on the wire per rank and step: ``bits + 32/bucket_size`` bits per
-    coordinate plus a 16-byte header per payload; 4 bits with bucket 512 is
-    4.0625 bits, 7.88x fewer than fp32. Allgather at N ranks: N-1 payloads
-    received; two stages: 7.8x fewer bytes than a ring allreduce at any N
-    (4+4 bits).
-    """
+    (``tf.numpy_function``).""")
 
     def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
                  rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None):
@@ -299,66 +228,9 @@ class QSGD(PayloadCompressor):
 
 
 class TopK(PayloadCompressor):
-    r"""Top-k sparsification with error feedback (Shi et al., arXiv 1911.08772; Lin et al., DGC).
-
-    Each step the residual :math:`r` (what earlier steps did not send) is
-    added to the gradient, the ``k = max(1, floor(ratio * n))`` largest
-    magnitudes of the sum are sent as (int32 index, value) pairs and the rest
-    stays in the residual: ``sent + r_new == grad + r_old`` exactly.
-
-    Exchange. ``"allgather"``: every rank receives every rank's k pairs,
-    :math:`(N-1) \cdot 8k` bytes, and the result has up to :math:`Nk`
-    nonzeros. ``"two_stage"``: each rank owns 1/N of the coordinates; a rank
-    selects, in every other owner's chunk, the top ``ratio`` of its
-    ``grad + r`` there (with error feedback: what it does not send stays in
-    ``r``, so no chunk can receive more than its share, whatever the
-    gradient), and one alltoall delivers them. The owner adds its own chunk
-    of ``grad + r`` (uncompressed) and the received pairs, adds its
-    *owner-side residual*, selects the top ``ratio`` of that sum and keeps
-    the rest in the owner-side residual; the owners' selections are
-    allgathered. Nothing is lost: ``sent + sum of all residuals`` equals the
-    sum of all gradients. About :math:`2 (N-1)/N \cdot 8k` bytes per rank,
-    flat in N, and about k nonzeros in the result. ``"auto"`` (default):
-    the allgather at 2 ranks and for tensors under 65536 elements, the two
-    stages otherwise. The owner-side residual is per-rank state of the
-    owned chunk; it is in ``state_dict()`` and is reset (with a warning)
-    when the job resumes with another number of ranks.
-
-    When to use it. Top-k sends a weight's gradient only when its
-    accumulated value is among the largest, so each weight gets few turns:
-    on digits (an MLP, 30 epochs) it matched uncompressed, but on a small
-    byte-level transformer language model it trained several times more
-    slowly than uncompressed with Adam and with momentum SGD, at 1% and
-    0.1%, exact or Gaussian (0.8 nats per byte behind after 400 steps, 0.9
-    after 1200; 10% still 0.46 behind), where QSGD at 2-8 bits matched it
-    (``benchmarks/results/lm-convergence``). Prefer QSGD unless the link is
-    so slow that only Top-k's bytes fit, and check convergence on your model
-    first. If you use it: keep ``error_feedback=True`` and the residuals in
-    checkpoints; ``selector="gaussian"`` when selection time shows in
-    ``compression_stats()``.
-
-    Args:
-        ratio: fraction of coordinates sent (default 0.01).
-        selector: ``"exact"`` (exactly the k largest, default), ``"gaussian"``
-            (Gaussian-k: a threshold from mean and standard deviation, at most
-            3 refinements; much faster, k is approximate) or ``"sample"``
-            (DGC: a threshold from a random sample).
-        error_feedback: keep what was not sent (default True). Without it
-            top-k is biased and usually converges worse.
-        value_dtype: ``"float32"`` (default) or ``"float16"`` values.
-        sample_ratio: fraction of coordinates the ``"sample"`` selector reads.
-        min_numel: smaller tensors are allreduced unchanged (default 10000).
-        seed: seed for the ``"sample"`` selector.
-        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
-
-    Cost on the wire per rank and step: a fixed capacity of entries (k for
-    exact, somewhat more for the approximate selectors) times 8 bytes (6 with
-    fp16 values) plus a 16-byte header: at ratio 0.01, 0.08 bytes per
-    coordinate instead of 4. The residual costs one fp32 copy of every
-    compressed gradient in memory, and it is per-rank state: per compressed
+    __doc__ = docs.topk(r"""per compressed
     gradient an int64 step counter and the fp32 residuals are ``tf.Variable``\ s,
-    saved by ``tf.train.Checkpoint``; every rank saves its own.
-    """
+    saved by ``tf.train.Checkpoint``; every rank saves its own.""")
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
@@ -368,33 +240,10 @@ class TopK(PayloadCompressor):
 
 
 class RandomK(CompressorBase):
-    r"""Random-k sparsification with a shared seed.
-
-    Every rank draws the same ``k = max(1, floor(ratio * n))`` coordinates
-    from (seed, step, variable name), one uniformly inside each of k equal
-    strata, so Horovod's own allreduce sums the selected values directly:
-    the wire carries k values instead of n, and no indices.
-
-    When to use it. Mostly as a baseline: it needs no index on the wire and
-    no selection, but it sends random coordinates, so it converges more
-    slowly than Top-k or QSGD at the same bytes (on digits 0.5-0.9 points
-    behind at 1%; on the language model with Adam the furthest behind of all).
-    Prefer QSGD.
-
-    Args:
-        ratio: fraction of coordinates sent (default 0.01).
-        error_feedback: keep unsent coordinates in a residual (default False).
-        rescale: multiply sent values by n/k so the estimate is unbiased
-            (default False; increases variance by n/k).
-        value_dtype: ``"float32"`` (default) or ``"float16"``: values are sent
-            and summed as fp16 (half the bytes; the sum is rounded to fp16,
-            as with Horovod's ``Compression.fp16``).
-        min_numel: smaller tensors are allreduced unchanged (default 10000).
-        seed: the shared seed; must be equal on all ranks (checked).
+    __doc__ = docs.randomk("variable", r"""
 
     State: per compressed gradient an int64 step counter (and a residual with
-    error feedback), in ``tf.Variable``\ s.
-    """
+    error feedback), in ``tf.Variable``\ s.""")
 
     def __init__(self, ratio=0.01, error_feedback=False, rescale=False, value_dtype="float32",
                  min_numel=10000, seed=0):

@@ -217,14 +217,14 @@ def test_decode_refuses_foreign_payloads_and_needs_a_reference():
     x = np.ones(100, np.float32)
     payload = encode(codec, x, 1e-3)
     out = np.zeros(100, np.float32)
-    with pytest.raises(PayloadError, match="config digest mismatch"):
+    with pytest.raises(PayloadError, match=r"settings digest 0x[0-9a-f]{8} \(here 0x[0-9a-f]{8}\)"):
         LatticeCodec(bits=7).decode(payload, x, out)
-    with pytest.raises(PayloadError, match="numel mismatch"):
+    with pytest.raises(PayloadError, match=r"100 elements \(here 99\)"):
         codec.decode(payload, x[:99], out[:99])
     exact = np.zeros(ExactCodec().max_payload_nbytes(100), np.uint8)
     ExactCodec().encode(x, exact)
     assert parse_header(exact).codec_id == EXACT_CODEC_ID
-    with pytest.raises(PayloadError, match="codec id mismatch"):
+    with pytest.raises(PayloadError, match=r"codec id \d+ \(here \d+, LatticeCodec\)"):
         codec.decode(exact, x, out)
     with pytest.raises(ValueError, match="reference"):
         codec.decode(payload, None, out)
