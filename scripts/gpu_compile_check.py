@@ -18,11 +18,13 @@ fail on a user's GPU. This script:
 5. exits 1 on any compile or assembly error or any spilled byte, 0
    otherwise, and writes the table (``--table``).
 
-Needs the ``gpu-compile`` extra (``pip install -e '.[gpu-compile]'``;
-``scripts/test.sh`` installs it): numba-cuda with NVVM and the CUDA
-compiler wheels, no driver. Takes about 1.5 minutes, mostly the simulator.
+Needs the ``gpu-compile`` extra: numba-cuda with NVVM and the CUDA compiler
+wheels, no driver. ``scripts/test.sh`` installs it in a venv of its own,
+``.venv-gpu-compile`` (numba-cuda replaces ``numba.cuda`` where it is
+installed, and its simulator is several times slower than numba's own).
+Takes about 1.5 minutes, mostly the simulator.
 
-    python scripts/gpu_compile_check.py [--cc 8.0 9.0] [--table benchmarks/results/gpu/kernel_compile.md]
+    .venv-gpu-compile/bin/python scripts/gpu_compile_check.py [--cc 8.0 9.0] [--table FILE]
 """
 import argparse
 import importlib
@@ -39,8 +41,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MISSING = ("the GPU compile check needs numba-cuda with NVVM and ptxas from the CUDA compiler wheels: "
-           "`pip install -e '.[gpu-compile]'` in the checkout (no GPU or driver needed)")
+MISSING = ("the GPU compile check needs numba-cuda with NVVM and ptxas from the CUDA compiler wheels: run it "
+           "with .venv-gpu-compile/bin/python (scripts/test.sh creates it), or `pip install -e '.[gpu-compile]'` "
+           "(no GPU or driver needed)")
 # Registers per SM on sm_80 and sm_90, and the most warps an SM holds: what register use costs in occupancy.
 SM_REGISTERS, SM_MAX_WARPS = 65536, 64
 SIMULATED_CHECKS = [os.path.join(ROOT, "scripts", "cuda_check.py"),
@@ -209,7 +212,7 @@ def write_table(path, rows, ccs, elapsed):
     lines = [
         "# Every CUDA kernel compiled and assembled for real GPUs, without a GPU",
         "",
-        f"Made by `python scripts/gpu_compile_check.py --cc {' '.join(ccs)}` (also run by "
+        f"Made by `.venv-gpu-compile/bin/python scripts/gpu_compile_check.py --cc {' '.join(ccs)}` (also run by "
         "`tests/kernels/test_gpu_compile.py` in CI)",
         f"on {platform.machine()} {platform.system()}, no GPU: numba {numba.__version__}, numba-cuda "
         f"({cuda.implementation}) {importlib.import_module('numba_cuda').__version__}, ptxas {version}; "
