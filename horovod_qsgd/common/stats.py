@@ -7,7 +7,8 @@ class CompressionStats:
 
     FIELDS = ("tensors_compressed", "tensors_passed_through", "bytes_uncompressed", "bytes_sent",
               "encode_seconds", "wait_seconds", "decode_seconds",
-              "tensors_two_stage", "bytes_sent_first_stage", "bytes_sent_second_stage", "tensors_nonfinite")
+              "tensors_two_stage", "bytes_sent_first_stage", "bytes_sent_second_stage", "tensors_nonfinite",
+              "collectives_started")
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -43,6 +44,12 @@ class CompressionStats:
         owners, ``bytes_sent_second_stage`` its re-encoded sums (both are in
         ``bytes_sent`` too). ``exchanges`` maps each compressed tensor's name
         to the exchange it used last.
+
+        ``collectives_started``: the allgathers and alltoalls this rank started
+        for compressed tensors (one per tensor with the allgather, two with the
+        two stages; random-k's values and the placeholders go through Horovod's
+        own allreduce, which Horovod fuses, and are not counted). Each pays
+        Horovod's negotiation and N-1 message latencies.
 
         ``tensors_nonfinite``: compressed results that held inf or NaN (on
         every rank alike; a loss scaler skips such steps). The step left the

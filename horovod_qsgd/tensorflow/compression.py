@@ -108,7 +108,7 @@ class PayloadCompressor(CompressorBase):
                     residual[begin:end] = 0
                 stats.add(tensors_compressed=1, tensors_two_stage=1, encode_seconds=time.perf_counter() - start,
                           bytes_uncompressed=uncompressed, bytes_sent=used + placeholder_nbytes,
-                          bytes_sent_first_stage=used)
+                          bytes_sent_first_stage=used, collectives_started=1)
                 outputs = (out[:used], np.asarray(splits, dtype=np.int32), own)
                 return outputs if residual is None else outputs + (residual,)
 
@@ -132,7 +132,7 @@ class PayloadCompressor(CompressorBase):
 
         def on_encoded(nbytes, seconds):
             stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
-                      bytes_sent=nbytes + placeholder_nbytes)
+                      bytes_sent=nbytes + placeholder_nbytes, collectives_started=1)
 
         encode = payload_encoder(self.codec, rank_key(step.name, rank), step.numel, on_encoded)
         payload, pending = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
@@ -160,7 +160,7 @@ class PayloadCompressor(CompressorBase):
             if refusal is not None:
                 refusals[stage.name] = refusal  # raised by this tensor's decode, after the allgather
             out = out[:used]
-            stats.add(bytes_sent=out.size, bytes_sent_second_stage=out.size,
+            stats.add(bytes_sent=out.size, bytes_sent_second_stage=out.size, collectives_started=1,
                       encode_seconds=time.perf_counter() - start)
             return out if owner_residual is None else (out, owner_residual)
 

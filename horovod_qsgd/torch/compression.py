@@ -377,6 +377,7 @@ class PayloadCompressor(_CompressorBase):
                                    residual=None if residual is None else as_array(residual))
         handle = hvd.allgather_async(out[:nbytes], name=PAYLOAD_PREFIX + site.name,
                                      process_set=site.process_set)
+        self._stats.add(collectives_started=1)
         placeholder = self._placeholder(tensor)
         return placeholder, handle, nbytes + placeholder.element_size()
 
@@ -396,7 +397,7 @@ class PayloadCompressor(_CompressorBase):
         handle = hvd.alltoall_async(out[:used], splits=torch.tensor(splits, dtype=torch.int32),
                                     name=PAYLOAD_PREFIX + site.name, process_set=site.process_set)
         placeholder = self._placeholder(tensor)
-        self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used)
+        self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used, collectives_started=1)
         return placeholder, _FirstStage(handle, stage, own), used + placeholder.element_size()
 
     def _make_context(self, handle, site, tensor, state, out, residual):
@@ -432,7 +433,7 @@ class PayloadCompressor(_CompressorBase):
             refused = refused or refusal
             ctx.second_handle = hvd.allgather_async(out[:used], name=SECOND_STAGE_PREFIX + ctx.name,
                                                     process_set=ctx.process_set)
-            self._stats.add(bytes_sent_second_stage=used, bytes_sent=used)
+            self._stats.add(bytes_sent_second_stage=used, bytes_sent=used, collectives_started=1)
         if refused is not None:
             raise refused
 

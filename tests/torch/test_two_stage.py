@@ -49,6 +49,7 @@ def test_two_stage_result_is_bitwise_the_reference_on_every_rank(hvd_torch, num_
         assert _same_on_every_rank(hvd, result, f"check.{op}")
     stats = compressor.compression_stats()
     assert stats["exchanges"] == {"w": "two_stage"} and stats["tensors_two_stage"] == 2
+    assert stats["collectives_started"] == 4  # an alltoall and an allgather per call
     # Bytes by the formula: the rank's slices for the other owners, then its own re-encoded chunk.
     first, second = QSGDCodec(bits=4, bucket_size=bucket), QSGDCodec(bits=second_bits or 4, bucket_size=bucket)
     chunks = _bounds(numel, num_ranks, bucket)
@@ -90,6 +91,7 @@ def test_auto_keeps_the_allgather_at_two_ranks(hvd_torch):
     hvd.allreduce(torch.ones(200_000), name="big", compression=compressor)
     stats = compressor.compression_stats()
     assert stats["exchanges"] == {"big": "allgather"} and stats["tensors_two_stage"] == 0
+    assert stats["collectives_started"] == 1
 
 
 @pytest.mark.ranks(3)
