@@ -136,16 +136,29 @@ def _decode_all(codec, buf, numel, ranks, device):
     return [(o.copy_to_host() if device else o).tobytes() for o in outs], None
 
 
+def _rank_payloads(codec, rng, numel, ranks):
+    """One payload per rank (step 5, key = the rank) of a standard normal gradient each."""
+    parts = []
+    for r in range(ranks):
+        out = np.zeros(codec.max_payload_nbytes(numel), np.uint8)
+        parts.append(out[:codec.encode(rng.standard_normal(numel).astype(np.float32), out, step=5, key=r)])
+    return parts
+
+
+def _check_exchange_decode(label, codec, buf, numel, ranks, intact):
+    """The exchange's decode of ``buf`` on CUDA gives the CPU's sums or error; it raises unless ``intact``."""
+    cpu, gpu = _decode_all(codec, buf, numel, ranks, False), _decode_all(codec, buf, numel, ranks, True)
+    check(f"{label}: CUDA == CPU ({cpu[1]} / {gpu[1]})", cpu == gpu)
+    check(f"{label}: raises", (cpu[1] is None) == intact)
+
+
 def run_elias_exchange_cases(rng, numel=1000, ranks=3):
     """Elias payloads on a GPU decode where the device finds them (the header chain) and are checked
     after: sums and error messages equal the CPU's, which walks the headers first."""
     count = 0
     for codec in [QSGDCodec(bits=4, encoding="elias"),
                   QSGDCodec(bits=3, bucket_size=300, norm="l2", scale_dtype="float16", encoding="elias")]:
-        parts = []
-        for r in range(ranks):
-            out = np.zeros(codec.max_payload_nbytes(numel), np.uint8)
-            parts.append(out[:codec.encode(rng.standard_normal(numel).astype(np.float32), out, step=5, key=r)])
+        parts = _rank_payloads(codec, rng, numel, ranks)
         whole = np.concatenate(parts)
         second = parts[0].size
         damaged = {"whole": whole, "cut": whole[:-8], "stream": whole.copy(),
@@ -157,9 +170,8 @@ def run_elias_exchange_cases(rng, numel=1000, ranks=3):
             damaged[name] = damaged.get(name, whole).copy()
             damaged[name][at:at + 4] = np.frombuffer(np.uint32(value).tobytes(), np.uint8)
         for name, buf in damaged.items():
-            cpu, gpu = _decode_all(codec, buf, numel, ranks, False), _decode_all(codec, buf, numel, ranks, True)
-            check(f"elias exchange {codec.scale_dtype} {name}: CUDA == CPU ({cpu[1]} / {gpu[1]})", cpu == gpu)
-            check(f"elias exchange {codec.scale_dtype} {name}: raises", (cpu[1] is None) == (name == "whole"))
+            _check_exchange_decode(f"elias exchange {codec.scale_dtype} {name}", codec, buf, numel, ranks,
+                                   intact=name == "whole")
             count += 1
     return count
 
@@ -170,17 +182,13 @@ def run_exchange_decode_cases(rng, numel=1000, ranks=3):
     scattered into place. Sums and error messages equal the CPU's."""
     count = 0
     for codec in [QSGDCodec(bits=4), TopKCodec(ratio=0.05, error_feedback=False)]:
-        parts = []
-        for r in range(ranks):
-            out = np.zeros(codec.max_payload_nbytes(numel), np.uint8)
-            parts.append(out[:codec.encode(rng.standard_normal(numel).astype(np.float32), out, step=5, key=r)])
+        parts = _rank_payloads(codec, rng, numel, ranks)
         whole = np.concatenate(parts)
         foreign = whole.copy()
         foreign[parts[0].size + 4:parts[0].size + 8] = np.frombuffer(np.uint32(numel + 1).tobytes(), np.uint8)
         for name, buf in [("whole", whole), ("numel", foreign)]:
-            cpu, gpu = _decode_all(codec, buf, numel, ranks, False), _decode_all(codec, buf, numel, ranks, True)
-            check(f"{type(codec).__name__} exchange {name}: CUDA == CPU ({cpu[1]} / {gpu[1]})", cpu == gpu)
-            check(f"{type(codec).__name__} exchange {name}: raises", (cpu[1] is None) == (name == "whole"))
+            _check_exchange_decode(f"{type(codec).__name__} exchange {name}", codec, buf, numel, ranks,
+                                   intact=name == "whole")
             count += 1
     codec = RandomKCodec(ratio=0.05)
     values = codec.gather(rng.standard_normal(numel).astype(np.float32), 3, 4)

@@ -202,11 +202,10 @@ def register_limited_warps(registers):
 
 # ------------------------------------------------------------------------------- 5. the table --
 
-def write_table(path, rows, ccs, elapsed):
+def write_table(path, rows, ccs, elapsed, ptxas):
     import numba
     from numba import cuda
 
-    ptxas = find_ptxas()
     version = [line for line in subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.splitlines()
                if "release" in line][-1].split("release", 1)[1].strip()
     lines = [
@@ -245,7 +244,8 @@ def check(ccs, table, launches=None, save_launches=None, ptxas_args=()):
     ``launches``: a recording saved by an earlier run (``save_launches``) instead of a simulator run.
     """
     from numba import cuda
-    if getattr(cuda, "implementation", None) != "NVIDIA" or find_ptxas() is None:
+    ptxas = find_ptxas()
+    if getattr(cuda, "implementation", None) != "NVIDIA" or ptxas is None:
         print(f"horovod_qsgd: {MISSING}")
         return 2
     start = time.perf_counter()
@@ -258,7 +258,7 @@ def check(ccs, table, launches=None, save_launches=None, ptxas_args=()):
     failures = [f"{module}.{name}: never launched by the simulator checks, its argument types are unknown; "
                 "add a case that launches it to scripts/cuda_check.py"
                 for module, name in sorted(set(kernels) - set(launched))]
-    ptxas, rows = find_ptxas(), []
+    rows = []
     for text in ccs:
         cc = tuple(int(part) for part in text.split("."))
         answer_device_query(cc)
@@ -269,7 +269,7 @@ def check(ccs, table, launches=None, save_launches=None, ptxas_args=()):
                 rows.append(row)
                 failures += [f"{row['kernel']} for cc {row['cc']} ({row['signature']}): {p}" for p in problems(row)]
     if table:
-        write_table(table, rows, ccs, time.perf_counter() - start)
+        write_table(table, rows, ccs, time.perf_counter() - start, ptxas)
     compiled = [row for row in rows if "error" not in row]
     print(f"{len(compiled)} of {len(rows)} compiles of {len(kernels)} kernels assembled for cc {', '.join(ccs)}; "
           f"most registers {max((r['registers'] for r in compiled), default=0)}, "
