@@ -7,14 +7,25 @@ and where the state lives differ, filled in by each adapter.
 from string import Template
 
 
-def qsgd(name, state=""):
-    """QSGD's docstring; ``name``: what names a gradient ("tensor", "variable"); ``state``: a closing paragraph."""
-    return _QSGD.substitute(name=name, state=state)
+def qsgd(name, state="", fusion=False):
+    """QSGD's docstring; ``name``: what names a gradient ("tensor", "variable"); ``state``: a closing paragraph;
+    ``fusion``: whether the adapter fuses two-stage tensors (takes ``fusion_threshold``)."""
+    return _QSGD.substitute(name=name, state=state, fusion=_FUSION_ARG if fusion else "")
 
 
-def topk(state):
-    """Top-k's docstring; ``state``: how its per-rank state is checkpointed (ends a sentence)."""
-    return _TOPK.substitute(state=state)
+def topk(state, fusion=False):
+    """Top-k's docstring; ``state``: how its per-rank state is checkpointed (ends a sentence); ``fusion``: as
+    :func:`qsgd`."""
+    return _TOPK.substitute(state=state, fusion=_FUSION_ARG if fusion else "")
+
+
+_FUSION_ARG = """
+        fusion_threshold: the two-stage tensors of a step share one alltoall
+            and one allgather per group of at most this many bytes of
+            first-stage payload (default 64 MiB, as Horovod's own fusion
+            buffer: usually one group per step). 0 gives every tensor its own
+            two collectives. Smaller groups start sooner during the backward
+            pass; each costs a collective's latency (N-1 messages)."""
 
 
 def randomk(name, state=""):
@@ -82,7 +93,7 @@ _QSGD = Template(r"""QSGD: stochastic, unbiased quantization to a few bits per c
             ${name} name, rank and element index).
         exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
         second_stage_bits: bits of the owners' re-quantized sums (default:
-            ``bits``).
+            ``bits``).${fusion}
 
     Cost on the wire per rank and step: ``bits + 32/bucket_size`` bits per
     coordinate plus a 16-byte header per payload; 4 bits with bucket 512 is
@@ -141,7 +152,7 @@ _TOPK = Template(r"""Top-k sparsification with error feedback (Shi et al., arXiv
         sample_ratio: fraction of coordinates the ``"sample"`` selector reads.
         min_numel: smaller tensors are allreduced unchanged (default 10000).
         seed: seed for the ``"sample"`` selector.
-        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
+        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.${fusion}
 
     Cost on the wire per rank and step: a fixed capacity of entries (k for
     exact, somewhat more for the approximate selectors) times 8 bytes (6 with

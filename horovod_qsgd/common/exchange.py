@@ -10,6 +10,9 @@ from horovod_qsgd.common.errors import CompressionMismatchError
 # Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
 # place of its payload, so that every rank waiting for it raises too instead of hanging.
 REFUSAL_CODEC_ID = 0
+# Codec id 255 marks a fused group's manifest: a header in front of one sender's payloads of several tensors
+# (see :mod:`horovod_qsgd.common.fusion`), its numel the number of tensors, its digest their names' crc32.
+GROUP_CODEC_ID = 255
 
 
 def refusal_notice():
@@ -17,8 +20,11 @@ def refusal_notice():
     return pack_header(REFUSAL_CODEC_ID, 0, 0, HEADER_NBYTES)
 
 
-def _checked_header(head, sender, numel, codec, tensor_name, what):
-    """The parsed header ``head`` (16 host bytes) that ``sender`` sent, or CompressionMismatchError naming the fault."""
+def check_header(head, sender, numel, codec, tensor_name, what):
+    """The parsed header ``head`` (16 host bytes) that ``sender`` sent, or CompressionMismatchError naming the fault.
+
+    ``codec``: anything with ``header_differences(header, numel)`` (a codec, a fused group's manifest).
+    """
     try:
         header = parse_header(head)
     except PayloadError as exc:
@@ -38,6 +44,11 @@ def _checked_header(head, sender, numel, codec, tensor_name, what):
     return header
 
 
+def _per_payload(tensor_name, count):
+    """One tensor name per payload: ``tensor_name`` is one name for all, or a list (a fused group's)."""
+    return [tensor_name] * count if isinstance(tensor_name, str) else list(tensor_name)
+
+
 def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
     """[(start, end, header)] of the payloads concatenated in a received buffer, one per sender, in order.
 
@@ -45,7 +56,8 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
     ``numels[i]`` expected from ``senders[i]``, so a rank with another codec,
     setting or tensor shape raises here, on every rank, instead of decoding
     garbage. The headers are found by following their lengths on the
-    buffer's device and read in one copy.
+    buffer's device and read in one copy. ``tensor_name``: the tensor's
+    name, or a list of one per payload.
     """
     heads = read_header_chain(buffer, len(senders))  # row i is the header at the offset the walk reaches
     return _checked_spans(heads, buffer.size, senders, numels, codec, tensor_name, what)
@@ -54,21 +66,22 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
 def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, what):
     """:func:`check_payloads` for the host bytes of the header chain, ``heads``."""
     spans, offset = [], 0
-    for sender, numel, head in zip(senders, numels, heads):
+    names = _per_payload(tensor_name, len(senders))
+    for sender, numel, head, name in zip(senders, numels, heads, names):
         if offset + HEADER_NBYTES > total_nbytes:
             raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: the received {what}s end after {offset} bytes, "
+                f"horovod_qsgd: tensor {name!r}: the received {what}s end after {offset} bytes, "
                 f"before rank {sender}'s; a rank sent a truncated or foreign payload.")
-        header = _checked_header(head, sender, numel, codec, tensor_name, what)
+        header = check_header(head, sender, numel, codec, name, what)
         if offset + header.nbytes > total_nbytes:
             raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {tensor_name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
+                f"horovod_qsgd: tensor {name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
                 f"only {total_nbytes - offset} arrived.")
         spans.append((offset, offset + header.nbytes, header))
         offset += header.nbytes
     if offset != total_nbytes:
         raise CompressionMismatchError(
-            f"horovod_qsgd: tensor {tensor_name!r}: {total_nbytes - offset} unexpected bytes after "
+            f"horovod_qsgd: tensor {names[-1]!r}: {total_nbytes - offset} unexpected bytes after "
             f"{len(senders)} {what}s; the process set's size differs from what this rank expects.")
     return spans
 
@@ -81,7 +94,7 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
     header and the codec's own checks come back in one device read. A
     mismatch then raises as :func:`check_payloads` does, after garbage went
     into ``outs`` (callers discard them on error; no decode writes outside its
-    output). Other buffers (variable sizes, a refusal, a short or long buffer)
+    output). ``tensor_name``: the name errors give, or a list of one per payload. Other buffers (variable sizes, a refusal, a short or long buffer)
     are walked and checked first, except variable-size payloads on a device
     (Elias): those are decoded where the device finds them by following the
     header chain, and the chain's headers come back with the codec's checks
@@ -98,8 +111,8 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
                 heads = read_header_bytes(buffer, starts)
             else:
                 heads, check_bytes = read_header_bytes(buffer, starts, tail=checks)
-            for head, sender, numel in zip(heads, senders, numels):
-                _checked_header(head, sender, numel, codec, tensor_name, what)
+            for head, sender, numel, name in zip(heads, senders, numels, _per_payload(tensor_name, len(senders))):
+                check_header(head, sender, numel, codec, name, what)
             if checks is not None:
                 codec.raise_for_checks(check_bytes, spans)
             return

@@ -4,6 +4,8 @@ STATE_FORMAT = 1
 # Settings added after format 1 was first written; a state saved without them loads (their meaning did
 # not change what the saved residuals and counters are).
 LATER_SETTINGS = ("exchange", "second_stage_bits")
+# Settings that change how payloads are packed into collectives, not what the saved state means.
+PACKING_SETTINGS = ("fusion_threshold",)
 
 
 def state_header(compressor, settings):
@@ -17,6 +19,7 @@ def check_loadable(state, compressor, settings):
         raise ValueError(f"horovod_qsgd: cannot load a {state.get('compressor')!r} state (format "
                          f"{state.get('format')}) into {compressor} (format {STATE_FORMAT}).")
     saved = dict({k: v for k, v in settings.items() if k in LATER_SETTINGS}, **state["settings"])
+    saved, settings = ({k: v for k, v in s.items() if k not in PACKING_SETTINGS} for s in (saved, settings))
     if saved != settings:
         differ = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
         raise ValueError(f"horovod_qsgd: the state was written with settings {state['settings']}, this "

@@ -137,6 +137,10 @@ class TwoStage:
         self.bounds = chunk_bounds(numel, num_ranks, _unit(first))
         self.owned = self.bounds[rank]
 
+    def payload_capacity(self):
+        """Bytes of the first-stage payloads of every chunk: the tensor's size for fusion, equal on every rank."""
+        return sum(self.first.max_payload_nbytes(e - b) for b, e in self.bounds)
+
     def send_capacity(self):
         """Bytes of the buffer :meth:`encode_for_owners` writes into."""
         return sum(self.first.max_payload_nbytes(e - b) for j, (b, e) in enumerate(self.bounds) if j != self.rank)

@@ -19,11 +19,13 @@ work like this:
    multiplies it by ``placeholder / num_ranks``.
 
 From 3 ranks, large tensors take the two-stage exchange instead
-(:mod:`horovod_qsgd.common.two_stage`): ``compress`` starts an
-``hvd.alltoall_async`` of the slices each owner needs; the first
-``decompress`` of a step sums and re-encodes this rank's owned chunk of
-every pending tensor and starts their allgathers, in name order; each
-``decompress`` then decodes the owners' sums.
+(:mod:`horovod_qsgd.common.two_stage`), fused (:mod:`horovod_qsgd.common.fusion`):
+``compress`` encodes the slices each owner needs and, once every tensor of
+its group (learned from the step before) is compressed, starts one
+``hvd.alltoall_async`` of the group's slices; the first ``decompress`` of a
+step starts the groups still waiting, sums and re-encodes this rank's owned
+chunks and starts one allgather per group, in name order; the first
+``decompress`` of a group's tensors decodes the owners' sums of all of them.
 
 :class:`RandomK` needs none of this: every rank picks the same coordinates
 from a shared seed, so the optimizer's own allreduce sums the selected values.
@@ -41,7 +43,8 @@ import torch
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import SNAP_TOLERANCE, decode_sum, reduction_scale
+from horovod_qsgd.common.exchange import SNAP_TOLERANCE, decode_sum, reduction_scale, refusal_notice
+from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
@@ -327,22 +330,48 @@ class _CompressorBase:
 
 
 class _FirstStage:
-    """What ``_encode`` started for a two-stage tensor: the alltoall, the plan, this rank's own chunk."""
-    __slots__ = ("handle", "stage", "own")
+    """What ``_encode`` made of a two-stage tensor: the plan, the encoded slices and their splits, the own chunk."""
+    __slots__ = ("stage", "sent", "splits", "own")
 
-    def __init__(self, handle, stage, own):
-        self.handle, self.stage, self.own = handle, stage, own
+    def __init__(self, stage, sent, splits, own):
+        self.stage, self.sent, self.splits, self.own = stage, sent, splits, own
 
 
 class _TwoStageInFlight(_InFlight):
-    """A tensor between its first-stage alltoall and the end of its second-stage allgather."""
-    __slots__ = ("stage", "own", "process_set", "second_handle")
+    """A tensor between its compress and the decode of its fused group's second stage."""
+    __slots__ = ("stage", "sent", "splits", "own", "process_set", "group")
 
-    def __init__(self, handle, name, shape, dtype, num_ranks, step, out, stage, own, process_set, state, residual):
-        super().__init__(handle, name, shape, dtype, num_ranks, step, out, state, residual)
-        self.stage, self.process_set = stage, process_set
-        self.own = own  # this rank's own chunk, uncompressed: the start of the owner's sum
-        self.second_handle = None
+    def __init__(self, name, shape, dtype, num_ranks, step, out, first, process_set, state, residual):
+        super().__init__(None, name, shape, dtype, num_ranks, step, out, state, residual)
+        self.stage, self.sent, self.splits, self.process_set = first.stage, first.sent, first.splits, process_set
+        self.own = first.own  # this rank's own chunk, uncompressed: the start of the owner's sum
+        self.group = None
+
+
+class _Group:
+    """Two-stage tensors that share one alltoall and one allgather (:mod:`horovod_qsgd.common.fusion`)."""
+    __slots__ = ("name", "fused", "members", "process_set", "device", "handle", "second_handle", "results")
+
+    def __init__(self, name, fused, members, process_set, device, handle):
+        self.name, self.fused, self.members, self.process_set, self.device = name, fused, members, process_set, device
+        self.handle, self.second_handle, self.results = handle, None, None
+
+
+def _concatenate(pieces, buffers):
+    """One uint8 tensor of a fused buffer's pieces: host bytes (copied to the device in one copy) and
+    (member, start, end) ranges of ``buffers``."""
+    device = buffers[0].device
+    host = b"".join(piece for piece in pieces if isinstance(piece, bytes))
+    staged = torch.frombuffer(bytearray(host), dtype=torch.uint8).to(device) if host else None
+    parts, offset = [], 0
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            parts.append(staged[offset:offset + len(piece)])
+            offset += len(piece)
+        else:
+            member, start, end = piece
+            parts.append(buffers[member][start:end])
+    return torch.cat(parts)
 
 
 class PayloadCompressor(_CompressorBase):
@@ -352,14 +381,17 @@ class PayloadCompressor(_CompressorBase):
     two-stage exchange (:mod:`horovod_qsgd.common.two_stage`).
     """
 
-    def __init__(self, codec, min_numel, exchange="allgather", second_codec=None):
+    def __init__(self, codec, min_numel, exchange="allgather", second_codec=None,
+                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
         super().__init__(codec, min_numel)
         self.exchange = exchange
         self.second_codec = second_codec
-        self._awaiting_second_stage = []
+        self.fusion_threshold = check_fusion_threshold(fusion_threshold)
+        self._fuser = Fuser(self.fusion_threshold)
+        self._first_stages = []  # groups whose alltoall started and whose second stage did not
 
     def settings(self):
-        return dict(super().settings(), exchange=self.exchange)
+        return dict(super().settings(), exchange=self.exchange, fusion_threshold=self.fusion_threshold)
 
     def _key(self, name, process_set):
         return rank_key(name, process_set.rank())
@@ -394,46 +426,81 @@ class PayloadCompressor(_CompressorBase):
         if residual is not None:
             own += residual[begin:end]
             residual[begin:end] = 0
-        handle = hvd.alltoall_async(out[:used], splits=torch.tensor(splits, dtype=torch.int32),
-                                    name=PAYLOAD_PREFIX + site.name, process_set=site.process_set)
         placeholder = self._placeholder(tensor)
-        self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used, collectives_started=1)
-        return placeholder, _FirstStage(handle, stage, own), used + placeholder.element_size()
+        self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used)
+        return placeholder, _FirstStage(stage, out[:used], splits, own), used + placeholder.element_size()
 
     def _make_context(self, handle, site, tensor, state, out, residual):
         if not isinstance(handle, _FirstStage):
             return super()._make_context(handle, site, tensor, state, out, residual)
-        ctx = _TwoStageInFlight(handle.handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(),
-                               state.step, out, handle.stage, handle.own, site.process_set, state, residual)
+        ctx = _TwoStageInFlight(site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out,
+                                handle, site.process_set, state, residual)
         with self._lock:
-            self._awaiting_second_stage.append(ctx)
+            ready = self._fuser.add((site.process_set.process_set_id, site.name), handle.stage.payload_capacity(),
+                                    ctx)
+        for name, members in ready:
+            self._start_first_stage(name, members)
         return ctx
 
-    def _start_second_stages(self):
-        """Starts the second stage of every tensor whose first stage is under way, in name order.
+    def _start_first_stage(self, name, members):
+        """Starts the alltoall of a fused group's slices to their owners."""
+        fused = FusedTwoStage([member.stage for member in members])
+        pieces, splits = fused.first_stage_pieces([member.splits for member in members])
+        sent = _concatenate(pieces, [member.sent for member in members])
+        manifests = sent.numel() - sum(sum(member.splits) for member in members)
+        process_set = members[0].process_set
+        handle = hvd.alltoall_async(sent, splits=torch.tensor(splits, dtype=torch.int32), name=PAYLOAD_PREFIX + name,
+                                    process_set=process_set)
+        started = _Group(name, fused, members, process_set, sent.device, handle)
+        for member in members:
+            member.sent, member.group = None, started
+        self._stats.add(collectives_started=1, bytes_sent_first_stage=manifests, bytes_sent=manifests)
+        with self._lock:
+            self._first_stages.append(started)
 
+    def _start_second_stages(self):
+        """Starts the second stage of every group whose first stage is under way.
+
+        Called at the round's first ``decompress``: the groups still waiting
+        for a member start their alltoalls first (:meth:`Fuser.end_round`).
         Horovod's optimizer decompresses in hook order, which differs between
         ranks, and collectives are matched by name: a rank that waited for
-        one tensor's allgather before starting the others' could wait for a
-        peer that waits for it. Starting all of them here, at the first
-        ``decompress`` after the step's ``compress`` calls, before waiting on
+        one group's allgather before starting the others' could wait for a
+        peer that waits for it. Starting all of them here, before waiting on
         any, cannot deadlock in any order of calls.
         """
         with self._lock:
-            pending = sorted(self._awaiting_second_stage, key=lambda c: (c.process_set.process_set_id, c.name))
-            self._awaiting_second_stage = []
+            remaining = self._fuser.end_round()
+        for name, members in remaining:
+            self._start_first_stage(name, members)
+        with self._lock:
+            groups = sorted(self._first_stages, key=lambda g: g.name)
+            self._first_stages = []
         refused = None
-        for ctx in pending:
-            received, _ = hvd.synchronize(ctx.handle)
-            total, ctx.own = ctx.own, None
-            out = torch.zeros(ctx.stage.owned_capacity(), dtype=torch.uint8, device=total.device)
-            owner_residual = ctx.owner_residual = self._owner_residual(ctx, total)
-            used, refusal = ctx.stage.sum_and_encode(as_array(received), as_array(total), as_array(out), ctx.step,
-                                                     None if owner_residual is None else as_array(owner_residual))
-            refused = refused or refusal
-            ctx.second_handle = hvd.allgather_async(out[:used], name=SECOND_STAGE_PREFIX + ctx.name,
-                                                    process_set=ctx.process_set)
-            self._stats.add(bytes_sent_second_stage=used, bytes_sent=used, collectives_started=1)
+        for group in groups:
+            members = group.members
+            if refused is None:
+                received, _ = hvd.synchronize(group.handle)
+                totals = [member.own for member in members]
+                outs = [torch.zeros(member.stage.owned_capacity(), dtype=torch.uint8, device=received.device)
+                        for member in members]
+                for member, total in zip(members, totals):
+                    member.own, member.owner_residual = None, self._owner_residual(member, total)
+                used, refused = group.fused.sum_and_encode(
+                    as_array(received), [as_array(t) for t in totals], [as_array(o) for o in outs],
+                    [member.step for member in members],
+                    [None if m.owner_residual is None else as_array(m.owner_residual) for m in members])
+            # After a refusal, this group's and every later group's second stage carry a refusal notice, sent
+            # without waiting for their first stage (ranks that grouped otherwise may never start it): every
+            # peer raises instead of waiting.
+            if refused is not None:
+                outs, pieces = [torch.empty(0, dtype=torch.uint8, device=group.device)], [refusal_notice()]
+            else:
+                pieces = group.fused.second_stage_pieces(used)
+            sent = _concatenate(pieces, outs)
+            group.second_handle = hvd.allgather_async(sent, name=SECOND_STAGE_PREFIX + group.name,
+                                                      process_set=group.process_set)
+            self._stats.add(bytes_sent_second_stage=sent.numel(), bytes_sent=sent.numel(), collectives_started=1)
         if refused is not None:
             raise refused
 
@@ -453,16 +520,18 @@ class PayloadCompressor(_CompressorBase):
 
     def _receive(self, ctx):
         if isinstance(ctx, _TwoStageInFlight):
-            if ctx.second_handle is None:
+            if ctx.group is None or ctx.group.second_handle is None:
                 self._start_second_stages()
-            return hvd.synchronize(ctx.second_handle)
+            if ctx.group.results is None:
+                return hvd.synchronize(ctx.group.second_handle)
+            return None  # decoded with an earlier member of its group
         return hvd.synchronize(ctx.handle)
 
     def _decode(self, tensor, ctx, gathered):
-        total = ctx.zeroed_output(gathered.device)
         if isinstance(ctx, _TwoStageInFlight):
-            ctx.stage.decode_gathered(as_array(gathered), as_array(total))
+            total = self._group_result(ctx, gathered)
         else:
+            total = ctx.zeroed_output(gathered.device)
             decode_sum(self.codec, as_array(gathered), ctx.num_ranks, ctx.shape.numel(),
                        ctx.name, as_array(total))
         if tensor.is_cuda:
@@ -472,6 +541,17 @@ class PayloadCompressor(_CompressorBase):
             if scale != 1.0:
                 total.mul_(scale)
         return total
+
+    @staticmethod
+    def _group_result(ctx, gathered):
+        """ctx's decoded sum: the first member of a group to be decompressed decodes them all, in one pass."""
+        group = ctx.group
+        if group.results is None:
+            outs = [member.zeroed_output(gathered.device) for member in group.members]
+            group.fused.decode_gathered(as_array(gathered), [as_array(out) for out in outs])
+            group.results = outs
+        index = next(i for i, member in enumerate(group.members) if member is ctx)
+        return group.results[index]
 
 
 def device_reduction_scale(placeholder, num_ranks):
@@ -489,26 +569,28 @@ def device_reduction_scale(placeholder, num_ranks):
 
 
 class QSGD(PayloadCompressor):
-    __doc__ = docs.qsgd("tensor")
+    __doc__ = docs.qsgd("tensor", fusion=True)
 
     def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
-                 rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None):
+                 rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None,
+                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
         codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
                                               exchange, second_stage_bits)
-        super().__init__(codec, min_numel, exchange, second)
+        super().__init__(codec, min_numel, exchange, second, fusion_threshold)
 
     def settings(self):
         return dict(super().settings(), second_stage_bits=self.second_codec.bits)
 
 
 class TopK(PayloadCompressor):
-    __doc__ = docs.topk("checkpoint it.")
+    __doc__ = docs.topk("checkpoint it.", fusion=True)
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
+                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto",
+                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
-        super().__init__(codec, min_numel, check_exchange(exchange), codec)
+        super().__init__(codec, min_numel, check_exchange(exchange), codec, fusion_threshold)
 
 
 class RandomK(_CompressorBase):

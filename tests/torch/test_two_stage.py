@@ -50,12 +50,13 @@ def test_two_stage_result_is_bitwise_the_reference_on_every_rank(hvd_torch, num_
     stats = compressor.compression_stats()
     assert stats["exchanges"] == {"w": "two_stage"} and stats["tensors_two_stage"] == 2
     assert stats["collectives_started"] == 4  # an alltoall and an allgather per call
-    # Bytes by the formula: the rank's slices for the other owners, then its own re-encoded chunk.
+    # Bytes by the formula: the rank's slices for the other owners, then its own re-encoded chunk, each part
+    # behind its group's 16-byte manifest (a group of one tensor here).
     first, second = QSGDCodec(bits=4, bucket_size=bucket), QSGDCodec(bits=second_bits or 4, bucket_size=bucket)
     chunks = _bounds(numel, num_ranks, bucket)
     me = hvd.rank()
-    first_bytes = sum(first.max_payload_nbytes(e - b) for j, (b, e) in enumerate(chunks) if j != me)
-    second_bytes = second.max_payload_nbytes(chunks[me][1] - chunks[me][0])
+    first_bytes = sum(16 + first.max_payload_nbytes(e - b) for j, (b, e) in enumerate(chunks) if j != me)
+    second_bytes = 16 + second.max_payload_nbytes(chunks[me][1] - chunks[me][0])
     assert stats["bytes_sent_first_stage"] == 2 * first_bytes
     assert stats["bytes_sent_second_stage"] == 2 * second_bytes
     assert stats["bytes_sent"] == 2 * (first_bytes + second_bytes + 4)  # + the fp32 placeholder
@@ -231,7 +232,7 @@ def test_top_k_chunk_with_all_the_mass_receives_only_its_share(hvd_torch):
     result = hvd.allreduce(torch.from_numpy(grad), name="t", op=hvd.Sum, compression=compressor).numpy()
     codec, chunks, me = TopKCodec(ratio=0.01), _bounds(numel, 3, 1), hvd.rank()
     stats = compressor.compression_stats()
-    assert stats["bytes_sent_first_stage"] == sum(codec.max_payload_nbytes(e - b)
+    assert stats["bytes_sent_first_stage"] == sum(16 + codec.max_payload_nbytes(e - b)  # 16: the group's manifest
                                                   for j, (b, e) in enumerate(chunks) if j != me)
     for b, e in chunks:
         assert np.count_nonzero(result[b:e]) == codec.k(e - b)  # 300 per chunk, whatever the mass

@@ -1,0 +1,230 @@
+r"""Fusion: the two-stage exchanges of several tensors in one alltoall and one allgather.
+
+Horovod fuses allreduces and allgathers, not alltoalls: unfused, every
+two-stage tensor pays Horovod's negotiation and N-1 message latencies twice.
+A group of tensors shares both collectives instead.
+
+Groups. Collectives are matched across ranks by name, so every rank must form
+the same groups whatever order its tensors arrive in. A *round* is what a rank
+compresses before it first waits for a result (one optimizer step, one
+``hvd.allreduce`` call). :class:`Fuser` learns a round's groups from the round
+before: its two-stage tensors sorted by (process set, name) and packed greedily
+up to ``threshold`` bytes of first-stage capacity (a function of the shape and
+codec, equal on every rank). A tensor that completes its learned group starts
+the group's alltoall at once, so the first stage still overlaps the backward
+pass; what is left when the round's first result is waited for starts then
+(learned groups with a member missing under their learned name, new tensors
+packed anew).
+
+Wire. One sender's part of a group's buffer is a *manifest* (a 16-byte
+header: codec id 255, the number of tensors, the crc32 of their names, the
+part's length) followed by the tensors' payloads in group order, each byte for
+byte what it is alone. The manifest stops ranks that grouped other tensors
+(another model) before anything is decoded, on every rank; the owner still adds
+each tensor's slices in rank order, so no result bit depends on the packing.
+A refusal notice (see :mod:`horovod_qsgd.common.exchange`) replaces a whole part.
+
+Cost: 16 bytes per group and peer in each stage, and one copy of the encoded
+slices into the group's buffer.
+"""
+import itertools
+import zlib
+
+from horovod_qsgd.codecs import HEADER_NBYTES, WIRE_VERSION, pack_header, read_header_chain
+from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.exchange import GROUP_CODEC_ID, check_header, decode_checked
+
+DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's own HOROVOD_FUSION_THRESHOLD default
+
+
+def check_fusion_threshold(threshold):
+    """``threshold`` as an int, or ValueError naming what is allowed."""
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(f"horovod_qsgd: fusion_threshold={threshold!r} must be an int >= 0 (bytes of first-stage "
+                         "payload per fused group; 0 gives every tensor its own collectives)")
+    return threshold
+
+
+def pack(entries, threshold):
+    """Consecutive groups of ``entries`` ([(key, nbytes)], key = (scope, name)) of at most ``threshold`` bytes.
+
+    A group never spans two scopes (process sets); an entry above the
+    threshold is a group of its own.
+    """
+    groups, size = [], 0
+    for key, nbytes in entries:
+        if not groups or groups[-1][-1][0] != key[0] or size + nbytes > threshold:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return groups
+
+
+class Fuser:
+    """Which two-stage tensors share collectives: the same groups on every rank (see the module docstring).
+
+    Keys are (process set id, tensor name); items are what the caller starts
+    a group with. A group is named by a number drawn from a counter that
+    every rank advances alike, not by its members: ranks that grouped other
+    tensors (another model) then meet in the same collective, and the
+    manifests report the difference on every rank instead of leaving each
+    rank waiting for a name the others never use.
+    """
+
+    def __init__(self, threshold):
+        self.threshold = check_fusion_threshold(threshold)
+        self._learned = {}  # key -> (its group's name, the group's keys)
+        self._round = {}  # key -> first-stage capacity, of this round's tensors
+        self._waiting = {}  # key -> item, of this round's tensors whose group has not started
+        self._groups_named = 0
+
+    def add(self, key, capacity, item):
+        """Notes a compressed tensor; returns [(name, items)] with the learned group it completes, or []."""
+        if key in self._round:
+            raise RuntimeError(f"horovod_qsgd: tensor {key[1]!r} was compressed twice before its result was "
+                               "waited for; give every tensor in flight its own name.")
+        self._round[key] = capacity
+        self._waiting[key] = item
+        name, group = self._learned.get(key, (None, ()))
+        if not group or any(k not in self._waiting for k in group):
+            return []
+        return [(name, [self._waiting.pop(k) for k in group])]
+
+    def end_round(self):
+        """[(name, items)] of the round's groups not started yet; the round's groups are learned for the next."""
+        partial, new = {}, []
+        for key in sorted(self._waiting):
+            if key in self._learned:
+                partial.setdefault(self._learned[key][0], []).append(key)
+            else:
+                new.append(key)
+        groups = sorted(partial.items()) + [(self._name(keys), keys) for keys in
+                                            pack([(k, self._round[k]) for k in new], self.threshold)]
+        started = [(name, [self._waiting[k] for k in keys]) for name, keys in groups]
+        # A group learned again keeps its name: Horovod caches what it negotiated for a name.
+        names = {group: name for name, group in (self._learned[key] for key in self._round if key in self._learned)}
+        for key in self._round:
+            for stale in self._learned.pop(key, (None, ()))[1]:
+                self._learned.pop(stale, None)
+        for keys in pack(sorted(self._round.items()), self.threshold):
+            group = tuple(keys)
+            learned = (names.get(group) or self._name(keys), group)
+            for key in keys:
+                self._learned[key] = learned
+        self._round, self._waiting = {}, {}
+        return started
+
+    def _name(self, keys):
+        self._groups_named += 1
+        return f"{keys[0][0]}.group{self._groups_named}"
+
+
+class _Manifest:
+    """The header in front of one rank's part of a fused buffer, checked like a codec's."""
+
+    def __init__(self, names):
+        self.names = names
+        self.digest = zlib.crc32("\0".join(names).encode("utf-8"))
+
+    def pack(self, nbytes):
+        return pack_header(GROUP_CODEC_ID, len(self.names), self.digest, nbytes)
+
+    def header_differences(self, header, count):
+        if header.version != WIRE_VERSION:
+            return [f"wire format version {header.version} (here {WIRE_VERSION})"]
+        if header.codec_id != GROUP_CODEC_ID:
+            return [f"codec id {header.codec_id} where a fused group's manifest (codec id {GROUP_CODEC_ID}) "
+                    "belongs: that rank did not fuse these tensors"]
+        if header.numel != count or header.digest != self.digest:
+            return [f"a group of {header.numel} tensors, names digest {header.digest:#010x} (here {count}, "
+                    f"{self.digest:#010x}): the ranks grouped other tensors"]
+        return []
+
+
+class FusedTwoStage:
+    """The two-stage exchange of several tensors (their :class:`~horovod_qsgd.common.two_stage.TwoStage`
+    plans, one process set) in one alltoall and one allgather, on one rank.
+
+    Each member is encoded by its own plan into its own buffer; this class
+    says how the group's buffers are laid out (*pieces*: manifest bytes, or
+    (member, start, end) ranges of a member's buffer, for the caller to
+    concatenate), sums and re-encodes the owner's chunks, and decodes.
+    """
+
+    def __init__(self, stages):
+        self.stages = list(stages)
+        self.first, self.second = self.stages[0].first, self.stages[0].second
+        self.num_ranks, self.rank = self.stages[0].num_ranks, self.stages[0].rank
+        self.names = [stage.name for stage in self.stages]
+        self._manifest = _Manifest(self.names)
+        self.label = ", ".join(self.names) if len(self.names) <= 3 else \
+            f"{', '.join(self.names[:3])} and {len(self.names) - 3} more fused with them"
+
+    def first_stage_pieces(self, member_splits):
+        """(pieces, splits) of the alltoall from each member's ``encode_for_owners`` splits."""
+        starts = [list(itertools.accumulate(splits, initial=0)) for splits in member_splits]
+        pieces, splits = [], []
+        for owner in range(self.num_ranks):
+            if owner == self.rank:
+                splits.append(0)
+                continue
+            nbytes = HEADER_NBYTES + sum(member[owner] for member in member_splits)
+            pieces.append(self._manifest.pack(nbytes))
+            pieces.extend((m, start[owner], start[owner + 1]) for m, start in enumerate(starts))
+            splits.append(nbytes)
+        return pieces, splits
+
+    def sum_and_encode(self, received, totals, outs, steps, owner_residuals):
+        """The owner's step for every member (see ``TwoStage.sum_and_encode``).
+
+        ``totals[m]``: member m's own chunk on entry; ``outs[m]``: zeroed
+        buffers of its ``owned_capacity()``. Returns (bytes used per member,
+        None), or (None, CompressionMismatchError) when a received part does
+        not match: send a refusal notice in place of the group's part, then
+        raise it.
+        """
+        senders = [r for r in range(self.num_ranks) if r != self.rank]
+        numels = [stage.owned[1] - stage.owned[0] for stage in self.stages]
+        try:
+            self._decode_parts(self.first, received, senders, lambda sender: numels, lambda sender: totals,
+                               "first-stage slice")
+        except CompressionMismatchError as exc:
+            return None, exc
+        return [stage.encode_owned(total, out, step, residual) for stage, total, out, step, residual
+                in zip(self.stages, totals, outs, steps, owner_residuals)], None
+
+    def second_stage_pieces(self, used):
+        """The pieces of this owner's part of the allgather, from ``sum_and_encode``'s bytes used."""
+        return [self._manifest.pack(HEADER_NBYTES + sum(used))] + [(m, 0, n) for m, n in enumerate(used)]
+
+    def decode_gathered(self, gathered, outs):
+        """Adds every owner's decoded sums into their chunks of ``outs[m]`` (float32, zeros on entry)."""
+        self._decode_parts(self.second, gathered, range(self.num_ranks),
+                           lambda owner: [s.bounds[owner][1] - s.bounds[owner][0] for s in self.stages],
+                           lambda owner: [out[s.bounds[owner][0]:s.bounds[owner][1]] for s, out in
+                                          zip(self.stages, outs)],
+                           "second-stage sum")
+
+    def _decode_parts(self, codec, buffer, senders, numels_from, outs_from, what):
+        """Decodes each sender's part of ``buffer`` (manifest, then a payload per member) into ``outs_from(sender)``."""
+        heads = read_header_chain(buffer, len(senders))  # the manifests: each one's length leads to the next
+        offset = 0
+        for sender, head in zip(senders, heads):
+            if offset + HEADER_NBYTES > buffer.size:
+                raise CompressionMismatchError(
+                    f"horovod_qsgd: tensors {self.label!r}: the fused {what}s end after {offset} bytes, before "
+                    f"rank {sender}'s; a rank sent a truncated or foreign payload.")
+            header = check_header(head, sender, len(self.stages), self._manifest, self.label, f"group of {what}s")
+            end = offset + header.nbytes
+            if end > buffer.size:
+                raise CompressionMismatchError(
+                    f"horovod_qsgd: tensors {self.label!r}: rank {sender}'s fused {what}s say {header.nbytes} "
+                    f"bytes, only {buffer.size - offset} arrived.")
+            decode_checked(codec, buffer[offset + HEADER_NBYTES:end], [sender] * len(self.stages),
+                           numels_from(sender), outs_from(sender), self.names, what)
+            offset = end
+        if offset != buffer.size:
+            raise CompressionMismatchError(
+                f"horovod_qsgd: tensors {self.label!r}: {buffer.size - offset} unexpected bytes after "
+                f"{len(senders)} fused {what}s; the process set's size differs from what this rank expects.")

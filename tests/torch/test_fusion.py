@@ -1,0 +1,131 @@
+"""Fused two-stage exchanges under horovodrun: the same bits as one tensor at a time, fewer collectives.
+
+Each rank trains two copies of a model, one with a compressor that fuses its
+two-stage tensors (the default) and one with ``fusion_threshold=0`` (every
+tensor its own alltoall and allgather); both must give the reference built
+from every rank's gradients with the codecs alone. Autograd's hooks fire in
+another order on each rank, so the groups must not depend on the order of
+arrival.
+"""
+import numpy as np
+import pytest
+
+from tests.two_stage_reference import bounds as _bounds
+from tests.two_stage_reference import gradient as _gradient
+from tests.two_stage_reference import reference as _reference
+
+# 100_003 and 70_001: no multiple of the ranks or the bucket; 1_000: fewer buckets than 4 ranks (owners of nothing).
+SIZES = (100_003, 70_001, 1_000, 512 * 40)
+CASES = [pytest.param(n, kind, marks=pytest.mark.ranks(n, timeout=240)) for n, kind in
+         ((3, "qsgd"), (4, "qsgd"), (3, "topk"), (4, "topk"))]
+
+
+def _train(hvd, compressor, steps):
+    """The averaged gradients and compressor state of each step (gradients fixed per rank, hooks reordered)."""
+    import torch
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in SIZES]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.5), compression=compressor,
+                                   named_parameters=[(f"layer{i}.weight", p) for i, p in enumerate(params)])
+    order = [(i + hvd.rank()) % len(params) for i in range(len(params))]
+    history = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = 0
+        for i in order:
+            coefficients = torch.from_numpy(_gradient(hvd.rank(), SIZES[i], 10 * step + i))
+            loss = loss + (params[i] * coefficients).sum()
+        loss.backward()
+        opt.step()
+        stats = compressor.compression_stats(reset=True)
+        history.append(([p.grad.clone() for p in params], compressor.state_dict(), stats))
+    return history
+
+
+def _references(kind, num_ranks, steps):
+    """What every rank must get at each step, from the codecs alone (tests/two_stage_reference.py)."""
+    from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+    codec, unit = (QSGDCodec(bits=4), 512) if kind == "qsgd" else (TopKCodec(ratio=0.02), 1)
+    wanted = [[] for _ in range(steps)]
+    for i, numel in enumerate(SIZES):
+        residuals = [np.zeros(numel, np.float32) for _ in range(num_ranks)] if kind == "topk" else None
+        owner_residuals = None if kind == "qsgd" else [np.zeros(e - b, np.float32) for b, e in
+                                                         _bounds(numel, num_ranks, unit)]
+        for step in range(steps):
+            grads = [_gradient(r, numel, 10 * step + i) for r in range(num_ranks)]
+            total = _reference(codec, codec, f"layer{i}.weight", grads, step, unit, residuals, owner_residuals)
+            wanted[step].append(total * np.float32(1.0 / num_ranks))
+    return wanted
+
+
+def _compressor(kind, **kwargs):
+    from horovod_qsgd.torch import QSGD, TopK
+    if kind == "qsgd":
+        return QSGD(bits=4, exchange="two_stage", min_numel=0, **kwargs)
+    return TopK(ratio=0.02, exchange="two_stage", min_numel=0, **kwargs)
+
+
+@pytest.mark.parametrize("num_ranks, kind", CASES)
+def test_fused_training_is_bitwise_the_unfused_one_with_two_collectives_a_step(hvd_torch, num_ranks, kind):
+    import torch
+    hvd = hvd_torch
+    steps = 3
+    fused = _train(hvd, _compressor(kind), steps)
+    alone = _train(hvd, _compressor(kind, fusion_threshold=0), steps)
+    wanted = _references(kind, num_ranks, steps)
+    for step, ((g_fused, s_fused, st_fused), (g_alone, s_alone, st_alone)) in enumerate(zip(fused, alone)):
+        for i, (a, b) in enumerate(zip(g_fused, g_alone)):
+            assert torch.equal(a, b), (step, i)
+            assert np.array_equal(a.numpy(), wanted[step][i]), (step, i)
+        for name, state in s_alone["tensors"].items():
+            for field in ("residual", "owner_residual"):
+                if state[field] is None:
+                    assert s_fused["tensors"][name][field] is None
+                else:
+                    assert torch.equal(s_fused["tensors"][name][field], state[field]), (step, name, field)
+            assert s_fused["tensors"][name]["step"] == state["step"] == step + 1
+        if kind == "topk":
+            assert any(s["owner_residual"].abs().sum() > 0 for s in s_fused["tensors"].values())
+        # One alltoall and one allgather a step for all four tensors, against two per tensor.
+        assert st_fused["collectives_started"] == 2 and st_alone["collectives_started"] == 2 * len(SIZES), step
+        assert st_fused["tensors_two_stage"] == st_alone["tensors_two_stage"] == len(SIZES)
+        # The same payloads: only the manifests differ, 16 bytes per peer and group in the first stage and
+        # 16 per group in the second.
+        saved = (len(SIZES) - 1) * 16
+        assert st_alone["bytes_sent_first_stage"] - st_fused["bytes_sent_first_stage"] == saved * (num_ranks - 1)
+        assert st_alone["bytes_sent_second_stage"] - st_fused["bytes_sent_second_stage"] == saved
+
+
+@pytest.mark.ranks(3, timeout=120)
+def test_a_small_threshold_splits_the_step_into_groups_in_name_order(hvd_torch):
+    # 20_000 fp32 values at 4 bits are 10_208 bytes of first-stage payload (3 chunks): two fit under 25_000.
+    import torch
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    compressor = QSGD(bits=4, exchange="two_stage", min_numel=0, fusion_threshold=25_000)
+    assert compressor.settings()["fusion_threshold"] == 25_000
+    tensors = {f"t{i}": torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(5)}
+    results = hvd.grouped_allreduce(list(tensors.values()), name="five", compression=compressor)
+    stats = compressor.compression_stats()
+    assert stats["tensors_two_stage"] == 5 and stats["collectives_started"] == 2 * 3  # groups of 2, 2 and 1
+    alone = QSGD(bits=4, exchange="two_stage", min_numel=0, fusion_threshold=0)
+    expected = hvd.grouped_allreduce(list(tensors.values()), name="five", compression=alone)
+    assert all(torch.equal(a, b) for a, b in zip(results, expected))
+
+
+@pytest.mark.ranks(3, timeout=120)
+def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hvd_torch):
+    # Rank 2's plan is forced apart from the others' (one tensor per group): the groups' names still meet,
+    # the manifests differ, and every rank raises.
+    import torch
+    from horovod_qsgd.common.errors import CompressionMismatchError
+    from horovod_qsgd.common.fusion import Fuser
+    hvd = hvd_torch
+    compressor = _compressor("qsgd")
+    if hvd.rank() == 2:
+        compressor._fuser = Fuser(0)
+    tensors = [torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(3)]
+    with pytest.raises(CompressionMismatchError) as info:
+        hvd.grouped_allreduce(tensors, name="three", compression=compressor)
+    message = str(info.value)
+    assert "group of first-stage slices does not match this rank's" in message, message
+    assert "the ranks grouped other tensors" in message, message
