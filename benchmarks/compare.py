@@ -97,7 +97,7 @@ def print_table(results):
     baseline = {(r["framework"], r["rate"], r["ranks"]): r for r in results if r["name"] == "none"}
     several = results[0].get("compute_alone_seconds") is not None
     header = (f"{'ranks':>5} {'rate':>8} {'compressor':<24} {'img/s':>8} {'step s':>8} {'wire MB/step':>13} "
-              f"{'bytes vs none':>13} {'speedup':>8} {'enc+dec':>8} {'wait':>6}")
+              f"{'bytes vs none':>13} {'speedup':>8} {'enc+dec':>8} {'wait':>6} {'coll/step':>9}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -108,7 +108,7 @@ def print_table(results):
         wait_share = r["wait_seconds_per_step"] / r["step_seconds"]
         print(f"{r['ranks']:>5} {r['rate']:>8} {r['name']:<24} {r['img_sec_total']:>8.1f} {r['step_seconds']:>8.3f} "
               f"{r['wire_bytes_per_step'] / 1e6:>13.2f} {fewer:>13} {speedup:>8} {codec_share:>7.0%} "
-              f"{wait_share:>5.0%}")
+              f"{wait_share:>5.0%} {r.get('collectives_per_step', float('nan')):>9.1f}")
     if several:
         alone = results[0]["compute_alone_seconds"]
         shared = {r["ranks"]: r["compute_shared_seconds"] for r in results}

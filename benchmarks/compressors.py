@@ -19,6 +19,9 @@ SPECS = {
     "topk-1%-allgather": ("TopK", {"ratio": 0.01, "exchange": "allgather"}),
     "qsgd-4bit-second8": ("QSGD", {"bits": 4, "second_stage_bits": 8}),
     "topk-10%": ("TopK", {"ratio": 0.1}),
+    # PyTorch only: every two-stage tensor its own alltoall and allgather, as before fusion
+    "qsgd-4bit-unfused": ("QSGD", {"bits": 4, "fusion_threshold": 0}),
+    "topk-1%-unfused": ("TopK", {"ratio": 0.01, "fusion_threshold": 0}),
 }
 # What the studies compare unless told otherwise: one row per compressor, default exchange.
 STANDARD = list(SPECS)[:list(SPECS).index("qsgd-4bit-allgather")]
@@ -34,7 +37,8 @@ def names_argument(text):
     return names
 
 
-_FLAG_NAMES = {"bits": "--bits", "ratio": "--ratio", "selector": "--selector", "exchange": "--exchange"}
+_FLAG_NAMES = {"bits": "--bits", "ratio": "--ratio", "selector": "--selector", "exchange": "--exchange",
+               "fusion_threshold": "--fusion-threshold"}
 _KINDS = {"NoCompression": "none", "FP16": "fp16", "QSGD": "qsgd", "TopK": "topk", "RandomK": "randomk"}
 
 

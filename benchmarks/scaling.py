@@ -37,9 +37,13 @@ In a cluster (the projections), each rank has a full-duplex link of ``B``:
 ``T = t_compute + m * codec + received / B + latency * message_steps``
 
 ``message_steps``: ``2 (N-1)`` per fused allreduce (64 MiB fusion buffers),
-``N-1`` per fused allgather and per alltoall (one per tensor: Horovod does
-not fuse alltoalls). ``m``: the adapter's cost over the bare codecs (copies,
-zero fills, residual updates), fitted below, one per compressor.
+``N-1`` per fused allgather and per alltoall. Horovod does not fuse
+alltoalls: the PyTorch adapter fuses the two-stage tensors itself, one
+alltoall per 64 MiB of first-stage payload (``fusion_threshold``; exchange
+``"two_stage"``), where before it ran one per tensor (``"two_stage_unfused"``,
+the measured runs before fusion, and TensorFlow's still). ``m``: the
+adapter's cost over the bare codecs (copies, zero fills, residual updates),
+fitted below, one per compressor.
 
 On the measuring machine every rank shares ``cores`` cores and one loopback:
 
@@ -90,8 +94,8 @@ RATES_GBIT = [1, 10, 25, 100]
 # The projected models: parameters in tensors of 2^20 elements (a transformer's or ResNet's larger
 # layers), and a stated compute time per step (forward + backward on one device).
 MODELS = {"25M": (24, 0.100), "100M": (96, 0.400)}
-PROJECTED = [("none", None), ("qsgd-4bit", "allgather"), ("qsgd-4bit", "two_stage"),
-             ("topk-1%", "allgather"), ("topk-1%", "two_stage")]
+PROJECTED = [("none", None), ("qsgd-4bit", "allgather"), ("qsgd-4bit", "two_stage"), ("qsgd-4bit", "two_stage_unfused"),
+             ("topk-1%", "allgather"), ("topk-1%", "two_stage"), ("topk-1%", "two_stage_unfused")]
 
 
 # ----------------------------------------------------------------------------- codec costs
@@ -146,16 +150,20 @@ def _codecs(name):
     return compressor, compressor.codec, compressor.second_codec
 
 
-def tensor_traffic(name, exchange, n, ranks):
+def tensor_traffic(name, exchange, n, ranks, fused=True):
     """(bytes a rank receives, on average over ranks, [(collective, bytes)], exchange taken or None when the
-    tensor goes through Horovod's allreduce) for one tensor of ``n`` elements."""
-    from horovod_qsgd.common.two_stage import choose_exchange, chunk_bounds, stage_nbytes
+    tensor goes through Horovod's allreduce) for one tensor of ``n`` elements.
+
+    An alltoall's bytes are the first-stage payload's capacity over all chunks (what fusion packs by);
+    unfused, it is an ``"alltoall_alone"``."""
+    from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, chunk_bounds, stage_nbytes
     ring = 2 * (ranks - 1) / ranks * 4 * n, [("allreduce", 4 * n)], None
     if name == "none":
         return ring
     compressor, first, second = _codecs(name)
     if n < compressor.min_numel:
         return ring
+    alltoall = "alltoall" if fused else "alltoall_alone"
     chosen = choose_exchange(exchange, first, second, n, ranks)
     placeholder = 2 * (ranks - 1) / ranks * 4  # the one-element allreduce Horovod's protocol needs
     if chosen == "allgather":
@@ -163,8 +171,9 @@ def tensor_traffic(name, exchange, n, ranks):
         return placeholder + (ranks - 1) * b, [("allreduce", 4), ("allgather", b)], chosen
     first_stage, second_stage = stage_nbytes(first, second, n, ranks)  # the mean over ranks
     owned = chunk_bounds(n, ranks, getattr(first, "bucket_size", 1))[0]
+    capacity = TwoStage(first, second, "", n, ranks, 0).payload_capacity()
     return (placeholder + first_stage + second_stage,
-            [("allreduce", 4), ("alltoall", None), ("allgather", second.max_payload_nbytes(owned[1] - owned[0]))],
+            [("allreduce", 4), (alltoall, capacity), ("allgather", second.max_payload_nbytes(owned[1] - owned[0]))],
             chosen)
 
 
@@ -172,23 +181,31 @@ def collective_counts(collectives, ranks):
     """(sequential message steps, separately negotiated collectives) of one step's collectives.
 
     Horovod fuses allreduces and allgathers into 64 MiB buffers (an allgather's
-    holds all N payloads) and runs each alltoall alone: a fused allreduce is
-    ``2 (N-1)`` message steps, a fused allgather and an alltoall ``N-1`` each.
+    holds all N payloads); the adapter packs two-stage tensors into alltoalls of
+    64 MiB of first-stage capacity ("alltoall"), or runs one per tensor
+    ("alltoall_alone"). A fused allreduce is ``2 (N-1)`` message steps, a fused
+    allgather and an alltoall ``N-1`` each.
     """
     def buffers(nbytes):
         return max(1, math.ceil(nbytes / FUSION_BYTES)) if nbytes else 0
 
-    alltoalls = sum(kind == "alltoall" for kind, _ in collectives)
+    alltoalls = (sum(kind == "alltoall_alone" for kind, _ in collectives)
+                 + buffers(sum(b for kind, b in collectives if kind == "alltoall")))
     allreduces = buffers(sum(b for kind, b in collectives if kind == "allreduce"))
     allgathers = buffers(ranks * sum(b for kind, b in collectives if kind == "allgather"))
     return 2 * (ranks - 1) * allreduces + (ranks - 1) * (allgathers + alltoalls), allreduces + allgathers + alltoalls
 
 
-def step_terms(name, exchange, tensor_sizes, ranks, costs):
-    """(codec seconds, bytes received per rank, message steps, collective rounds) of one step."""
+def step_terms(name, exchange, tensor_sizes, ranks, costs, fused=True):
+    """(codec seconds, bytes received per rank, message steps, collective rounds) of one step.
+
+    ``exchange``: as the compressors take it, or ``"two_stage_unfused"`` (one alltoall per tensor, as
+    ``fused=False`` makes of any two-stage tensor)."""
+    if exchange == "two_stage_unfused":
+        exchange, fused = "two_stage", False
     codec, received, collectives = 0.0, 0.0, []
     for n in tensor_sizes:
-        r, c, chosen = tensor_traffic(name, exchange, n, ranks)
+        r, c, chosen = tensor_traffic(name, exchange, n, ranks, fused)
         received += r
         collectives += c
         if chosen is not None:
@@ -212,6 +229,12 @@ def measured_runs(results_dir):
     return rows
 
 
+def fused_run(row):
+    """Whether a measured run's compressor fused its two-stage tensors (runs from before fusion did not)."""
+    compressor = row.get("compressor", "")
+    return "fusion_threshold=" in compressor and "fusion_threshold=0," not in compressor + ","
+
+
 PARAMETERS = ["m_qsgd", "m_topk", "rho", "beta"]
 START, LOW, HIGH = [2.0, 2.0, 1.0, 0.05], [0.2, 0.2, 0.05, 1e-5], [20.0, 20.0, 100.0, 2.0]
 
@@ -227,7 +250,7 @@ def predict_measured(row, costs, params):
     m_qsgd, m_topk, rho, beta = params
     exchange = "auto" if row["exchange"] == "-" else row["exchange"]
     codec, received, steps, rounds = step_terms(row["configuration"], exchange, row["tensor_sizes"], row["ranks"],
-                                                costs)
+                                                costs, fused_run(row))
     shared = max(1.0, row["ranks"] / row["cores"])
     link = row["ranks"] * received * 8 / min(row["rate_bps"], rho * 1e9 * row["ranks"])
     coordination = beta * rounds if row["ranks"] > row["cores"] else 0.0
@@ -327,7 +350,8 @@ def plot(rows, out_dir, suffix="", codecs_note="this CPU's codecs, one thread pe
                 mine = [r for r in rows if r["model"] == model and r["gbit"] == gbit and
                         r["configuration"] == name and r["exchange"] == exchange]
                 ax.plot([r["ranks"] for r in mine], [r["speedup"] for r in mine], marker="o", markersize=3,
-                        label=f"{name} {exchange}", linestyle="-" if exchange == "two_stage" else "--")
+                        label=f"{name} {exchange}",
+                        linestyle={"two_stage": "-", "two_stage_unfused": ":"}.get(exchange, "--"))
             ax.axhline(1.0, color="grey", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

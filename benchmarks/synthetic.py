@@ -34,6 +34,8 @@ def parse_args(description, argv=None):
     parser.add_argument("--exchange", default="auto", choices=["auto", "allgather", "two_stage"],
                         help="QSGD's and TopK's exchange")
     parser.add_argument("--second-stage-bits", type=int, default=None, help="QSGD's second-stage bits")
+    parser.add_argument("--fusion-threshold", type=int, default=None,
+                        help="PyTorch QSGD's and TopK's fusion_threshold (0: every two-stage tensor alone)")
     parser.add_argument("--local-only", action="store_true",
                         help="train without exchanging gradients: each rank's compute while N ranks share the machine")
     parser.add_argument("--json-out", help="write the measurements here (rank 0)")
@@ -42,14 +44,16 @@ def parse_args(description, argv=None):
 
 def make_compression(args, adapter):
     """The compressor the flags ask for, from ``horovod_qsgd.torch`` or ``horovod_qsgd.tensorflow``."""
+    # Only the PyTorch adapter fuses two-stage tensors so far: the flag is passed where it is given.
+    fusion = {} if args.fusion_threshold is None else {"fusion_threshold": args.fusion_threshold}
     kinds = {
         "none": lambda: adapter.NoCompression,
         "fp16": lambda: adapter.FP16,
         "qsgd": lambda: adapter.QSGD(bits=args.bits, bucket_size=args.bucket_size, norm=args.norm,
                                      encoding=args.encoding, min_numel=args.min_numel, exchange=args.exchange,
-                                     second_stage_bits=args.second_stage_bits),
+                                     second_stage_bits=args.second_stage_bits, **fusion),
         "topk": lambda: adapter.TopK(ratio=args.ratio, selector=args.selector, min_numel=args.min_numel,
-                                     exchange=args.exchange),
+                                     exchange=args.exchange, **fusion),
         "randomk": lambda: adapter.RandomK(ratio=args.ratio, error_feedback=True, min_numel=args.min_numel),
     }
     return kinds[args.compression]()
@@ -123,6 +127,8 @@ def run(args, job):
         "encode_seconds_per_step": summed.get("encode_seconds", 0.0) / job.size / steps,
         "decode_seconds_per_step": summed.get("decode_seconds", 0.0) / job.size / steps,
         "wait_seconds_per_step": summed.get("wait_seconds", 0.0) / job.size / steps,
+        # the allgathers and alltoalls a rank started for compressed tensors (not the placeholders' allreduce)
+        "collectives_per_step": summed.get("collectives_started", 0.0) / job.size / steps,
         # how many compressed tensors took each exchange (rank 0; "auto" decides per tensor)
         "exchanges_used": dict(collections.Counter(stats.get("exchanges", {}).values())),
     }

@@ -28,6 +28,8 @@ from numba import cuda  # noqa: E402
 from horovod_qsgd import kernels as K  # noqa: E402
 from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
 from horovod_qsgd.common.exchange import decode_checked  # noqa: E402
+from horovod_qsgd.common.fusion import FusedTwoStage  # noqa: E402
+from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
 from horovod_qsgd.testdata import load_vectors, make_codec  # noqa: E402
 
 failures = []
@@ -114,6 +116,7 @@ def main():
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
     total = len(cases) + 10 + run_elias_exchange_cases(rng) + run_exchange_decode_cases(rng)
+    total += run_fused_decode_cases(rng)
     if not SIMULATED:
         total += run_large_cases(rng)
     if failures:
@@ -198,6 +201,47 @@ def run_exchange_decode_cases(rng, numel=1000, ranks=3):
     codec.scatter_accumulate(cuda.to_device(values), d_o, 3, 4)
     check("randomk scatter_accumulate CUDA == CPU", same(o_cpu, d_o.copy_to_host()))
     return count + 1
+
+
+def _fused_decode(fused, buf, device):
+    """(decoded members' bytes or None, the error's type and message or None) of a group's decode_gathered."""
+    outs = [np.full(stage.numel, 0.25, np.float32) for stage in fused.stages]
+    if device:
+        buf, outs = cuda.to_device(buf), [cuda.to_device(o) for o in outs]
+    try:
+        fused.decode_gathered(buf, outs)
+    except Exception as exc:  # compared between CPU and CUDA: the same type and message
+        return None, f"{type(exc).__name__}: {exc}"
+    return [(o.copy_to_host() if device else o).tobytes() for o in outs], None
+
+
+def run_fused_decode_cases(rng, ranks=3, sizes=(3000, 1000)):
+    """A fused group's second stage (per owner a manifest, then each member's sum) decodes on a GPU as on
+    the CPU, for fixed-size and Elias payloads, and a foreign manifest gives the same error."""
+    count = 0
+    for codec in [QSGDCodec(bits=4, bucket_size=128), TopKCodec(ratio=0.05, error_feedback=False),
+                  QSGDCodec(bits=4, encoding="elias")]:
+        groups = [FusedTwoStage([TwoStage(codec, codec, f"t{i}", n, ranks, r) for i, n in enumerate(sizes)])
+                  for r in range(ranks)]
+        parts = []
+        for fused in groups:
+            sums, used = [], []
+            for stage in fused.stages:
+                begin, end = stage.owned
+                sums.append(np.zeros(stage.owned_capacity(), np.uint8))
+                used.append(stage.encode_owned(rng.standard_normal(end - begin).astype(np.float32), sums[-1], 5))
+            parts += [np.frombuffer(p, np.uint8) if isinstance(p, bytes) else sums[p[0]][p[1]:p[2]]
+                      for p in fused.second_stage_pieces(used)]
+        whole = np.concatenate(parts)
+        foreign = whole.copy()
+        foreign[8:12] ^= 0xFF  # the first owner's manifest: another group's names digest
+        for name, buf in [("whole", whole), ("foreign manifest", foreign)]:
+            cpu, gpu = _fused_decode(groups[1], buf, False), _fused_decode(groups[1], buf, True)
+            label = f"fused {type(codec).__name__} {codec.config().get('encoding', '')} {name}"
+            check(f"{label}: CUDA == CPU ({cpu[1]} / {gpu[1]})", cpu == gpu)
+            check(f"{label}: raises", (cpu[1] is None) == (name == "whole"))
+            count += 1
+    return count
 
 
 def run_large_cases(rng, n=1_000_003):

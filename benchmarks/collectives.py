@@ -1,0 +1,145 @@
+"""Collectives per training step, fused and unfused, counted twice: by the compressor and by Horovod's timeline.
+
+    python benchmarks/collectives.py --ranks 4,8 --out benchmarks/results/fusion
+
+For each model (the 25M-parameter MLP of the synthetic benchmark, the byte-level
+language model of ``benchmarks/lm_convergence.py``), compressor (QSGD 4-bit,
+Top-k 1%, default ``exchange="auto"``) and fusion setting (the default, and
+``fusion_threshold=0``: every two-stage tensor its own alltoall and allgather),
+one ``horovodrun`` job on N ranks trains 4 steps of PyTorch's
+``hvd.DistributedOptimizer`` with ``HOROVOD_TIMELINE`` set. Which collectives a
+step starts depends only on the parameters' names and shapes, so the gradient is
+that of a linear loss on random coefficients, not of the model's forward pass.
+
+Counted per step on rank 0: ``compression_stats()["collectives_started"]``,
+and, independently, the allgather and alltoall operations on horovod_qsgd's
+tensor names in Horovod's timeline (one row per submitted name and step).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+STEPS = 4
+MODELS = ("mlp25m", "lm")
+COMPRESSORS = ("qsgd-4bit", "topk-1%")
+
+
+def parameter_shapes(model):
+    """Name -> shape of every parameter of ``model``, in the model's order."""
+    if model == "lm":
+        from benchmarks import byte_lm
+        from benchmarks.lm_convergence import STUDY
+        return byte_lm.parameter_shapes(STUDY["width"], STUDY["layers"], STUDY["context"])
+    from benchmarks.models_torch import build_model
+    return {name: tuple(p.shape) for name, p in build_model(model).named_parameters()}
+
+
+def worker(args):
+    import horovod.torch as hvd
+    import torch
+
+    import horovod_qsgd.torch as adapter
+    from benchmarks.compressors import build
+    hvd.init()
+    compressor = build(args.compressor, adapter, **({} if args.fused else {"fusion_threshold": 0}))
+    named = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in parameter_shapes(args.model).items()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.01), named_parameters=named,
+                                   compression=compressor)
+    generator = torch.Generator().manual_seed(hvd.rank())
+    per_step = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = sum((p * torch.randn(p.shape, generator=generator)).sum() for _, p in named)
+        loss.backward()
+        opt.step()
+        per_step.append(compressor.compression_stats(reset=True))
+    if hvd.rank() == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump({"collectives_started": [s["collectives_started"] for s in per_step],
+                       "exchanges": per_step[-1]["exchanges"],
+                       "tensors_compressed": per_step[-1]["tensors_compressed"]}, f)
+    hvd.shutdown()
+
+
+def timeline_counts(path):
+    """{operation: number} of the ALLGATHER / ALLTOALL operations on horovod_qsgd's names in a timeline."""
+    from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX
+    with open(path) as f:
+        text = f.read().strip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    # A row per submitted name, "<operation>.<name>", e.g. "alltoall.horovod_qsgd.payload.0.group2"
+    names = {e["pid"]: e["args"].get("name", "").partition(".")[2] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    counts = {}
+    for e in events:
+        name = names.get(e.get("pid"), "")
+        if e.get("ph") == "B" and e.get("name") in ("ALLGATHER", "ALLTOALL") and \
+                name.startswith((PAYLOAD_PREFIX, SECOND_STAGE_PREFIX)):
+            counts[e["name"]] = counts.get(e["name"], 0) + 1
+    return counts
+
+
+def run_job(ranks, model, compressor, fused, timeout):
+    with tempfile.TemporaryDirectory(prefix="hq-collectives-") as tmp:
+        out, timeline = os.path.join(tmp, "result.json"), os.path.join(tmp, "timeline.json")
+        env = dict(os.environ, HOROVOD_TIMELINE=timeline, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH")] if p))
+        cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
+               sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--compressor", compressor,
+               "--worker-out", out] + ([] if fused else ["--unfused"])
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            result = json.load(f)
+        result["timeline"] = timeline_counts(timeline)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="4,8")
+    parser.add_argument("--out", default=None, help="directory for collectives.json (printed either way)")
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--compressor", help=argparse.SUPPRESS)
+    parser.add_argument("--unfused", dest="fused", action="store_false", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    rows = []
+    header = (f"{'model':<7} {'ranks':>5} {'compressor':<10} {'fusion':<8} {'compressed':>10} {'two-stage':>9} "
+              f"{'per step (stats)':>17} {'per step (timeline)':>20}")
+    print(header + "\n" + "-" * len(header), flush=True)
+    for model in MODELS:
+        for ranks in [int(n) for n in args.ranks.split(",")]:
+            for compressor in COMPRESSORS:
+                for fused in (False, True):
+                    r = run_job(ranks, model, compressor, fused, args.timeout)
+                    timeline = sum(r["timeline"].values()) / STEPS
+                    two_stage = sum(1 for e in r["exchanges"].values() if e == "two_stage")
+                    row = dict(model=model, ranks=ranks, compressor=compressor, fused=fused, steps=STEPS,
+                               tensors_compressed=r["tensors_compressed"], tensors_two_stage=two_stage,
+                               collectives_per_step=r["collectives_started"], timeline_per_step=timeline,
+                               timeline_operations=r["timeline"])
+                    rows.append(row)
+                    print(f"{model:<7} {ranks:>5} {compressor:<10} {'fused' if fused else 'unfused':<8} "
+                          f"{row['tensors_compressed']:>10} {two_stage:>9} "
+                          f"{'/'.join(map(str, r['collectives_started'])):>17} {timeline:>20.1f}", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "collectives.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
