@@ -112,14 +112,16 @@ def test_auto_takes_two_stages_for_large_tensors_from_three_ranks(hvd_torch):
 def test_optimizer_decompressing_in_a_different_order_on_each_rank_does_not_hang(hvd_torch):
     # Each rank builds its loss so that autograd's hooks fire in another order; Horovod's optimizer then
     # decompresses in that order. A rank that waited for one tensor's second stage before starting the
-    # others' would wait for a peer doing the same with another tensor.
+    # others' would wait for a peer doing the same with another tensor. fusion_threshold=0: every tensor is
+    # a group of its own (fused, the three would share one pair of collectives and nothing could be
+    # waited for out of order; tests/torch/test_fusion.py reorders the hooks with groups).
     import torch
     from horovod_qsgd.torch import QSGD
     hvd = hvd_torch
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(100_000)) for _ in range(3)]
     names = [(f"p{i}", p) for i, p in enumerate(params)]
-    compressor = QSGD(bits=4)
+    compressor = QSGD(bits=4, fusion_threshold=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), named_parameters=names,
                                    compression=compressor)
     order = [(i + hvd.rank()) % 3 for i in range(3)]
