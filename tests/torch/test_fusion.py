@@ -98,7 +98,7 @@ def test_fused_training_is_bitwise_the_unfused_one_with_two_collectives_a_step(h
 
 
 @pytest.mark.ranks(3, timeout=120)
-def test_a_small_threshold_splits_the_step_into_groups_in_name_order(hvd_torch):
+def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_torch):
     # 20_000 fp32 values at 4 bits are 10_208 bytes of first-stage payload (3 chunks): two fit under 25_000.
     import torch
     from horovod_qsgd.torch import QSGD
