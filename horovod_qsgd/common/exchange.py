@@ -20,7 +20,7 @@ def refusal_notice():
     return pack_header(REFUSAL_CODEC_ID, 0, 0, HEADER_NBYTES)
 
 
-def check_header(head, sender, numel, codec, tensor_name, what):
+def _checked_header(head, sender, numel, codec, tensor_name, what):
     """The parsed header ``head`` (16 host bytes) that ``sender`` sent, or CompressionMismatchError naming the fault.
 
     ``codec``: anything with ``header_differences(header, numel)`` (a codec, a fused group's manifest).
@@ -67,12 +67,13 @@ def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, wha
     """:func:`check_payloads` for the host bytes of the header chain, ``heads``."""
     spans, offset = [], 0
     names = _per_payload(tensor_name, len(senders))
+    whats = what if what.endswith("s") else f"{what}s"  # "payloads"; a fused group's "group of ... slices"
     for sender, numel, head, name in zip(senders, numels, heads, names):
         if offset + HEADER_NBYTES > total_nbytes:
             raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {name!r}: the received {what}s end after {offset} bytes, "
+                f"horovod_qsgd: tensor {name!r}: the received {whats} end after {offset} bytes, "
                 f"before rank {sender}'s; a rank sent a truncated or foreign payload.")
-        header = check_header(head, sender, numel, codec, name, what)
+        header = _checked_header(head, sender, numel, codec, name, what)
         if offset + header.nbytes > total_nbytes:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
@@ -82,7 +83,7 @@ def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, wha
     if offset != total_nbytes:
         raise CompressionMismatchError(
             f"horovod_qsgd: tensor {names[-1]!r}: {total_nbytes - offset} unexpected bytes after "
-            f"{len(senders)} {what}s; the process set's size differs from what this rank expects.")
+            f"{len(senders)} {whats}; the process set's size differs from what this rank expects.")
     return spans
 
 
@@ -91,14 +92,15 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
 
     Where the codec's payload sizes are fixed and fill the buffer exactly, the
     payloads are decoded where they must start and checked afterwards: every
-    header and the codec's own checks come back in one device read. A
-    mismatch then raises as :func:`check_payloads` does, after garbage went
-    into ``outs`` (callers discard them on error; no decode writes outside its
-    output). ``tensor_name``: the name errors give, or a list of one per payload. Other buffers (variable sizes, a refusal, a short or long buffer)
+    header and the codec's own checks come back in one device read. A mismatch
+    then raises as :func:`check_payloads` does, after garbage went into
+    ``outs`` (callers discard them on error; no decode writes outside its
+    output). ``tensor_name``: the name errors give, or a list of one per
+    payload. Other buffers (variable sizes, a refusal, a short or long buffer)
     are walked and checked first, except variable-size payloads on a device
     (Elias): those are decoded where the device finds them by following the
-    header chain, and the chain's headers come back with the codec's checks
-    in one read.
+    header chain, and the chain's headers come back with the codec's checks in
+    one read.
     """
     if codec.payload_nbytes_is_fixed:
         sizes = [codec.max_payload_nbytes(numel) for numel in numels]
@@ -112,7 +114,7 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
             else:
                 heads, check_bytes = read_header_bytes(buffer, starts, tail=checks)
             for head, sender, numel, name in zip(heads, senders, numels, _per_payload(tensor_name, len(senders))):
-                check_header(head, sender, numel, codec, name, what)
+                _checked_header(head, sender, numel, codec, name, what)
             if checks is not None:
                 codec.raise_for_checks(check_bytes, spans)
             return

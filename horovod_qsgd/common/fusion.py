@@ -30,9 +30,9 @@ slices into the group's buffer.
 import itertools
 import zlib
 
-from horovod_qsgd.codecs import HEADER_NBYTES, WIRE_VERSION, pack_header, read_header_chain
+from horovod_qsgd.codecs import HEADER_NBYTES, WIRE_VERSION, pack_header
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import GROUP_CODEC_ID, check_header, decode_checked
+from horovod_qsgd.common.exchange import GROUP_CODEC_ID, check_payloads, decode_checked
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's own HOROVOD_FUSION_THRESHOLD default
 
@@ -207,24 +207,13 @@ class FusedTwoStage:
                            "second-stage sum")
 
     def _decode_parts(self, codec, buffer, senders, numels_from, outs_from, what):
-        """Decodes each sender's part of ``buffer`` (manifest, then a payload per member) into ``outs_from(sender)``."""
-        heads = read_header_chain(buffer, len(senders))  # the manifests: each one's length leads to the next
-        offset = 0
-        for sender, head in zip(senders, heads):
-            if offset + HEADER_NBYTES > buffer.size:
-                raise CompressionMismatchError(
-                    f"horovod_qsgd: tensors {self.label!r}: the fused {what}s end after {offset} bytes, before "
-                    f"rank {sender}'s; a rank sent a truncated or foreign payload.")
-            header = check_header(head, sender, len(self.stages), self._manifest, self.label, f"group of {what}s")
-            end = offset + header.nbytes
-            if end > buffer.size:
-                raise CompressionMismatchError(
-                    f"horovod_qsgd: tensors {self.label!r}: rank {sender}'s fused {what}s say {header.nbytes} "
-                    f"bytes, only {buffer.size - offset} arrived.")
-            decode_checked(codec, buffer[offset + HEADER_NBYTES:end], [sender] * len(self.stages),
+        """Decodes each sender's part of ``buffer`` (manifest, then a payload per member) into ``outs_from(sender)``.
+
+        The manifests are walked and checked like payload headers (:func:`check_payloads`), then each part's
+        payloads are decoded.
+        """
+        parts = check_payloads(buffer, senders, [len(self.stages)] * len(senders), self._manifest, self.label,
+                               f"group of {what}s")
+        for sender, (start, end, _) in zip(senders, parts):
+            decode_checked(codec, buffer[start + HEADER_NBYTES:end], [sender] * len(self.stages),
                            numels_from(sender), outs_from(sender), self.names, what)
-            offset = end
-        if offset != buffer.size:
-            raise CompressionMismatchError(
-                f"horovod_qsgd: tensors {self.label!r}: {buffer.size - offset} unexpected bytes after "
-                f"{len(senders)} fused {what}s; the process set's size differs from what this rank expects.")
