@@ -68,7 +68,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("gpu_benchmark: needs a CUDA GPU and PyTorch's CUDA build (torch.cuda.is_available() is False)")
     from horovod_qsgd.codecs import QSGDCodec, TopKCodec
-    from horovod_qsgd.torch.arrays import as_array, kernel_stream
+    from horovod_qsgd.torch_arrays import as_array, kernel_stream
 
     device = torch.device("cuda", torch.cuda.current_device())
     n, reps = args.numel, args.reps

@@ -27,8 +27,10 @@ from numba import cuda  # noqa: E402
 
 from horovod_qsgd import kernels as K  # noqa: E402
 from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
+from horovod_qsgd.common.engine import PayloadEngine  # noqa: E402
 from horovod_qsgd.common.exchange import decode_checked  # noqa: E402
 from horovod_qsgd.common.fusion import FusedTwoStage  # noqa: E402
+from horovod_qsgd.common.stats import CompressionStats  # noqa: E402
 from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
 from horovod_qsgd.testdata import load_vectors, make_codec  # noqa: E402
 
@@ -116,7 +118,7 @@ def main():
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
     total = len(cases) + 10 + run_elias_exchange_cases(rng) + run_exchange_decode_cases(rng)
-    total += run_fused_decode_cases(rng)
+    total += run_fused_decode_cases(rng) + run_engine_encode_cases(rng)
     if not SIMULATED:
         total += run_large_cases(rng)
     if failures:
@@ -241,6 +243,29 @@ def run_fused_decode_cases(rng, ranks=3, sizes=(3000, 1000)):
             check(f"{label}: CUDA == CPU ({cpu[1]} / {gpu[1]})", cpu == gpu)
             check(f"{label}: raises", (cpu[1] is None) == (name == "whole"))
             count += 1
+    return count
+
+
+def run_engine_encode_cases(rng, numel=3000, ranks=3):
+    """The engine's two-stage step 1 (slices for the owners, this rank's own chunk with its residual's mass)
+    on CUDA arrays gives the CPU's slices, splits, own chunk and residual."""
+    count = 0
+    for codec, residual in [(QSGDCodec(bits=4, bucket_size=128), None),
+                            (TopKCodec(ratio=0.05), rng.standard_normal(numel).astype(np.float32))]:
+        x = rng.standard_normal(numel).astype(np.float32)
+        results = []
+        for device in (False, True):
+            plan = PayloadEngine(codec, codec, "two_stage", CompressionStats()).plan("t", numel, ranks, 1, 4 * numel, 4)
+            out, own = np.zeros(plan.capacity(), np.uint8), np.zeros(plan.own_numel(), np.float32)
+            r = None if residual is None else residual.copy()
+            args = [x, out, own, r]
+            if device:
+                args = [None if a is None else cuda.to_device(a) for a in args]
+            splits = plan.encode(args[0], args[1], args[2], 7, args[3])
+            results.append([splits] + [None if a is None else (a.copy_to_host() if device else a).tobytes()
+                                       for a in args[1:]])
+        check(f"engine two-stage encode {type(codec).__name__}: CUDA == CPU", results[0] == results[1])
+        count += 1
     return count
 
 

@@ -17,12 +17,12 @@ from . import select as _sel
 from . import select_device as _dev
 from .rng import seed_word
 from .scan import inclusive_sums
-from ._arrays import device_view, empty, float_bits, to_host, zeros
+from ._arrays import copy_to, device_view, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = [
     "qsgd_encode", "qsgd_decode_accumulate", "elias_encode", "elias_decode_accumulate", "elias_decode_chained",
-    "randomk_indices", "randomk_gather", "randomk_scatter_accumulate", "widen_f16",
+    "randomk_indices", "randomk_gather", "randomk_scatter_accumulate", "widen_f16", "move_into_own_chunk",
 ]
 
 _TARGET_CHUNK = 1 << 16  # elements per CPU work item for the QSGD launchers
@@ -249,6 +249,23 @@ def narrow_f16(values, out_u16):
         _sel.narrow_f16_kernel[values.size](device_view(values), device_view(out_u16))
     else:
         cpu_launch(_sel.narrow_f16_cpu, values.size, values, out_u16)
+
+
+def move_into_own_chunk(x, residual, out):
+    """out = x + residual and residual = 0 (float32, equal sizes; ``residual`` None: out = x), on their device:
+    the owner's own chunk of a two-stage exchange, which takes the mass its error-feedback residual holds there."""
+    gpu = on_cuda(x, out) if residual is None else on_cuda(x, residual, out)
+    if out.size == 0:
+        return
+    if residual is None:
+        if gpu:
+            copy_to(device_view(out), device_view(x))
+        else:
+            out[:] = x
+    elif gpu:
+        _sel.own_chunk_kernel[out.size](device_view(x), device_view(residual), device_view(out))
+    else:
+        cpu_launch(_sel.own_chunk_cpu, out.size, x, residual, out)
 
 
 def randomk_scatter_accumulate(values, out, *, base):

@@ -310,6 +310,13 @@ def narrow_entry(vals, j, out16):
 
 
 @core
+def own_chunk_entry(x, residual, j, out):
+    """out[j] = x[j] + residual[j] and residual[j] = 0: a residual's mass moved into the owner's own chunk."""
+    out[j] = x[j] + residual[j]
+    residual[j] = np.float32(0.0)
+
+
+@core
 def hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows):
     """Histogram of chunk c (with the error-feedback accumulation when ef)."""
     lo = c * chunk
@@ -472,6 +479,12 @@ def narrow_f16_cpu(vals, out16):
 
 
 @cpu_launcher
+def own_chunk_cpu(x, residual, out):
+    for j in numba.prange(out.size):
+        own_chunk_entry(x, residual, j, out)
+
+
+@cpu_launcher
 def randomk_scatter_cpu(vals, base, out):
     n = out.size
     k = vals.size
@@ -529,6 +542,13 @@ def narrow_f16_kernel(vals, out16):
     j = cuda.grid(1)  # noqa: F821
     if j < vals.size:
         narrow_entry(vals, j, out16)
+
+
+@cuda_kernel
+def own_chunk_kernel(x, residual, out):
+    j = cuda.grid(1)  # noqa: F821
+    if j < out.size:
+        own_chunk_entry(x, residual, j, out)
 
 
 @cuda_kernel

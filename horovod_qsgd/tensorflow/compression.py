@@ -50,9 +50,10 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common import docs
-from horovod_qsgd.common.exchange import decode_sum, reduction_scale
-from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
-from horovod_qsgd.common.two_stage import TwoStage, check_exchange, choose_exchange, qsgd_codecs
+from horovod_qsgd.common.engine import PayloadEngine
+from horovod_qsgd.common.exchange import reduction_scale
+from horovod_qsgd.common.naming import tensor_key
+from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase, ExchangeContext,
                                                      adapter_method, op_name)
 from horovod_qsgd.tensorflow.host_ops import payload_encoder, values_gatherer
@@ -70,6 +71,7 @@ class PayloadCompressor(CompressorBase):
         self.exchange = exchange
         self.second_codec = second_codec
         super().__init__(codec, min_numel)
+        self._engine = PayloadEngine(codec, second_codec, exchange, self._runtime.stats)
 
     def settings(self):
         return dict(super().settings(), exchange=self.exchange)
@@ -84,32 +86,20 @@ class PayloadCompressor(CompressorBase):
         rank = process_set.rank() if process_set.included() else 0
         num_ranks = process_set.size()
         placeholder_dtype = tensor.dtype if tensor.dtype in PLACEHOLDER_DTYPES else tf.float32
-        uncompressed, placeholder_nbytes = step.numel * tensor.dtype.size, placeholder_dtype.size
-        exchange = "allgather" if self.second_codec is None else choose_exchange(
-            self.exchange, self.codec, self.second_codec, step.numel, num_ranks)
-        stats.note_exchange(step.name, exchange)
+        plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
+                                 placeholder_dtype.size)
         placeholder = tf.ones([1], dtype=placeholder_dtype)
-        if exchange == "two_stage" and num_ranks > 1:
-            stage = TwoStage(self.codec, self.second_codec, step.name, step.numel, num_ranks, rank)
-
+        if plan.kind == "two_stage":
             residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
 
             def encode_for_owners(x, step_value, residual=None):
                 start = time.perf_counter()
-                out = np.zeros(stage.send_capacity(), dtype=np.uint8)
+                out = np.zeros(plan.capacity(), dtype=np.uint8)
+                own = np.empty(plan.own_numel(), dtype=np.float32)
                 residual = None if residual is None else residual.copy()
-                splits = stage.encode_for_owners(x, out, int(step_value), residual)
-                used = sum(splits)
-                # This rank's own chunk stays uncompressed: its gradient, plus (top-k) its residual there.
-                begin, end = stage.owned
-                own = np.array(x[begin:end], dtype=np.float32)
-                if residual is not None:
-                    own += residual[begin:end]
-                    residual[begin:end] = 0
-                stats.add(tensors_compressed=1, tensors_two_stage=1, encode_seconds=time.perf_counter() - start,
-                          bytes_uncompressed=uncompressed, bytes_sent=used + placeholder_nbytes,
-                          bytes_sent_first_stage=used, collectives_started=1)
-                outputs = (out[:used], np.asarray(splits, dtype=np.int32), own)
+                splits = plan.encode(x, out, own, int(step_value), residual)
+                stats.add(encode_seconds=time.perf_counter() - start, collectives_started=1)
+                outputs = (out[:sum(splits)], np.asarray(splits, dtype=np.int32), own)
                 return outputs if residual is None else outputs + (residual,)
 
             inputs = [step.flat, step.value] + ([] if residual_var is None else [residual_var.read_value()])
@@ -119,50 +109,46 @@ class PayloadCompressor(CompressorBase):
             slices, splits, own = outputs[:3]
             slices.set_shape([None])
             splits.set_shape([num_ranks])
-            own.set_shape([stage.owned[1] - stage.owned[0]])
+            own.set_shape([plan.own_numel()])
             pending = []
             if residual_var is not None:
                 outputs[3].set_shape(step.flat.shape)
                 pending.append((residual_var, outputs[3]))
-            received, _ = hvd.alltoall(slices, splits=splits, name=op_name(PAYLOAD_PREFIX + step.name),
+            received, _ = hvd.alltoall(slices, splits=splits, name=op_name(plan.payload_name),
                                        process_set=process_set)
             return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
-                                                step=step.value, step_variable=step.variable, stage=stage, own=own,
+                                                step=step.value, step_variable=step.variable, plan=plan, own=own,
                                                 process_set=process_set, pending=pending)
 
-        def on_encoded(nbytes, seconds):
-            stats.add(tensors_compressed=1, encode_seconds=seconds, bytes_uncompressed=uncompressed,
-                      bytes_sent=nbytes + placeholder_nbytes, collectives_started=1)
+        def on_encoded(seconds):
+            stats.add(encode_seconds=seconds, collectives_started=1)
 
-        encode = payload_encoder(self.codec, rank_key(step.name, rank), step.numel, on_encoded)
+        encode = payload_encoder(plan.encode, plan.capacity(), on_encoded)
         payload, pending = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
-        gathered = hvd.allgather(payload, name=op_name(PAYLOAD_PREFIX + step.name), process_set=process_set)
+        gathered = hvd.allgather(payload, name=op_name(plan.payload_name), process_set=process_set)
         return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
-                                            step=step.value, step_variable=step.variable, pending=pending)
+                                            step=step.value, step_variable=step.variable, plan=plan, pending=pending)
 
     def _second_stage(self, ctx):
         """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives).
 
         The owner-side residual's new value joins ``ctx.pending``.
         """
-        stage, stats, refusals = ctx.stage, self._runtime.stats, self._runtime.refusals
+        plan, stats, refusals = ctx.plan, self._runtime.stats, self._runtime.refusals
         owner_var = None
         if self.error_feedback:
-            begin, end = stage.owned
-            owner_var = self._owner_residual_variables(ctx.name, end - begin, [stage.num_ranks, stage.rank])
+            owner_var = self._owner_residual_variable(plan)
 
         def sum_and_encode(received, own, step_value, owner_residual=None):
             start = time.perf_counter()
             total = np.array(own, dtype=np.float32)
             owner_residual = None if owner_residual is None else owner_residual.copy()
-            out = np.zeros(stage.owned_capacity(), dtype=np.uint8)
-            used, refusal = stage.sum_and_encode(received, total, out, int(step_value), owner_residual)
+            out = np.zeros(plan.owned_capacity(), dtype=np.uint8)
+            used, refusal = plan.sum_and_encode(received, total, out, int(step_value), owner_residual)
             if refusal is not None:
-                refusals[stage.name] = refusal  # raised by this tensor's decode, after the allgather
-            out = out[:used]
-            stats.add(bytes_sent=out.size, bytes_sent_second_stage=out.size, collectives_started=1,
-                      encode_seconds=time.perf_counter() - start)
-            return out if owner_residual is None else (out, owner_residual)
+                refusals[plan.name] = refusal  # raised by this tensor's decode, after the allgather
+            stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
+            return out[:used] if owner_residual is None else (out[:used], owner_residual)
 
         if owner_var is None:
             payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step], tf.uint8,
@@ -175,27 +161,23 @@ class PayloadCompressor(CompressorBase):
             new_owner.set_shape(owner_var.shape)
             ctx.pending.append((owner_var, new_owner))
         payload.set_shape([None])
-        return hvd.allgather(payload, name=op_name(SECOND_STAGE_PREFIX + ctx.name), process_set=ctx.process_set)
+        return hvd.allgather(payload, name=op_name(plan.second_stage_name), process_set=ctx.process_set)
 
     @adapter_method
     def decompress(self, tensor, ctx):
         if ctx is PASS_THROUGH:
             return tensor
-        codec, stats, refusals = self.codec, self._runtime.stats, self._runtime.refusals
-        numel = ctx.shape.num_elements()
-        name, num_ranks, stage = ctx.name, ctx.num_ranks, ctx.stage
-        gathered = ctx.gathered if stage is None else self._second_stage(ctx)
+        stats, refusals = self._runtime.stats, self._runtime.refusals
+        plan, num_ranks = ctx.plan, ctx.num_ranks
+        gathered = self._second_stage(ctx) if plan.kind == "two_stage" else ctx.gathered
 
         def decode(gathered, placeholder):
             start = time.perf_counter()
-            refusal = refusals.pop(name, None)
+            refusal = refusals.pop(plan.name, None)
             if refusal is not None:
                 raise refusal
-            total = np.zeros(numel, dtype=np.float32)
-            if stage is None:
-                decode_sum(codec, gathered, num_ranks, numel, name, total)
-            else:
-                stage.decode_gathered(gathered, total)
+            total = np.zeros(plan.numel, dtype=np.float32)
+            plan.decode(gathered, total)
             scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
             if scale != 1.0:
                 total *= np.float32(scale)

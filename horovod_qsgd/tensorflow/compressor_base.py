@@ -10,7 +10,6 @@ import json
 import os
 import re
 import threading
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -27,7 +26,6 @@ from horovod_qsgd.common.naming import HANDSHAKE_NAME
 from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
-from horovod_qsgd.common.two_stage import owner_layout_changed
 from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.host_ops import flat_fp32, host_op
@@ -96,17 +94,18 @@ class _Step:
 
 class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
-    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "stage", "own",
+    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "plan", "own",
                  "process_set", "pending")
 
-    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, stage=None,
+    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, plan=None,
                  own=None, process_set=None, pending=()):
         self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
         self.gathered, self.step, self.step_variable = gathered, step, step_variable
         # [(state variable, its value after this step)], assigned by _settle() if the result is finite
         self.pending = list(pending)
-        # two-stage exchange: gathered holds the first stage's received slices, own this rank's own chunk
-        self.stage, self.own, self.process_set = stage, own, process_set
+        # the engine's plan (horovod_qsgd.common.engine); with two stages gathered holds the first stage's
+        # received slices, own this rank's own chunk
+        self.plan, self.own, self.process_set = plan, own, process_set
 
 
 class CompressorBase(tf.Module):
@@ -233,8 +232,10 @@ class CompressorBase(tf.Module):
                 "tensors share a name.")
         return var
 
-    def _owner_residual_variables(self, name, size, layout):
-        """The owner-side residual variable of a tensor; recreated (with a warning) for another rank count."""
+    def _owner_residual_variable(self, plan):
+        """The owner-side residual variable of a two-stage plan's tensor; recreated (with the plan's warning)
+        for another rank count."""
+        name, layout = plan.name, plan.owner_layout()
         with self._runtime.lock, tf.init_scope():
             var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
             saved = None
@@ -243,11 +244,10 @@ class CompressorBase(tf.Module):
                 # a tf.compat.v1 graph's variable has no value before its Session runs; this process made it
                 # for this rank count, which a process cannot change
                 saved = layout if value is None else [int(v) for v in value]
-            if var is not None and (var.shape.num_elements() != size or saved != layout):
-                warnings.warn(owner_layout_changed(name, saved, layout))
+            if var is not None and not plan.keeps_owner_residual(saved, var.shape.num_elements()):
                 var = None
             if var is None:
-                var = self._owner_residuals[name] = _new_variable(np.zeros(size, np.float32),
+                var = self._owner_residuals[name] = _new_variable(np.zeros(plan.own_numel(), np.float32),
                                                                   f"{name}/owner_residual", tf.float32)
                 layout_var = self._owner_layouts[name] = _new_variable(np.array(layout, np.int64),
                                                                        f"{name}/owner_layout", tf.int64)

@@ -35,7 +35,6 @@ ordinary allreduce unchanged.
 """
 import threading
 import time
-import warnings
 
 import horovod.torch as hvd
 import torch
@@ -43,15 +42,15 @@ import torch
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import SNAP_TOLERANCE, decode_sum, reduction_scale, refusal_notice
+from horovod_qsgd.common.engine import PayloadEngine
+from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
-from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key, tensor_key
+from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import (TwoStage, check_exchange, choose_exchange, owner_layout_changed,
-                                           qsgd_codecs)
+from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.kernels import all_finite
-from horovod_qsgd.torch.arrays import as_array, kernel_stream
+from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
@@ -92,13 +91,14 @@ class _InFlight:
     ``_settle``); ``state`` holds what the last counted step left.
     """
     __slots__ = ("handle", "name", "shape", "dtype", "num_ranks", "step", "out", "state", "residual",
-                 "owner_residual")
+                 "owner_residual", "plan")
 
     def __init__(self, handle, name, shape, dtype, num_ranks, step, out, state=None, residual=None):
         self.handle, self.name, self.shape, self.dtype = handle, name, shape, dtype
         self.num_ranks, self.step = num_ranks, step
         self.out = out  # flat fp32 memory to decode into, or None for a new tensor
         self.state, self.residual, self.owner_residual = state, residual, None
+        self.plan = None  # the engine's plan of a payload exchange (horovod_qsgd.common.engine)
 
     def zeroed_output(self, device):
         """Zeros to accumulate the decoded payloads in.
@@ -242,12 +242,11 @@ class _CompressorBase:
         # The step updates a copy: the state changes only once the result shows the step counts (_settle).
         residual = None if state.residual is None else state.residual.clone()
         with kernel_stream(tensor.device):
-            sent, handle, nbytes = self._encode(tensor, flat, site, state.step, residual)
+            sent, handle = self._encode(tensor, flat, site, state.step, residual)
         out = flat if site.result_replaces_input and flat.data_ptr() == tensor.data_ptr() else None
         ctx = self._make_context(handle, site, tensor, state, out, residual)
         state.step += 1
-        self._stats.add(tensors_compressed=1, encode_seconds=time.perf_counter() - start,
-                        bytes_uncompressed=tensor.numel() * tensor.element_size(), bytes_sent=nbytes)
+        self._stats.add(encode_seconds=time.perf_counter() - start)
         return sent, ctx
 
     def decompress(self, tensor, ctx):
@@ -265,7 +264,7 @@ class _CompressorBase:
         return result
 
     def _encode(self, tensor, flat, site, step, residual):
-        """Returns (tensor for the optimizer's allreduce, collective handle or None, bytes sent).
+        """Returns (tensor for the optimizer's allreduce, what ``_make_context`` keeps of the exchange), counted.
 
         ``residual``: this step's copy of the error-feedback residual (None without), updated in place.
         """
@@ -330,7 +329,8 @@ class _CompressorBase:
 
 
 class _FirstStage:
-    """What ``_encode`` made of a two-stage tensor: the plan, the encoded slices and their splits, the own chunk."""
+    """What ``_encode`` made of a two-stage tensor: the engine's plan, the encoded slices and their splits, the own
+    chunk."""
     __slots__ = ("stage", "sent", "splits", "own")
 
     def __init__(self, stage, sent, splits, own):
@@ -387,52 +387,33 @@ class PayloadCompressor(_CompressorBase):
         self.exchange = exchange
         self.second_codec = second_codec
         self.fusion_threshold = check_fusion_threshold(fusion_threshold)
+        self._engine = PayloadEngine(codec, second_codec, exchange, self._stats)
         self._fuser = Fuser(self.fusion_threshold)
         self._first_stages = []  # groups whose alltoall started and whose second stage did not
 
     def settings(self):
         return dict(super().settings(), exchange=self.exchange, fusion_threshold=self.fusion_threshold)
 
-    def _key(self, name, process_set):
-        return rank_key(name, process_set.rank())
-
     def _encode(self, tensor, flat, site, step, residual):
-        num_ranks = site.process_set.size()
-        exchange = "allgather" if self.second_codec is None else choose_exchange(
-            self.exchange, self.codec, self.second_codec, flat.numel(), num_ranks)
-        self._stats.note_exchange(site.name, exchange)
-        if exchange == "two_stage" and num_ranks > 1:
-            return self._encode_two_stage(tensor, flat, site, step, residual)
-        out = torch.zeros(self.codec.max_payload_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device)
-        nbytes = self.codec.encode(as_array(flat), as_array(out), step=step,
-                                   key=self._key(site.name, site.process_set),
-                                   residual=None if residual is None else as_array(residual))
-        handle = hvd.allgather_async(out[:nbytes], name=PAYLOAD_PREFIX + site.name,
-                                     process_set=site.process_set)
+        placeholder = self._placeholder(tensor)
+        plan = self._engine.plan(site.name, flat.numel(), site.process_set.size(), site.process_set.rank(),
+                                 tensor.numel() * tensor.element_size(), placeholder.element_size())
+        residual = None if residual is None else as_array(residual)
+        out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
+        if plan.kind == "two_stage":
+            own = torch.empty(plan.own_numel(), dtype=torch.float32, device=flat.device)
+            splits = plan.encode(as_array(flat), as_array(out), as_array(own), step, residual)
+            return placeholder, _FirstStage(plan, out[:sum(splits)], splits, own)
+        used = plan.encode(as_array(flat), as_array(out), step, residual)
+        handle = hvd.allgather_async(out[:used], name=plan.payload_name, process_set=site.process_set)
         self._stats.add(collectives_started=1)
-        placeholder = self._placeholder(tensor)
-        return placeholder, handle, nbytes + placeholder.element_size()
-
-    def _encode_two_stage(self, tensor, flat, site, step, residual):
-        stage = TwoStage(self.codec, self.second_codec, site.name, flat.numel(), site.process_set.size(),
-                         site.process_set.rank())
-        out = torch.zeros(stage.send_capacity(), dtype=torch.uint8, device=flat.device)
-        splits = stage.encode_for_owners(as_array(flat), as_array(out), step,
-                                         None if residual is None else as_array(residual))
-        used = sum(splits)
-        # This rank's own chunk stays uncompressed: its gradient, plus (top-k) the residual it had there.
-        begin, end = stage.owned
-        own = flat[begin:end].clone()
-        if residual is not None:
-            own += residual[begin:end]
-            residual[begin:end] = 0
-        placeholder = self._placeholder(tensor)
-        self._stats.add(tensors_two_stage=1, bytes_sent_first_stage=used)
-        return placeholder, _FirstStage(stage, out[:used], splits, own), used + placeholder.element_size()
+        return placeholder, (handle, plan)
 
     def _make_context(self, handle, site, tensor, state, out, residual):
         if not isinstance(handle, _FirstStage):
-            return super()._make_context(handle, site, tensor, state, out, residual)
+            ctx = super()._make_context(handle[0], site, tensor, state, out, residual)
+            ctx.plan = handle[1]
+            return ctx
         ctx = _TwoStageInFlight(site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out,
                                 handle, site.process_set, state, residual)
         with self._lock:
@@ -509,13 +490,13 @@ class PayloadCompressor(_CompressorBase):
         ranks changed."""
         if not self.error_feedback:
             return None
-        state, layout = ctx.state, [ctx.stage.num_ranks, ctx.stage.rank]
-        if state.owner_residual is not None and list(state.owner_layout or []) != layout:
-            warnings.warn(owner_layout_changed(ctx.name, state.owner_layout, layout))
+        state, plan = ctx.state, ctx.stage
+        if state.owner_residual is not None and not plan.keeps_owner_residual(state.owner_layout,
+                                                                              state.owner_residual.numel()):
             state.owner_residual = None
         if state.owner_residual is None:
             state.owner_residual = torch.zeros_like(total)
-            state.owner_layout = layout
+            state.owner_layout = plan.owner_layout()
         return state.owner_residual.clone()
 
     def _receive(self, ctx):
@@ -532,8 +513,7 @@ class PayloadCompressor(_CompressorBase):
             total = self._group_result(ctx, gathered)
         else:
             total = ctx.zeroed_output(gathered.device)
-            decode_sum(self.codec, as_array(gathered), ctx.num_ranks, ctx.shape.numel(),
-                       ctx.name, as_array(total))
+            ctx.plan.decode(as_array(gathered), as_array(total))
         if tensor.is_cuda:
             total.mul_(device_reduction_scale(tensor, ctx.num_ranks))
         else:
@@ -613,7 +593,9 @@ class RandomK(_CompressorBase):
             residual=None if residual is None else as_array(residual)), device=flat.device)
         if self.codec.value_dtype == "float16":
             values = values.half()  # exact: the codec rounded them to fp16; the allreduce sums in fp16
-        return values, None, values.numel() * values.element_size()
+        self._stats.add(tensors_compressed=1, bytes_uncompressed=tensor.numel() * tensor.element_size(),
+                        bytes_sent=values.numel() * values.element_size())
+        return values, None
 
     def _decode(self, tensor, ctx, received):
         total = ctx.zeroed_output(tensor.device)

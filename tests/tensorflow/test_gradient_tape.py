@@ -196,7 +196,7 @@ def test_concurrent_host_ops_in_one_step(hvd_tf):
                     with lock:
                         state["now"] -= 1
 
-        compressor.codec = OverlapProbe()
+        compressor.codec = compressor._engine.codec = OverlapProbe()  # the engine encodes with it
         reference = Reference(hvd, kind)
 
         @tf.function

@@ -1,4 +1,7 @@
-"""Torch tensors as the arrays the kernels take, without copying, and the stream the kernels run on."""
+"""Torch tensors as the arrays the kernels take, without copying, and the stream the kernels run on.
+
+Shared by the Horovod PyTorch adapter and the DDP hooks; imports no Horovod.
+"""
 import contextlib
 
 import torch

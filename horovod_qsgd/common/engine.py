@@ -1,0 +1,156 @@
+"""The exchange of one compressed tensor, written once for every adapter.
+
+An adapter (:mod:`horovod_qsgd.torch`, :mod:`horovod_qsgd.tensorflow`) turns
+tensors into codec arrays (numpy on the host, CUDA arrays on a GPU),
+allocates the zeroed buffers a plan asks for, runs the collective a plan
+names and keeps the per-tensor state (step counters, residuals). Everything
+between the collectives is here, as numbered steps in the order they run:
+
+Allgather (:class:`AllgatherPlan`; 2 ranks, small tensors)
+    1. ``encode``: the gradient (plus its residual) into one payload.
+       The adapter allgathers it under ``payload_name``.
+    2. ``decode``: every rank's payload, in rank order, into one sum.
+
+Two stages (:class:`TwoStagePlan`; from 3 ranks, large tensors; see
+:mod:`horovod_qsgd.common.two_stage`, and :mod:`horovod_qsgd.common.fusion`
+for many tensors in one collective)
+    1. ``encode``: the slices the other owners need, and this rank's own chunk
+       (uncompressed, with the residual's mass there). The adapter alltoalls
+       the slices under ``payload_name``.
+    2. ``sum_and_encode``: the owner adds what arrived to its own chunk and
+       re-encodes the sum, or writes a refusal notice if a slice does not
+       match. The adapter allgathers it under ``second_stage_name``.
+    3. ``decode``: every owner's sum into its chunk.
+
+The adapter then multiplies by :func:`~horovod_qsgd.common.exchange.reduction_scale`
+(sum or average, as its call site asked) and settles the step's state. Each
+step counts the tensors and bytes it produces in the compressor's
+:class:`~horovod_qsgd.common.stats.CompressionStats`; collectives are counted
+by whoever starts them (fusion decides how many there are), seconds by the
+adapter (they depend on where it waits).
+"""
+import warnings
+
+from horovod_qsgd.common.exchange import decode_sum
+from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key
+from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, owner_layout_changed
+from horovod_qsgd.kernels import move_into_own_chunk
+
+
+class PayloadEngine:
+    """Plans the exchange of each compressed tensor of a compressor that sends payloads (QSGD, top-k).
+
+    ``second_codec`` encodes the owners' sums of the two stages (None:
+    allgather only); ``mode`` is the compressor's ``exchange`` argument.
+    """
+
+    def __init__(self, codec, second_codec, mode, stats):
+        self.codec, self.second_codec, self.mode, self.stats = codec, second_codec, mode, stats
+
+    def plan(self, name, numel, num_ranks, rank, uncompressed_nbytes, placeholder_nbytes):
+        """The plan of tensor ``name`` (``numel`` elements) on ``rank`` of ``num_ranks``, noted in the statistics.
+
+        ``uncompressed_nbytes``: what a plain allreduce would have sent;
+        ``placeholder_nbytes``: what the adapter sends besides the payloads.
+        """
+        exchange = "allgather" if self.second_codec is None else choose_exchange(
+            self.mode, self.codec, self.second_codec, numel, num_ranks)
+        self.stats.note_exchange(name, exchange)
+        cls = TwoStagePlan if exchange == "two_stage" and num_ranks > 1 else AllgatherPlan
+        return cls(self.codec, self.second_codec, name, numel, num_ranks, rank, self.stats, uncompressed_nbytes,
+                   placeholder_nbytes)
+
+
+class _Counted:
+    """What a plan's step 1 counts once per tensor."""
+
+    def _count_encoded(self, sent_nbytes, **extra):
+        self.stats.add(tensors_compressed=1, bytes_uncompressed=self.uncompressed_nbytes,
+                       bytes_sent=sent_nbytes + self.placeholder_nbytes, **extra)
+
+
+class AllgatherPlan(_Counted):
+    """Every rank's whole payload to every rank, in one allgather."""
+    kind = "allgather"
+
+    def __init__(self, codec, second_codec, name, numel, num_ranks, rank, stats, uncompressed_nbytes,
+                 placeholder_nbytes):
+        self.codec, self.name, self.numel, self.num_ranks, self.rank = codec, name, numel, num_ranks, rank
+        self.stats, self.uncompressed_nbytes, self.placeholder_nbytes = stats, uncompressed_nbytes, placeholder_nbytes
+        self.payload_name = PAYLOAD_PREFIX + name
+
+    def capacity(self):
+        """Bytes of the zeroed buffer :meth:`encode` writes into."""
+        return self.codec.max_payload_nbytes(self.numel)
+
+    def encode(self, x, out, step, residual=None):
+        """Step 1: encodes ``x`` (flat float32) into ``out``; returns the bytes used, to allgather.
+
+        ``residual`` (error feedback): added to ``x`` and updated in place
+        with what the payload does not carry.
+        """
+        used = self.codec.encode(x, out, step=step, key=rank_key(self.name, self.rank), residual=residual)
+        self._count_encoded(used)
+        return used
+
+    def decode(self, gathered, out):
+        """Step 2: adds every rank's payload in the allgather's result, checked, in rank order, to ``out``."""
+        decode_sum(self.codec, gathered, self.num_ranks, self.numel, self.name, out)
+
+
+class TwoStagePlan(TwoStage, _Counted):
+    """Slices to their owners in one alltoall; the owners' re-encoded sums to every rank in one allgather."""
+    kind = "two_stage"
+
+    def __init__(self, codec, second_codec, name, numel, num_ranks, rank, stats, uncompressed_nbytes,
+                 placeholder_nbytes):
+        super().__init__(codec, second_codec, name, numel, num_ranks, rank)
+        self.stats, self.uncompressed_nbytes, self.placeholder_nbytes = stats, uncompressed_nbytes, placeholder_nbytes
+        self.payload_name, self.second_stage_name = PAYLOAD_PREFIX + name, SECOND_STAGE_PREFIX + name
+
+    def capacity(self):
+        """Bytes of the zeroed buffer :meth:`encode` writes the slices into."""
+        return self.send_capacity()
+
+    def own_numel(self):
+        """Elements of this rank's own chunk (the float32 buffer :meth:`encode` fills)."""
+        begin, end = self.owned
+        return end - begin
+
+    def owner_layout(self):
+        """[ranks, rank]: what an owner-side residual belongs to (saved with it in checkpoints)."""
+        return [self.num_ranks, self.rank]
+
+    def keeps_owner_residual(self, saved_layout, saved_numel):
+        """True if an owner-side residual saved for ``saved_layout`` with ``saved_numel`` elements is this
+        rank's chunk here; otherwise warns that it is reset to zeros (its unsent mass is lost once)."""
+        if list(saved_layout or []) == self.owner_layout() and saved_numel == self.own_numel():
+            return True
+        warnings.warn(owner_layout_changed(self.name, saved_layout, self.owner_layout()))
+        return False
+
+    def encode(self, x, out, own, step, residual=None):
+        """Step 1: the slices of ``x`` for the other owners into ``out``; returns the alltoall's splits.
+
+        ``own`` (float32, :meth:`own_numel`) receives this rank's own chunk,
+        which it keeps uncompressed: ``x`` there plus, with error feedback,
+        the residual there, which is then zero (its mass moved into the sum).
+        Elsewhere the residual is updated as each slice's encode leaves it.
+        """
+        splits = self.encode_for_owners(x, out, step, residual)
+        begin, end = self.owned
+        move_into_own_chunk(x[begin:end], None if residual is None else residual[begin:end], own)
+        used = sum(splits)
+        self._count_encoded(used, tensors_two_stage=1, bytes_sent_first_stage=used)
+        return splits
+
+    def sum_and_encode(self, received, total, out, step, owner_residual=None):
+        """Step 2 (see :meth:`TwoStage.sum_and_encode`): returns (bytes used, None) or (bytes of a refusal
+        notice, the CompressionMismatchError to raise once they are sent)."""
+        used, refusal = super().sum_and_encode(received, total, out, step, owner_residual)
+        self.stats.add(bytes_sent=used, bytes_sent_second_stage=used)
+        return used, refusal
+
+    def decode(self, gathered, out):
+        """Step 3: adds every owner's decoded sum into its chunk of ``out`` (float32, zeros on entry)."""
+        self.decode_gathered(gathered, out)
