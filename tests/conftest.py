@@ -12,6 +12,20 @@ def hvd_torch():
 
 
 @pytest.fixture
+def dist_gloo():
+    """torch.distributed with the Gloo backend, initialised (inside a ranks(..., launcher="torchrun") test: on
+    every rank), destroyed afterwards."""
+    import torch.distributed as dist
+    from tests.multirank import in_worker
+    if not in_worker():  # the launching test: its body runs in the workers only
+        yield None
+        return
+    dist.init_process_group("gloo")
+    yield dist
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def hvd_tf():
     """horovod.tensorflow, initialised (inside a ranks-marked test: on every rank)."""
     import horovod.tensorflow as hvd

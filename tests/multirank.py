@@ -1,4 +1,4 @@
-"""Run ordinary pytest tests on several Horovod ranks under ``horovodrun --gloo``.
+"""Run ordinary pytest tests on several Horovod ranks under ``horovodrun --gloo`` (or under ``torchrun``).
 
 A test marked ``@pytest.mark.ranks(2)`` is not called in the pytest process.
 Instead ``horovodrun -np 2 -H localhost:2 --gloo`` starts two workers, each
@@ -7,7 +7,9 @@ where the marker is ignored and the test body runs as usual on every rank.
 Each worker writes its outcome to a report file; the parent test fails with
 the traceback of every rank that failed. A job that does not finish within the
 marker's ``timeout`` (seconds) is killed and fails as a hang, so a stuck
-collective never hangs CI.
+collective never hangs CI. ``launcher="torchrun"`` starts the workers with
+``torchrun --nproc_per_node n`` instead (the DDP hooks' tests; fixture
+``dist_gloo``).
 """
 import json
 import os
@@ -61,7 +63,25 @@ def _rank_reports(report_dir, num_ranks):
     return reports
 
 
-def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None):
+def _free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch_command(launcher, num_ranks):
+    """The command that starts ``num_ranks`` workers: Horovod's ``horovodrun --gloo``, or ``torchrun``."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_ranks),
+                "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    if launcher != "horovodrun":
+        raise ValueError(f"launcher={launcher!r}: use 'horovodrun' or 'torchrun'")
+    return [sys.executable, "-m", "horovod.runner.launch", "-np", str(num_ranks), "-H", f"localhost:{num_ranks}",
+            "--gloo"]
+
+
+def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None, launcher="horovodrun"):
     """Runs one test node on ``num_ranks`` ranks; calls pytest.fail on any rank failure or a hang."""
     report_dir = tempfile.mkdtemp(prefix="hq-ranks-")
     env = dict(os.environ, **WORKER_THREAD_ENV)
@@ -73,9 +93,9 @@ def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None):
     env[WORKER_ENV] = "1"
     env[REPORT_DIR_ENV] = report_dir
     env["PYTHONPATH"] = os.pathsep.join(p for p in [rootdir, env.get("PYTHONPATH")] if p)
-    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(num_ranks),
-           "-H", f"localhost:{num_ranks}", "--gloo",
-           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rN", nodeid]
+    cmd = _launch_command(launcher, num_ranks) + (
+        [] if launcher == "torchrun" else [sys.executable]) + [
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rN", nodeid]
     log_path = os.path.join(report_dir, "horovodrun.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=rootdir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -113,8 +133,8 @@ def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "ranks(n, timeout=180, env=None): run the test on n Horovod ranks under horovodrun --gloo "
-        "(env: extra variables; a None value removes one)")
+        "markers", "ranks(n, timeout=180, env=None, launcher='horovodrun'): run the test on n ranks under "
+        "horovodrun --gloo, or torchrun with launcher='torchrun' (env: extra variables; a None value removes one)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -124,14 +144,15 @@ def pytest_pyfunc_call(pyfuncitem):
         return None
     num_ranks = marker.args[0] if marker.args else marker.kwargs["n"]
     run_on_ranks(pyfuncitem.nodeid, str(pyfuncitem.config.rootpath), num_ranks,
-                 marker.kwargs.get("timeout", DEFAULT_TIMEOUT), marker.kwargs.get("env"))
+                 marker.kwargs.get("timeout", DEFAULT_TIMEOUT), marker.kwargs.get("env"),
+                 marker.kwargs.get("launcher", "horovodrun"))
     return True
 
 
 def pytest_runtest_logreport(report):
     if not in_worker() or (report.when != "call" and report.outcome == "passed"):
         return
-    rank = os.environ.get("HOROVOD_RANK", "unknown")
+    rank = os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "unknown"))  # horovodrun, torchrun
     if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
         longrepr = report.longrepr[2]
     else:

@@ -1,0 +1,373 @@
+r"""QSGD and top-k behind a DDP communication hook: the Horovod adapter's exchange for ``torch.distributed``.
+
+DDP hands a hook one flat bucket of gradients at a time (about 25 MB, its
+``bucket_cap_mb``), in bucket order on every rank, and waits for a future of
+their average. The hook here compresses the whole bucket as one tensor named
+``ddp.bucket<index>`` with the same plan the Horovod adapter uses for a
+tensor (:mod:`horovod_qsgd.common.engine`): DDP has already fused the
+parameters, so one payload per bucket costs one header and one launch per
+kernel; QSGD's scales still cover ``bucket_size`` values each, and top-k
+selects the largest coordinates of the bucket (not of each parameter).
+
+1. Encode the bucket plus its error-feedback residual (top-k).
+2. ``"allgather"``: one ``all_gather_into_tensor`` of the payloads; decode
+   all N, divide by N. ``"two_stage"``: one ``all_to_all_single`` of the
+   slices to their owners; the owner's sum, re-encoded, goes to every rank in
+   a second ``all_to_all_single`` (the chunks differ in size, which
+   ``all_gather`` does not take); decode, divide by N.
+
+``torch.distributed`` matches collectives by the order in which a rank
+issues them, so every collective is issued from the hook, in bucket order:
+bucket i's second stage starts in the call for bucket i+1 (or at the last
+bucket), after its first stage arrived, so a bucket's first stage overlaps
+the backward pass of the next. The future DDP gets completes when the
+decode is done.
+
+Error feedback is kept per parameter, not per bucket: DDP rebuilds its
+buckets after the first iteration (and after a restart), and a residual
+keyed by parameter goes wherever its parameter goes, so nothing is lost and
+nothing needs a warm-up (``powerSGD_hook`` waits ``start_powerSGD_iter``
+iterations instead). Parameters are keyed by the order in which the hook first
+sees them, which is DDP's initial bucket order: the same in every run of
+the same model, so checkpoints resume. The owners' residuals are per bucket
+layout; when a bucket's layout changes, its old owner residual moves into
+this rank's residuals of the parameters it covered, before the bucket's
+first stage, and is sent by each parameter's next first stage.
+"""
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from horovod_qsgd.codecs import TopKCodec
+from horovod_qsgd.common import docs
+from horovod_qsgd.common.engine import PayloadEngine
+from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.common.state import check_loadable, state_header
+from horovod_qsgd.common.stats import CompressionStats
+from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
+from horovod_qsgd.kernels import all_finite
+from horovod_qsgd.torch_arrays import as_array, kernel_stream
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class _PayloadState:
+    """What a payload hook keeps between calls: settings, error feedback, the step, statistics."""
+
+    def __init__(self, codec, second_codec, exchange, min_numel, process_group):
+        if min_numel < 0:
+            raise ValueError(f"horovod_qsgd: min_numel must be >= 0, got {min_numel}")
+        if not codec.payload_nbytes_is_fixed:
+            raise ValueError("horovod_qsgd: the DDP hooks need payloads of a fixed size (torch.distributed's "
+                             "collectives take sizes known in advance); encoding='elias' varies: use "
+                             "encoding='fixed'.")
+        self.process_group = process_group
+        self.codec, self.second_codec, self.exchange, self.min_numel = codec, second_codec, exchange, int(min_numel)
+        self.iteration = 0  # the RNG's step; advanced after each iteration's last bucket
+        self._stats = CompressionStats()
+        self._engine = PayloadEngine(codec, second_codec, exchange, self._stats)
+        self._lock = threading.Lock()
+        self._verified = False
+        self._keys = {}             # id(parameter) -> its key: the order the hook first saw it in
+        self._residuals = {}        # key -> flat float32 residual (error feedback)
+        self._spilled = {}          # key -> owner-residual mass moved here, added at the parameter's next read
+        self._owner_residuals = {}  # bucket index -> _OwnerResidual
+        self._waiting = None        # a two-stage bucket whose second stage is not started yet
+
+    @property
+    def error_feedback(self):
+        return bool(getattr(self.codec, "error_feedback", False))
+
+    def settings(self):
+        return dict(self.codec.config(), min_numel=self.min_numel, exchange=self.exchange)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
+        return f"{type(self).__name__}({args})"
+
+    # -- statistics -------------------------------------------------------------------------
+    def compression_stats(self, reset=False):
+        """Counters since the last reset (see ``horovod_qsgd.torch.QSGD.compression_stats``): buckets compressed
+        or passed through (as ``tensors_*``), bytes before and after, collectives, seconds, non-finite results."""
+        return self._stats.snapshot(reset)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self):
+        """The step and the residuals, plus the settings they belong to; every rank saves its own."""
+        with self._lock:
+            residuals = {key: r.clone() for key, r in self._residuals.items()}
+            for key, spilled in self._spilled.items():
+                residuals[key] += spilled
+            return dict(state_header(type(self).__name__, self.settings()), iteration=self.iteration,
+                        residuals=residuals,
+                        owner_residuals={index: o.as_dict() for index, o in self._owner_residuals.items()})
+
+    def load_state_dict(self, state):
+        check_loadable(state, type(self).__name__, self.settings())
+        with self._lock:
+            self.iteration = int(state["iteration"])
+            self._keys = {}  # keys are given again, in the order the next iteration meets the parameters
+            self._residuals = {int(key): r.clone() for key, r in state["residuals"].items()}
+            self._spilled = {}
+            self._owner_residuals = {int(index): _OwnerResidual.from_dict(o)
+                                     for index, o in state["owner_residuals"].items()}
+
+    # -- per bucket -------------------------------------------------------------------------
+    def _handshake(self, group):
+        """At the first bucket, every rank checks every rank's settings (raises on all ranks)."""
+        if self._verified:
+            return
+        records = [None] * group.size()
+        dist.all_gather_object(records, settings_record(type(self).__name__, self.settings()), group=group)
+        check_settings(records)
+        self._verified = True
+
+    def _layout(self, bucket):
+        """[(key, offset, numel)] of the bucket's parameters: where each lies in its flat buffer."""
+        layout, offset = [], 0
+        with self._lock:
+            for parameter in bucket.parameters():
+                key = self._keys.setdefault(id(parameter), len(self._keys))
+                layout.append((key, offset, parameter.numel()))
+                offset += parameter.numel()
+        return layout
+
+    def _residual(self, layout, device):
+        """A fresh copy of the bucket's residual, gathered from its parameters' residuals."""
+        pieces = []
+        with self._lock:
+            for key, _, numel in layout:
+                residual = self._residuals.get(key)
+                if residual is None:
+                    residual = self._residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+                elif residual.numel() != numel:
+                    raise ValueError(f"horovod_qsgd: parameter {key} (in the order DDP's buckets first held "
+                                     f"them) has {numel} elements, its residual {residual.numel()}: the state "
+                                     "was saved for another model.")
+                if key in self._spilled:
+                    residual = self._residuals[key] = residual + self._spilled.pop(key).to(residual.device)
+                pieces.append(residual.to(device))
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32, device=device)
+
+    def _keep_residual(self, layout, residual):
+        with self._lock:
+            for key, offset, numel in layout:
+                self._residuals[key] = residual[offset:offset + numel]
+
+    def _spill_stale_owner_residual(self, index, layout, plan):
+        """Moves the owner-side residual of bucket ``index`` into its parameters' residuals unless this call's
+        bucket (``layout``; ``plan`` None when it passes through) is the one it was kept for. Done before the
+        bucket's first stage reads any residual, so the mass is sent by the next read of each parameter."""
+        with self._lock:
+            saved = self._owner_residuals.get(index)
+            if saved is not None and not (plan is not None and saved.fits(layout, plan)):
+                saved.spill(self._spilled, self._residuals)
+                del self._owner_residuals[index]
+
+    def _owner_residual(self, index, layout, plan, device):
+        """A fresh copy of the owner-side residual of bucket ``index`` (zeros at first)."""
+        with self._lock:
+            saved = self._owner_residuals.get(index)
+            if saved is None:
+                saved = self._owner_residuals[index] = _OwnerResidual(
+                    layout, plan.owned, torch.zeros(plan.own_numel(), dtype=torch.float32, device=device))
+            return saved.residual.to(device).clone()
+
+
+class _OwnerResidual:
+    """What an owner did not send of its chunk ``owned`` of a bucket laid out as ``layout``."""
+
+    def __init__(self, layout, owned, residual):
+        self.layout, self.owned, self.residual = [tuple(p) for p in layout], tuple(owned), residual
+
+    def fits(self, layout, plan):
+        return (plan.kind == "two_stage" and self.layout == [tuple(p) for p in layout]
+                and self.owned == tuple(plan.owned))
+
+    def spill(self, spilled, residuals):
+        """Adds this residual, where it overlaps each parameter, to ``spilled[key]`` (created like
+        ``residuals[key]``): the parameter's next first stage sends it."""
+        begin, end = self.owned
+        for key, offset, numel in self.layout:
+            lo, hi = max(begin, offset), min(end, offset + numel)
+            if lo < hi:
+                target = spilled.get(key)
+                if target is None:
+                    like = residuals.get(key)
+                    target = spilled[key] = torch.zeros(numel, dtype=torch.float32, device=(
+                        self.residual.device if like is None else like.device))
+                target[lo - offset:hi - offset] += self.residual[lo - begin:hi - begin].to(target.device)
+
+    def as_dict(self):
+        return {"layout": [list(p) for p in self.layout], "owned": list(self.owned), "residual": self.residual.clone()}
+
+    @classmethod
+    def from_dict(cls, saved):
+        return cls(saved["layout"], saved["owned"], saved["residual"].clone())
+
+
+class _Exchange:
+    """One bucket between its hook call and its decode."""
+
+    def __init__(self, state, bucket, group, plan, layout, flat, residual, future):
+        self.state, self.group, self.plan, self.layout = state, group, plan, layout
+        self.index, self.buffer, self.flat, self.residual = bucket.index(), bucket.buffer(), flat, residual
+        self.step, self.future = state.iteration, future
+        self.owner_residual, self.work, self.received, self.own, self.refusal = None, None, None, None, None
+
+
+def payload_hook(state, bucket):
+    """The DDP communication hook of :class:`QSGDState` and :class:`TopKState` (``qsgd_hook``, ``topk_hook``)."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    state._handshake(group)
+    buffer = bucket.buffer()
+    num_ranks = group.size()
+    if buffer.dtype not in _FLOATS or buffer.numel() < state.min_numel or num_ranks == 1:
+        if state.error_feedback:
+            state._spill_stale_owner_residual(bucket.index(), state._layout(bucket), None)
+        future = _allreduce_average(state, buffer, group)
+    else:
+        future = _compress(state, bucket, group, buffer, num_ranks)
+    if bucket.is_last():
+        _start_second_stage(state)
+        state.iteration += 1
+    return future
+
+
+def _allreduce_average(state, buffer, group):
+    state._stats.add(tensors_passed_through=1, bytes_uncompressed=buffer.numel() * buffer.element_size(),
+                     bytes_sent=buffer.numel() * buffer.element_size())
+    work = dist.all_reduce(buffer.div_(group.size()), group=group, async_op=True)
+    _start_second_stage(state)  # the waiting bucket's second stage, after this collective on every rank
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _compress(state, bucket, group, buffer, num_ranks):
+    start = time.perf_counter()
+    flat = buffer.reshape(-1) if buffer.dtype == torch.float32 else buffer.reshape(-1).float()
+    layout = state._layout(bucket)
+    plan = state._engine.plan(f"ddp.bucket{bucket.index()}", flat.numel(), num_ranks, group.rank(),
+                              buffer.numel() * buffer.element_size(), 0)
+    residual = None
+    if state.error_feedback:
+        state._spill_stale_owner_residual(bucket.index(), layout, plan)
+        residual = state._residual(layout, flat.device)
+    future = torch.futures.Future(devices=[flat.device]) if flat.is_cuda else torch.futures.Future()
+    exchange = _Exchange(state, bucket, group, plan, layout, flat, residual, future)
+    out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
+    with kernel_stream(flat.device):
+        if plan.kind == "allgather":
+            used = plan.encode(as_array(flat), as_array(out), exchange.step, _array(residual))
+            # fixed-size payloads: every rank's is ``capacity`` bytes, as all_gather_into_tensor needs
+            gathered = torch.empty(num_ranks * used, dtype=torch.uint8, device=flat.device)
+            work = dist.all_gather_into_tensor(gathered, out[:used], group=group, async_op=True)
+            state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
+            _start_second_stage(state)
+            work.get_future().then(lambda _: _finish(exchange, gathered))
+            return exchange.future
+        exchange.own = torch.empty(plan.own_numel(), dtype=torch.float32, device=flat.device)
+        splits = plan.encode(as_array(flat), as_array(out), as_array(exchange.own), exchange.step, _array(residual))
+    arriving = [0 if sender == plan.rank else plan.first.max_payload_nbytes(plan.own_numel())
+                for sender in range(num_ranks)]
+    exchange.received = torch.empty(sum(arriving), dtype=torch.uint8, device=flat.device)
+    exchange.work = dist.all_to_all_single(exchange.received, out[:sum(splits)], arriving, splits, group=group,
+                                           async_op=True)
+    state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
+    _start_second_stage(state)
+    state._waiting = exchange
+    return exchange.future
+
+
+def _start_second_stage(state):
+    """The waiting bucket's owner step and its second collective (see the module's docstring for the order)."""
+    exchange, state._waiting = state._waiting, None
+    if exchange is None:
+        return
+    start = time.perf_counter()
+    plan, group, device = exchange.plan, exchange.group, exchange.flat.device
+    exchange.work.wait()
+    capacity = plan.owned_capacity()
+    out = torch.zeros(capacity, dtype=torch.uint8, device=device)
+    if state.error_feedback:
+        exchange.owner_residual = state._owner_residual(exchange.index, exchange.layout, plan, device)
+    with kernel_stream(device):
+        _, exchange.refusal = plan.sum_and_encode(as_array(exchange.received), as_array(exchange.own),
+                                                  as_array(out), exchange.step, _array(exchange.owner_residual))
+    # Every owner sends its whole capacity (a refusal notice is zero-padded to it): the receivers' sizes
+    # are fixed in advance, so a refusal reaches every rank as a header to raise on, never a size mismatch.
+    arriving = [plan.second.max_payload_nbytes(end - begin) for begin, end in plan.bounds]
+    gathered = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
+    work = dist.all_to_all_single(gathered, out.repeat(plan.num_ranks), arriving, [capacity] * plan.num_ranks,
+                                  group=group, async_op=True)
+    state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
+    exchange.received = exchange.own = exchange.work = None
+    work.get_future().then(lambda _: _finish(exchange, gathered))
+
+
+def _finish(exchange, gathered):
+    """Decodes into the bucket's buffer, divides by N, keeps the step's residuals if the result is finite."""
+    state, plan = exchange.state, exchange.plan
+    try:
+        if exchange.refusal is not None:
+            raise exchange.refusal
+        start = time.perf_counter()
+        total = exchange.flat.zero_()
+        with kernel_stream(total.device):
+            plan.decode(as_array(gathered), as_array(total))
+        total.mul_(1.0 / plan.num_ranks)  # as the Horovod adapter scales an average: the same bits
+        finite = bool(torch.isfinite(total).all()) if total.is_cuda else all_finite(as_array(total))
+        if finite:
+            if exchange.residual is not None:
+                state._keep_residual(exchange.layout, exchange.residual)
+            if exchange.owner_residual is not None:
+                with state._lock:
+                    state._owner_residuals[exchange.index].residual = exchange.owner_residual
+        else:
+            state._stats.add(tensors_nonfinite=1)
+        if exchange.buffer is not total:
+            exchange.buffer.copy_(total.view_as(exchange.buffer))
+        state._stats.add(decode_seconds=time.perf_counter() - start)
+        exchange.future.set_result(exchange.buffer)
+    except Exception as exc:  # every rank's DDP raises it when it waits for the bucket
+        exchange.future.set_exception(exc)
+
+
+def _array(tensor):
+    return None if tensor is None else as_array(tensor)
+
+
+class QSGDState(_PayloadState):
+    __doc__ = docs.qsgd("bucket", """
+
+    DDP: ``model.register_comm_hook(QSGDState(process_group=None, bits=4),
+    qsgd_hook)``. Each DDP bucket is one tensor (see
+    :mod:`horovod_qsgd.ddp`); ``encoding="elias"`` is not available here
+    (its payloads vary in size). The result is the average over the process
+    group, as DDP's own allreduce gives.""")
+
+    def __init__(self, process_group=None, bits=4, bucket_size=512, norm="max", encoding="fixed",
+                 scale_dtype="float32", rounding="stochastic", min_numel=10000, seed=0, exchange="auto",
+                 second_stage_bits=None):
+        codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
+                                              exchange, second_stage_bits)
+        super().__init__(codec, second, exchange, min_numel, process_group)
+
+    def settings(self):
+        return dict(super().settings(), second_stage_bits=self.second_codec.bits)
+
+
+class TopKState(_PayloadState):
+    __doc__ = docs.topk("``state.state_dict()`` on every rank. DDP: ``model.register_comm_hook(TopKState(), "
+                        "topk_hook)``; the residuals are kept per parameter, so DDP's bucket rebuild after the "
+                        "first iteration loses nothing.")
+
+    def __init__(self, process_group=None, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
+                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
+        codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
+                          seed=seed, sample_ratio=sample_ratio)
+        super().__init__(codec, codec, check_exchange(exchange), min_numel, process_group)
+
+
+qsgd_hook = topk_hook = payload_hook

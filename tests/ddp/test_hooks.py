@@ -1,0 +1,242 @@
+"""The DDP hooks under torchrun (Gloo): results against the codecs alone, bucket rebuilds, checkpoints, refusals."""
+import zlib
+
+import numpy as np
+import pytest
+
+from tests.two_stage_reference import bounds
+from tests.two_stage_reference import reference as two_stage_reference
+
+# DDP puts all three into one bucket in the first iteration and rebuilds them into one bucket each after it
+# (bucket_cap_mb=0.5); the small one then passes through (min_numel=1000).
+SIZES = (700, 300_000, 290_000)
+
+
+def _gradients(rank, step):
+    rng = np.random.default_rng(1000 * rank + step)
+    return [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+
+
+def _recording(hook, parameters, calls):
+    """``hook``, recording per call the bucket's index, its parameters' positions in SIZES and the state's step."""
+    position = {id(p): i for i, p in enumerate(parameters)}
+
+    def recording_hook(state, bucket):
+        calls.append((bucket.index(), [position[id(p)] for p in bucket.parameters()], state.iteration))
+        return hook(state, bucket)
+
+    return recording_hook
+
+
+def _model(torch):
+    class Weights(torch.nn.Module):
+        """loss = sum_i <w_i, g_i>: the gradient of w_i is exactly g_i."""
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in SIZES])
+
+        def forward(self, grads):
+            return sum((w * g).sum() for w, g in zip(self.w, grads))
+
+    return Weights()
+
+
+def _ddp(torch, state, hook):
+    model = _model(torch)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)
+    calls = []
+    ddp.register_comm_hook(state, _recording(hook, list(model.w), calls))
+    return ddp, calls
+
+
+def _step(torch, ddp, rank, step):
+    """One backward pass; returns every parameter's averaged gradient (numpy copies)."""
+    for p in ddp.parameters():
+        p.grad = None
+    ddp([torch.from_numpy(g) for g in _gradients(rank, step)]).backward()
+    return [p.grad.numpy().copy() for p in ddp.module.w]
+
+
+def _bucket(arrays, positions):
+    return np.concatenate([arrays[i] for i in positions])
+
+
+def _unbucket(flat, positions, arrays):
+    offset = 0
+    for i in positions:
+        arrays[i][:] = flat[offset:offset + SIZES[i]]
+        offset += SIZES[i]
+
+
+class _Reference:
+    """Every rank's result and state, computed with the codecs alone, as the Horovod adapter's tests do.
+
+    Error feedback: residuals per rank and parameter; owner residuals per bucket index, which, when DDP
+    rebuilt the bucket, go into their owner's per-parameter residuals where they lay before the new bucket
+    is encoded (the hook's documented spill).
+    """
+
+    def __init__(self, state, num_ranks):
+        self.state, self.num_ranks = state, num_ranks
+        self.residuals = [[np.zeros(n, np.float32) for n in SIZES] for _ in range(num_ranks)] \
+            if state.error_feedback else None
+        self.owners = {}
+
+    def bucket(self, index, positions, step):
+        """(the average every rank must get for this bucket, its exchange)."""
+        from horovod_qsgd.common.two_stage import choose_exchange
+        state, num_ranks = self.state, self.num_ranks
+        name, numel = f"ddp.bucket{index}", sum(SIZES[i] for i in positions)
+        self.spill_stale(index, positions)
+        xs = [_bucket(_gradients(r, step), positions) for r in range(num_ranks)]
+        residuals = None if self.residuals is None else [_bucket(r, positions) for r in self.residuals]
+        exchange = choose_exchange(state.exchange, state.codec, state.second_codec, numel, num_ranks)
+        if exchange == "two_stage":
+            owners = self._owner_residuals(index, positions, numel) if residuals is not None else None
+            total = two_stage_reference(state.codec, state.second_codec, name, xs, step,
+                                        getattr(state.codec, "bucket_size", 1), residuals, owners)
+        else:
+            total = np.zeros(numel, np.float32)
+            for rank, x in enumerate(xs):
+                out = np.zeros(state.codec.max_payload_nbytes(numel), np.uint8)
+                used = state.codec.encode(x, out, step=step, key=zlib.crc32(f"{name}@rank{rank}".encode()),
+                                          residual=None if residuals is None else residuals[rank])
+                state.codec.decode_accumulate(out[:used], total)
+        for rank in range(num_ranks if residuals is not None else 0):
+            _unbucket(residuals[rank], positions, self.residuals[rank])
+        return total * np.float32(1.0 / num_ranks), exchange
+
+    def spill_stale(self, index, positions):
+        """Bucket ``index`` now holds ``positions``: an owner residual kept for other parameters is spilled."""
+        saved = self.owners.get(index)
+        if saved is None or saved[0] == positions:
+            return
+        old_positions, old_owners = self.owners.pop(index)
+        old_numel = sum(SIZES[i] for i in old_positions)
+        for rank, (begin, end) in enumerate(bounds(old_numel, self.num_ranks, 1)):
+            whole = _bucket(self.residuals[rank], old_positions)
+            whole[begin:end] += old_owners[rank]
+            _unbucket(whole, old_positions, self.residuals[rank])
+
+    def _owner_residuals(self, index, positions, numel):
+        if index not in self.owners:
+            self.owners[index] = (positions, [np.zeros(e - b, np.float32) for b, e in bounds(numel, self.num_ranks, 1)])
+        return self.owners[index][1]
+
+
+def _on(*counts, timeout=300):
+    return [pytest.param(n, marks=pytest.mark.ranks(n, timeout=timeout, launcher="torchrun")) for n in counts]
+
+
+CASES = [("QSGDState", {"bits": 4, "exchange": "allgather"}),
+         ("QSGDState", {"bits": 3, "exchange": "auto", "second_stage_bits": 8}),
+         ("TopKState", {"ratio": 0.01, "exchange": "allgather"}),
+         ("TopKState", {"ratio": 0.02, "exchange": "two_stage"})]
+
+
+@pytest.mark.parametrize("num_ranks", _on(2, 3, 4))
+def test_bucket_results_are_the_codecs_alone_and_equal_on_every_rank(num_ranks, dist_gloo):
+    """Every bucket, 3 steps (the first before DDP rebuilds its buckets), QSGD and top-k, allgather and two
+    stages: bitwise what the codecs give alone (the reference the Horovod adapter's tests hold it to: the
+    Horovod adapter's bits for a tensor of the bucket's name), residuals included; small buckets are DDP's
+    average."""
+    import torch
+    import horovod_qsgd.ddp as ddp_hooks
+    dist = dist_gloo
+    rank = dist.get_rank()
+    assert dist.get_world_size() == num_ranks
+    for class_name, kwargs in CASES:
+        state = getattr(ddp_hooks, class_name)(min_numel=1000, **kwargs)
+        ddp, calls = _ddp(torch, state, ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook)
+        reference = _Reference(state, num_ranks)
+        for step in range(3):
+            start = len(calls)
+            got = _step(torch, ddp, rank, step)
+            compressed = 0
+            for index, positions, iteration in calls[start:]:
+                what = f"{class_name}{kwargs} step {step} bucket {index} (parameters {positions})"
+                assert iteration == step, what
+                if sum(SIZES[i] for i in positions) < 1000:  # passed through: DDP's own average
+                    reference.spill_stale(index, positions)
+                    mean = np.mean([_bucket(_gradients(r, step), positions) for r in range(num_ranks)], axis=0)
+                    assert np.allclose(_bucket(got, positions), mean, atol=1e-6), what
+                    continue
+                compressed += 1
+                expected, exchange = reference.bucket(index, positions, step)
+                assert np.array_equal(_bucket(got, positions).view(np.uint32), expected.view(np.uint32)), \
+                    f"{what} ({exchange})"
+            stats = state.compression_stats(reset=True)
+            assert stats["tensors_compressed"] == compressed, stats
+            assert stats["tensors_passed_through"] == len(calls) - start - compressed, stats
+        assert len({tuple(positions) for _, positions, _ in calls}) > 2, f"DDP did not rebuild: {calls}"
+        if state.error_feedback:  # this rank's residuals are the reference's, parameter by parameter
+            kept = state.state_dict()["residuals"]
+            for key, position in _keys(calls).items():
+                assert np.array_equal(kept[key].numpy(), reference.residuals[rank][position]), (class_name, key)
+        _same_on_every_rank(dist, torch, [p.grad for p in ddp.module.w])
+
+
+def _keys(calls):
+    """The hook's parameter keys (the order it first met them) -> their positions in SIZES."""
+    order = []
+    for _, positions, _ in calls:
+        for p in positions:
+            if p not in order:
+                order.append(p)
+    return {key: position for key, position in enumerate(order)}
+
+
+def _same_on_every_rank(dist, torch, tensors):
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], g) for g in gathered), "the results differ between ranks"
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_a_resumed_job_continues_bitwise_through_the_bucket_rebuild(num_ranks, dist_gloo):
+    """state_dict() after 2 steps, loaded into a new state behind a new DDP (whose first iteration has DDP's
+    initial bucket again): the next 2 steps are the uninterrupted reference's, residuals moved by parameter."""
+    import io
+
+    import torch
+    import horovod_qsgd.ddp as ddp_hooks
+    rank = dist_gloo.get_rank()
+    for class_name, kwargs in [CASES[1], CASES[3]]:
+        make = getattr(ddp_hooks, class_name)
+        hook = ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook
+        state = make(min_numel=1000, **kwargs)
+        ddp, calls = _ddp(torch, state, hook)
+        reference = _Reference(state, num_ranks)
+        for step in range(4):
+            if step == 2:
+                saved = io.BytesIO()
+                torch.save(state.state_dict(), saved)
+                saved.seek(0)
+                state = make(min_numel=1000, **kwargs)
+                state.load_state_dict(torch.load(saved, weights_only=False))
+                ddp, calls = _ddp(torch, state, hook)
+            start = len(calls)
+            got = _step(torch, ddp, rank, step)
+            for index, positions, iteration in calls[start:]:
+                assert iteration == step
+                if sum(SIZES[i] for i in positions) < 1000:
+                    reference.spill_stale(index, positions)
+                    continue
+                expected, _ = reference.bucket(index, positions, step)
+                assert np.array_equal(_bucket(got, positions).view(np.uint32), expected.view(np.uint32)), \
+                    f"{class_name} step {step} bucket {index} (parameters {positions})"
+        assert len(calls[0][1]) == len(SIZES), "the resumed DDP's first iteration did not have one bucket"
+
+
+@pytest.mark.parametrize("num_ranks", _on(2, timeout=120))
+def test_other_settings_on_one_rank_are_refused_on_every_rank(num_ranks, dist_gloo):
+    import torch
+    from horovod_qsgd.ddp import CompressionMismatchError, QSGDState, qsgd_hook
+    rank = dist_gloo.get_rank()
+    ddp, _ = _ddp(torch, QSGDState(bits=2 if rank == 1 else 4, min_numel=1000), qsgd_hook)
+    with pytest.raises(Exception) as raised:
+        _step(torch, ddp, rank, 0)
+    assert isinstance(raised.value, CompressionMismatchError) or "CompressionMismatchError" in str(raised.value)
+    assert "bits: rank 0=4, rank 1=2" in str(raised.value)
