@@ -42,9 +42,9 @@ def _model(torch):
     return Weights()
 
 
-def _ddp(torch, state, hook):
+def _ddp(torch, state, hook, **ddp_kwargs):
     model = _model(torch)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5, **ddp_kwargs)
     calls = []
     ddp.register_comm_hook(state, _recording(hook, list(model.w), calls))
     return ddp, calls
@@ -141,40 +141,52 @@ def test_bucket_results_are_the_codecs_alone_and_equal_on_every_rank(num_ranks, 
     stages: bitwise what the codecs give alone (the reference the Horovod adapter's tests hold it to: the
     Horovod adapter's bits for a tensor of the bucket's name), residuals included; small buckets are DDP's
     average."""
+    assert dist_gloo.get_world_size() == num_ranks
+    for class_name, kwargs in CASES:
+        _check_against_reference(dist_gloo, class_name, kwargs)
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_static_graph_and_gradient_as_bucket_view(num_ranks, dist_gloo):
+    """DDP's static_graph=True and gradient_as_bucket_view=True (the hook decodes into the gradients'
+    memory) change nothing of the results."""
+    for class_name, kwargs in [CASES[1], CASES[3]]:
+        _check_against_reference(dist_gloo, class_name, kwargs, static_graph=True, gradient_as_bucket_view=True)
+
+
+def _check_against_reference(dist, class_name, kwargs, **ddp_kwargs):
     import torch
     import horovod_qsgd.ddp as ddp_hooks
-    dist = dist_gloo
-    rank = dist.get_rank()
-    assert dist.get_world_size() == num_ranks
-    for class_name, kwargs in CASES:
-        state = getattr(ddp_hooks, class_name)(min_numel=1000, **kwargs)
-        ddp, calls = _ddp(torch, state, ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook)
-        reference = _Reference(state, num_ranks)
-        for step in range(3):
-            start = len(calls)
-            got = _step(torch, ddp, rank, step)
-            compressed = 0
-            for index, positions, iteration in calls[start:]:
-                what = f"{class_name}{kwargs} step {step} bucket {index} (parameters {positions})"
-                assert iteration == step, what
-                if sum(SIZES[i] for i in positions) < 1000:  # passed through: DDP's own average
-                    reference.spill_stale(index, positions)
-                    mean = np.mean([_bucket(_gradients(r, step), positions) for r in range(num_ranks)], axis=0)
-                    assert np.allclose(_bucket(got, positions), mean, atol=1e-6), what
-                    continue
-                compressed += 1
-                expected, exchange = reference.bucket(index, positions, step)
-                assert np.array_equal(_bucket(got, positions).view(np.uint32), expected.view(np.uint32)), \
-                    f"{what} ({exchange})"
-            stats = state.compression_stats(reset=True)
-            assert stats["tensors_compressed"] == compressed, stats
-            assert stats["tensors_passed_through"] == len(calls) - start - compressed, stats
-        assert len({tuple(positions) for _, positions, _ in calls}) > 2, f"DDP did not rebuild: {calls}"
-        if state.error_feedback:  # this rank's residuals are the reference's, parameter by parameter
-            kept = state.state_dict()["residuals"]
-            for key, position in _keys(calls).items():
-                assert np.array_equal(kept[key].numpy(), reference.residuals[rank][position]), (class_name, key)
-        _same_on_every_rank(dist, torch, [p.grad for p in ddp.module.w])
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    state = getattr(ddp_hooks, class_name)(min_numel=1000, **kwargs)
+    ddp, calls = _ddp(torch, state, ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook,
+                      **ddp_kwargs)
+    reference = _Reference(state, num_ranks)
+    for step in range(3):
+        start = len(calls)
+        got = _step(torch, ddp, rank, step)
+        compressed = 0
+        for index, positions, iteration in calls[start:]:
+            what = f"{class_name}{kwargs}{ddp_kwargs} step {step} bucket {index} (parameters {positions})"
+            assert iteration == step, what
+            if sum(SIZES[i] for i in positions) < 1000:  # passed through: DDP's own average
+                reference.spill_stale(index, positions)
+                mean = np.mean([_bucket(_gradients(r, step), positions) for r in range(num_ranks)], axis=0)
+                assert np.allclose(_bucket(got, positions), mean, atol=1e-6), what
+                continue
+            compressed += 1
+            expected, exchange = reference.bucket(index, positions, step)
+            assert np.array_equal(_bucket(got, positions).view(np.uint32), expected.view(np.uint32)), \
+                f"{what} ({exchange})"
+        stats = state.compression_stats(reset=True)
+        assert stats["tensors_compressed"] == compressed, stats
+        assert stats["tensors_passed_through"] == len(calls) - start - compressed, stats
+    assert len({tuple(positions) for _, positions, _ in calls}) > 2, f"DDP did not rebuild: {calls}"
+    if state.error_feedback:  # this rank's residuals are the reference's, parameter by parameter
+        kept = state.state_dict()["residuals"]
+        for key, position in _keys(calls).items():
+            assert np.array_equal(kept[key].numpy(), reference.residuals[rank][position]), (class_name, key)
+    _same_on_every_rank(dist, torch, [p.grad for p in ddp.module.w])
 
 
 def _keys(calls):

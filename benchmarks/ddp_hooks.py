@@ -1,0 +1,184 @@
+"""DDP communication hooks side by side: bytes on the wire per step, and step times on a shaped link (needs root).
+
+    python benchmarks/ddp_hooks.py [--ranks 2,4,8] [--rate none] [--out benchmarks/results/ddp-hooks]
+    python benchmarks/ddp_hooks.py --ranks 2,4 --rate 1gbit --out benchmarks/results/ddp-hooks/1gbit
+
+For each rank count and hook, ``torchrun --nproc_per_node N`` trains the
+synthetic ``mlp25m`` (25.2M parameters, batch 8 per rank, SGD) inside a
+private network namespace whose ``/proc/net/dev`` counts every byte the
+ranks exchange (``--rate``: its loopback shaped with ``tc``, shared by both
+directions; ``none``: unshaped). Hooks: none (DDP's allreduce),
+``fp16_compress_hook``, ``powerSGD_hook`` at rank 1 and 4, and
+``horovod_qsgd.ddp``'s QSGD-4 and top-k 1%. Warm-up steps (DDP's bucket
+rebuild, PowerSGD's ``start_powerSGD_iter=2``) are not measured. PowerSGD
+runs with one bucket: with DDP's default 25 MB buckets it hangs on Gloo (its
+callbacks wait for collectives on Gloo's worker threads). Ranks beyond
+the 2 cores oversubscribe them: bytes do not depend on it, times do (say so).
+
+Prints and writes (``results.json``, ``README.md`` in ``--out``) MB per step
+of all ranks, the reduction against DDP's allreduce, the median step time,
+and for our hooks the formula from DDP's bucket sizes and the codecs
+(:func:`benchmarks.scaling.tensor_traffic` without Horovod's placeholder).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOOKS = ["allreduce", "fp16", "powersgd-1", "powersgd-4", "qsgd-4bit", "topk-1%"]
+WARMUP, MEASURED = 3, 4
+
+
+def _hook(name):
+    """(hook, state) for register_comm_hook, or (None, None) for DDP's own allreduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from horovod_qsgd.ddp import QSGDState, TopKState, qsgd_hook, topk_hook
+    if name == "fp16":
+        return default_hooks.fp16_compress_hook, None
+    if name.startswith("powersgd"):
+        return powerSGD_hook.powerSGD_hook, powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=int(name.split("-")[1]), start_powerSGD_iter=2)
+    if name == "qsgd-4bit":
+        return qsgd_hook, QSGDState(bits=4)
+    if name == "topk-1%":
+        return topk_hook, TopKState(ratio=0.01)
+    return None, None
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from benchmarks import netlab
+    from benchmarks.models_torch import build_model
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    # PowerSGD's hook waits for collectives inside future callbacks, which run on Gloo's worker threads: with
+    # several buckets in flight they all block and the job hangs (seen here at 2 ranks). One bucket leaves a
+    # free worker thread.
+    bucket_cap_mb = 4096 if args.hook.startswith("powersgd") else 25
+    model = torch.nn.parallel.DistributedDataParallel(build_model(args.model), bucket_cap_mb=bucket_cap_mb)
+    hook, state = _hook(args.hook)
+    buckets = []
+    if hook is not None:
+        def recording(state, bucket):
+            if len(buckets) < 64:
+                buckets.append(bucket.buffer().numel())
+            return hook(state, bucket)
+        model.register_comm_hook(state, recording)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, model.module[0].in_features)
+    y = torch.randint(0, 1000, (8,))
+    times = []
+    for step in range(WARMUP + MEASURED):
+        if step == WARMUP:
+            dist.barrier()
+            start_bytes, buckets[:] = netlab.loopback_bytes(), []
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    wire = (netlab.loopback_bytes() - start_bytes) / MEASURED
+    if dist.get_rank() == 0:
+        with open(args.json_out, "w") as f:
+            json.dump({"wire_bytes_per_step": wire, "step_seconds": sorted(times[WARMUP:])[MEASURED // 2],
+                       "buckets": buckets[:len(buckets) // MEASURED]}, f)
+    dist.destroy_process_group()
+
+
+def formula(hook, buckets, ranks):
+    """Bytes all ranks put on the wire per step for our hooks, from DDP's bucket sizes and the codecs."""
+    from benchmarks.scaling import tensor_traffic
+    if hook not in ("qsgd-4bit", "topk-1%"):
+        return None
+    placeholder = 2 * (ranks - 1) / ranks * 4  # Horovod's protocol only: DDP's hooks send none
+    total = 0.0
+    for n in buckets:
+        received, _, chosen = tensor_traffic(hook, "auto", n, ranks)
+        total += received - (placeholder if chosen else 0)
+    return ranks * total
+
+
+def run(ranks, hook, rate, model, tmp):
+    import socket
+    from benchmarks import netlab
+    out = os.path.join(tmp, f"r{ranks}-{hook}.json")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
+           "127.0.0.1", "--master_port", str(port), os.path.abspath(__file__), "--worker", "--hook", hook,
+           "--model", model, "--json-out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=ROOT)
+    with netlab.Namespace(rate=None if rate == "none" else rate) as ns:
+        proc = ns.run(job, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{ranks} ranks {hook} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="2,4,8")
+    ap.add_argument("--rate", default="none")
+    ap.add_argument("--model", default="mlp25m")
+    ap.add_argument("--hooks", default=",".join(HOOKS))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ddp-hooks"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hook", help=argparse.SUPPRESS)
+    ap.add_argument("--json-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    from benchmarks import netlab
+    reason = netlab.unavailable_reason()
+    if reason:
+        sys.exit(f"cannot count bytes here: {reason}")
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="hq-ddp-")
+    rows = []
+    for ranks in (int(r) for r in args.ranks.split(",")):
+        base = None
+        for hook in args.hooks.split(","):
+            result = run(ranks, hook, args.rate, args.model, tmp)
+            wire = result["wire_bytes_per_step"]
+            base = base or wire
+            expected = formula(hook, result["buckets"], ranks)
+            row = dict(ranks=ranks, hook=hook, wire_mb=wire / 1e6, reduction=base / wire,
+                       step_seconds=result["step_seconds"], buckets=result["buckets"],
+                       formula_mb=None if expected is None else expected / 1e6)
+            rows.append(row)
+            vs = "" if expected is None else f"  formula {expected / 1e6:8.2f} MB ({100 * (wire / expected - 1):+.1f}%)"
+            print(f"{ranks} ranks  {hook:12s} {row['wire_mb']:8.2f} MB/step  {row['reduction']:6.1f}x fewer  "
+                  f"step {row['step_seconds']:.3f} s{vs}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"model": args.model, "rate": args.rate, "rows": rows}, f, indent=1)
+    link = "unshaped" if args.rate == "none" else f"shaped to {args.rate} (shared by both directions)"
+    lines = [f"# DDP communication hooks: bytes and step time per step ({link})", "",
+             f"`{args.model}` (25.2M parameters), batch 8 per rank, SGD, `torchrun` ranks in one network namespace, "
+             f"loopback {link}; {MEASURED} steps measured after {WARMUP} of warm-up (DDP's bucket rebuild, "
+             "PowerSGD's `start_powerSGD_iter=2`). MB per step of all ranks' traffic; step time the median on "
+             "rank 0. Machine: the project's 2-core VM (more than 2 ranks oversubscribe it: times then compare "
+             "hooks with each other only).", "",
+             "```bash", f"python benchmarks/ddp_hooks.py --ranks {args.ranks} --rate {args.rate}"
+             + ("" if args.out.endswith("ddp-hooks") else f" --out {os.path.relpath(args.out, ROOT)}"), "```", "",
+             "| ranks | hook | MB/step on the wire | fewer than allreduce | step s | formula MB | measured/formula |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f_mb = "" if r["formula_mb"] is None else f"{r['formula_mb']:.2f}"
+        ratio = "" if r["formula_mb"] is None else f"{r['wire_mb'] / r['formula_mb']:.3f}"
+        lines.append(f"| {r['ranks']} | `{r['hook']}` | {r['wire_mb']:.2f} | {r['reduction']:.1f}x | "
+                     f"{r['step_seconds']:.3f} | {f_mb} | {ratio} |")
+    with open(os.path.join(args.out, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
