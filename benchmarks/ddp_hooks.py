@@ -18,7 +18,7 @@ the 2 cores oversubscribe them: bytes do not depend on it, times do (say so).
 Prints and writes (``results.json``, ``README.md`` in ``--out``) MB per step
 of all ranks, the reduction against DDP's allreduce, the median step time,
 and for our hooks the formula from DDP's bucket sizes and the codecs
-(:func:`benchmarks.scaling.tensor_traffic` without Horovod's placeholder).
+(:func:`formula`, from :func:`benchmarks.scaling.tensor_traffic` without Horovod's placeholder).
 """
 import argparse
 import json
@@ -66,7 +66,7 @@ def worker(args):
     if hook is not None:
         def recording(state, bucket):
             if len(buckets) < 64:
-                buckets.append(bucket.buffer().numel())
+                buckets.append([p.numel() for p in bucket.parameters()])
             return hook(state, bucket)
         model.register_comm_hook(state, recording)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -92,15 +92,26 @@ def worker(args):
 
 
 def formula(hook, buckets, ranks):
-    """Bytes all ranks put on the wire per step for our hooks, from DDP's bucket sizes and the codecs."""
+    """Bytes all ranks put on the wire per step for our hooks, from the parameter sizes of DDP's buckets and the
+    codecs: per bucket, its parameters of at least ``min_numel`` elements as one tensor (each at a multiple of
+    QSGD's 512), the others in a ring allreduce."""
     from benchmarks.scaling import tensor_traffic
     if hook not in ("qsgd-4bit", "topk-1%"):
         return None
+    min_numel, alignment = 10000, 512 if hook.startswith("qsgd") else 1
     placeholder = 2 * (ranks - 1) / ranks * 4  # Horovod's protocol only: DDP's hooks send none
     total = 0.0
-    for n in buckets:
-        received, _, chosen = tensor_traffic(hook, "auto", n, ranks)
-        total += received - (placeholder if chosen else 0)
+    for sizes in buckets:
+        staged = small = 0
+        for n in sizes:
+            if n >= min_numel:
+                staged = -(-staged // alignment) * alignment + n
+            else:
+                small += n
+        if staged:
+            received, _, chosen = tensor_traffic(hook, "auto", staged, ranks)
+            total += received - (placeholder if chosen else 0)
+        total += 2 * (ranks - 1) / ranks * 4 * small
     return ranks * total
 
 

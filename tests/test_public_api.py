@@ -19,3 +19,29 @@ def test_errors_and_thread_setting_come_from_the_adapter(adapter_name):
     assert adapter.UnsupportedCollectiveError is UnsupportedCollectiveError
     assert adapter.PayloadError is PayloadError
     assert adapter.set_cpu_threads is kernels.set_cpu_threads and adapter.cpu_threads is kernels.cpu_threads
+
+
+def test_ddp_states_take_the_horovod_compressors_arguments_and_need_no_horovod():
+    import inspect
+    import subprocess
+    import sys
+
+    import horovod_qsgd.ddp as ddp
+    import horovod_qsgd.torch as hvd_adapter
+    for state, compressor in [(ddp.QSGDState, hvd_adapter.QSGD), (ddp.TopKState, hvd_adapter.TopK)]:
+        ours = dict(inspect.signature(state).parameters)
+        assert ours.pop("process_group").default is None
+        theirs = {k: p for k, p in inspect.signature(compressor).parameters.items() if k != "fusion_threshold"}
+        assert [(k, p.default) for k, p in ours.items()] == [(k, p.default) for k, p in theirs.items()], state
+    with pytest.raises(ValueError, match="encoding='elias' varies: use encoding='fixed'"):
+        ddp.QSGDState(encoding="elias")
+    blocked = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] == 'horovod':\n"
+               "            raise ImportError('no horovod here')\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import horovod_qsgd.ddp as d\n"
+               "print(type(d.TopKState()).__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "TopKState", proc.stderr[-2000:]

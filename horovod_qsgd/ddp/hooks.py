@@ -2,19 +2,34 @@ r"""QSGD and top-k behind a DDP communication hook: the Horovod adapter's exchan
 
 DDP hands a hook one flat bucket of gradients at a time (about 25 MB, its
 ``bucket_cap_mb``), in bucket order on every rank, and waits for a future of
-their average. The hook here compresses the whole bucket as one tensor named
-``ddp.bucket<index>`` with the same plan the Horovod adapter uses for a
-tensor (:mod:`horovod_qsgd.common.engine`): DDP has already fused the
-parameters, so one payload per bucket costs one header and one launch per
-kernel; QSGD's scales still cover ``bucket_size`` values each, and top-k
-selects the largest coordinates of the bucket (not of each parameter).
+their average. The hook compresses a bucket's parameters as one tensor
+named ``ddp.bucket<index>`` with the same plan the Horovod adapter uses for
+a tensor (:mod:`horovod_qsgd.common.engine`): DDP has already fused them,
+so one payload per bucket costs one header and one launch per kernel. The
+parameters' boundaries are kept where the codec would otherwise mix them:
 
-1. Encode the bucket plus its error-feedback residual (top-k).
+- parameters of fewer than ``min_numel`` elements (biases, norms) go through
+  one plain allreduce per bucket, as the Horovod adapter passes small tensors
+  through;
+- the others are staged so that each starts at a multiple of QSGD's
+  ``bucket_size``: no scale covers two parameters. A bucket quantized as one
+  flat tensor lets a large gradient's scale swamp a norm's small gradient
+  (which Adam then divides by that norm's own small second moment): in one
+  gradient of the byte-level language model, a layer norm's gain came out
+  of a flat QSGD-4 bucket with an error 5.5 times its own norm (QSGD-8:
+  0.86), against 0.33 (0.009) quantized apart
+  (``benchmarks/results/ddp-hooks/bucket-boundaries.md``). Top-k selects the
+  largest coordinates of the staged tensor (not of each parameter), which
+  error feedback makes good.
+
+1. Stage the bucket's large parameters (with their error-feedback residuals,
+   top-k) and start the small ones' allreduce.
 2. ``"allgather"``: one ``all_gather_into_tensor`` of the payloads; decode
    all N, divide by N. ``"two_stage"``: one ``all_to_all_single`` of the
    slices to their owners; the owner's sum, re-encoded, goes to every rank in
    a second ``all_to_all_single`` (the chunks differ in size, which
    ``all_gather`` does not take); decode, divide by N.
+3. Put both back into the bucket.
 
 ``torch.distributed`` matches collectives by the order in which a rank
 issues them, so every collective is issued from the hook, in bucket order:
@@ -90,7 +105,8 @@ class _PayloadState:
     # -- statistics -------------------------------------------------------------------------
     def compression_stats(self, reset=False):
         """Counters since the last reset (see ``horovod_qsgd.torch.QSGD.compression_stats``): buckets compressed
-        or passed through (as ``tensors_*``), bytes before and after, collectives, seconds, non-finite results."""
+        (``tensors_compressed``), parameters passed through (``tensors_passed_through``), bytes before and after,
+        collectives, seconds, non-finite results."""
         return self._stats.snapshot(reset)
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -124,21 +140,18 @@ class _PayloadState:
         check_settings(records)
         self._verified = True
 
-    def _layout(self, bucket):
-        """[(key, offset, numel)] of the bucket's parameters: where each lies in its flat buffer."""
-        layout, offset = [], 0
+    def _split(self, bucket):
+        """The bucket's parameters, keyed, split into the compressed and the passed through (:class:`_Split`)."""
         with self._lock:
-            for parameter in bucket.parameters():
-                key = self._keys.setdefault(id(parameter), len(self._keys))
-                layout.append((key, offset, parameter.numel()))
-                offset += parameter.numel()
-        return layout
+            keys = [self._keys.setdefault(id(p), len(self._keys)) for p in bucket.parameters()]
+        return _Split(keys, [p.numel() for p in bucket.parameters()], self.min_numel,
+                      getattr(self.codec, "bucket_size", 1))
 
-    def _residual(self, layout, device):
-        """A fresh copy of the bucket's residual, gathered from its parameters' residuals."""
-        pieces = []
+    def _residual(self, layout, staged_numel, device):
+        """A fresh copy of the staged tensor's residual, gathered from its parameters' residuals."""
+        staged = torch.zeros(staged_numel, dtype=torch.float32, device=device)
         with self._lock:
-            for key, _, numel in layout:
+            for key, offset, numel in layout:
                 residual = self._residuals.get(key)
                 if residual is None:
                     residual = self._residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -148,8 +161,8 @@ class _PayloadState:
                                      "was saved for another model.")
                 if key in self._spilled:
                     residual = self._residuals[key] = residual + self._spilled.pop(key).to(residual.device)
-                pieces.append(residual.to(device))
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32, device=device)
+                staged[offset:offset + numel] = residual
+        return staged
 
     def _keep_residual(self, layout, residual):
         with self._lock:
@@ -174,6 +187,53 @@ class _PayloadState:
                 saved = self._owner_residuals[index] = _OwnerResidual(
                     layout, plan.owned, torch.zeros(plan.own_numel(), dtype=torch.float32, device=device))
             return saved.residual.to(device).clone()
+
+
+class _Split:
+    """Where a bucket's parameters go. ``layout``: [(key, offset, numel)] of the parameters of at least
+    ``min_numel`` elements in the staged tensor the codec compresses, each at a multiple of ``alignment``
+    (QSGD's bucket_size); ``bucket_offsets``: where each of them lies in DDP's flat buffer; ``small``:
+    [(offset, numel)] in that buffer of the others, which one allreduce averages."""
+
+    def __init__(self, keys, sizes, min_numel, alignment):
+        self.layout, self.bucket_offsets, self.small = [], [], []
+        staged = bucket = 0
+        for key, numel in zip(keys, sizes):
+            if numel >= min_numel:
+                staged = -(-staged // alignment) * alignment
+                self.layout.append((key, staged, numel))
+                self.bucket_offsets.append(bucket)
+                staged += numel
+            else:
+                self.small.append((bucket, numel))
+            bucket += numel
+        self.staged_numel = staged
+        # the buffer itself can be the staged tensor: nothing small, no padding
+        self.in_place = not self.small and staged == bucket
+
+    def stage(self, flat):
+        """The large parameters of the bucket's flat buffer, as the fp32 tensor the codec compresses."""
+        if self.in_place and flat.dtype == torch.float32:
+            return flat
+        staged = torch.zeros(self.staged_numel, dtype=torch.float32, device=flat.device)
+        for (_, offset, numel), at in zip(self.layout, self.bucket_offsets):
+            staged[offset:offset + numel] = flat[at:at + numel]
+        return staged
+
+    def unstage(self, staged, flat):
+        if staged.data_ptr() == flat.data_ptr():
+            return
+        for (_, offset, numel), at in zip(self.layout, self.bucket_offsets):
+            flat[at:at + numel] = staged[offset:offset + numel]
+
+    def small_part(self, flat):
+        return torch.cat([flat[at:at + numel] for at, numel in self.small]) if self.small else None
+
+    def put_small(self, values, flat):
+        offset = 0
+        for at, numel in self.small:
+            flat[at:at + numel] = values[offset:offset + numel]
+            offset += numel
 
 
 class _OwnerResidual:
@@ -211,8 +271,8 @@ class _OwnerResidual:
 class _Exchange:
     """One bucket between its hook call and its decode."""
 
-    def __init__(self, state, bucket, group, plan, layout, flat, residual, future):
-        self.state, self.group, self.plan, self.layout = state, group, plan, layout
+    def __init__(self, state, bucket, group, plan, split, flat, residual, future):
+        self.state, self.group, self.plan, self.split, self.layout = state, group, plan, split, split.layout
         self.index, self.buffer, self.flat, self.residual = bucket.index(), bucket.buffer(), flat, residual
         self.step, self.future = state.iteration, future
         self.owner_residual, self.work, self.received, self.own, self.refusal = None, None, None, None, None
@@ -224,38 +284,48 @@ def payload_hook(state, bucket):
     state._handshake(group)
     buffer = bucket.buffer()
     num_ranks = group.size()
-    if buffer.dtype not in _FLOATS or buffer.numel() < state.min_numel or num_ranks == 1:
+    split = state._split(bucket)
+    if buffer.dtype not in _FLOATS or not split.layout or num_ranks == 1:
         if state.error_feedback:
-            state._spill_stale_owner_residual(bucket.index(), state._layout(bucket), None)
-        future = _allreduce_average(state, buffer, group)
+            state._spill_stale_owner_residual(bucket.index(), split.layout, None)
+        future = _allreduce_average(state, buffer, group, len(bucket.parameters()))
+        _start_second_stage(state)  # the waiting bucket's second stage, after this collective on every rank
     else:
-        future = _compress(state, bucket, group, buffer, num_ranks)
+        future = _compress(state, bucket, group, buffer, num_ranks, split)
     if bucket.is_last():
         _start_second_stage(state)
         state.iteration += 1
     return future
 
 
-def _allreduce_average(state, buffer, group):
-    state._stats.add(tensors_passed_through=1, bytes_uncompressed=buffer.numel() * buffer.element_size(),
+def _allreduce_average(state, buffer, group, num_parameters):
+    """DDP's own average of ``buffer`` (a whole bucket or its small parameters): a future of it."""
+    state._stats.add(tensors_passed_through=num_parameters, bytes_uncompressed=buffer.numel() * buffer.element_size(),
                      bytes_sent=buffer.numel() * buffer.element_size())
     work = dist.all_reduce(buffer.div_(group.size()), group=group, async_op=True)
-    _start_second_stage(state)  # the waiting bucket's second stage, after this collective on every rank
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _compress(state, bucket, group, buffer, num_ranks):
+def _compress(state, bucket, group, buffer, num_ranks, split):
     start = time.perf_counter()
-    flat = buffer.reshape(-1) if buffer.dtype == torch.float32 else buffer.reshape(-1).float()
-    layout = state._layout(bucket)
+    bucket_flat = buffer.reshape(-1)
+    small = split.small_part(bucket_flat)
+    small_future = None if small is None else _allreduce_average(state, small, group, len(split.small))
+    flat = split.stage(bucket_flat)
     plan = state._engine.plan(f"ddp.bucket{bucket.index()}", flat.numel(), num_ranks, group.rank(),
-                              buffer.numel() * buffer.element_size(), 0)
+                              sum(numel for _, _, numel in split.layout) * buffer.element_size(), 0)
     residual = None
     if state.error_feedback:
-        state._spill_stale_owner_residual(bucket.index(), layout, plan)
-        residual = state._residual(layout, flat.device)
+        state._spill_stale_owner_residual(bucket.index(), split.layout, plan)
+        residual = state._residual(split.layout, flat.numel(), flat.device)
     future = torch.futures.Future(devices=[flat.device]) if flat.is_cuda else torch.futures.Future()
-    exchange = _Exchange(state, bucket, group, plan, layout, flat, residual, future)
+    exchange = _Exchange(state, bucket, group, plan, split, flat, residual, future)
+    if small_future is not None:  # the bucket is done when both are: the small parameters go in last
+        def put_small(both):
+            result, averaged = both.value()[1].value(), both.value()[0].value()
+            split.put_small(averaged, result.reshape(-1))
+            return result
+        future = torch.futures.collect_all([small_future, future]).then(put_small)
     out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
     with kernel_stream(flat.device):
         if plan.kind == "allgather":
@@ -266,7 +336,7 @@ def _compress(state, bucket, group, buffer, num_ranks):
             state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
             _start_second_stage(state)
             work.get_future().then(lambda _: _finish(exchange, gathered))
-            return exchange.future
+            return future
         exchange.own = torch.empty(plan.own_numel(), dtype=torch.float32, device=flat.device)
         splits = plan.encode(as_array(flat), as_array(out), as_array(exchange.own), exchange.step, _array(residual))
     arriving = [0 if sender == plan.rank else plan.first.max_payload_nbytes(plan.own_numel())
@@ -277,7 +347,7 @@ def _compress(state, bucket, group, buffer, num_ranks):
     state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
     _start_second_stage(state)
     state._waiting = exchange
-    return exchange.future
+    return future
 
 
 def _start_second_stage(state):
@@ -326,8 +396,7 @@ def _finish(exchange, gathered):
                     state._owner_residuals[exchange.index].residual = exchange.owner_residual
         else:
             state._stats.add(tensors_nonfinite=1)
-        if exchange.buffer is not total:
-            exchange.buffer.copy_(total.view_as(exchange.buffer))
+        exchange.split.unstage(total, exchange.buffer.reshape(-1))
         state._stats.add(decode_seconds=time.perf_counter() - start)
         exchange.future.set_result(exchange.buffer)
     except Exception as exc:  # every rank's DDP raises it when it waits for the bucket
@@ -342,7 +411,8 @@ class QSGDState(_PayloadState):
     __doc__ = docs.qsgd("bucket", """
 
     DDP: ``model.register_comm_hook(QSGDState(process_group=None, bits=4),
-    qsgd_hook)``. Each DDP bucket is one tensor (see
+    qsgd_hook)``. A DDP bucket's parameters of at least ``min_numel``
+    elements are one tensor, each starting a new scale (see
     :mod:`horovod_qsgd.ddp`); ``encoding="elias"`` is not available here
     (its payloads vary in size). The result is the average over the process
     group, as DDP's own allreduce gives.""")
