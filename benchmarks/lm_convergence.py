@@ -246,9 +246,9 @@ def run_study(args):
             report(json.load(f), path[:-len(".json")] + ".png")
 
 
-def _write(path, framework, ranks, settings, corpus, results, seconds):
+def _write(path, framework, ranks, settings, corpus, results, seconds, **extra):
     record = {"framework": framework, "ranks": ranks, "settings": settings, "betas": BETAS, "eps": EPS,
-              "corpus": corpus.describe(), "wall_seconds": seconds, "results": results}
+              "corpus": corpus.describe(), "wall_seconds": seconds, "results": results, **extra}
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
 

@@ -24,7 +24,7 @@ parameters' boundaries are kept where the codec would otherwise mix them:
 
 1. Stage the bucket's large parameters (with their error-feedback residuals,
    top-k) and start the small ones' allreduce.
-2. ``"allgather"``: one ``all_gather_into_tensor`` of the payloads; decode
+2. ``"allgather"``: one ``all_gather_single`` of the payloads; decode
    all N, divide by N. ``"two_stage"``: one ``all_to_all_single`` of the
    slices to their owners; the owner's sum, re-encoded, goes to every rank in
    a second ``all_to_all_single`` (the chunks differ in size, which
@@ -330,9 +330,9 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
     with kernel_stream(flat.device):
         if plan.kind == "allgather":
             used = plan.encode(as_array(flat), as_array(out), exchange.step, _array(residual))
-            # fixed-size payloads: every rank's is ``capacity`` bytes, as all_gather_into_tensor needs
+            # fixed-size payloads: every rank's is ``capacity`` bytes, as all_gather_single needs
             gathered = torch.empty(num_ranks * used, dtype=torch.uint8, device=flat.device)
-            work = dist.all_gather_into_tensor(gathered, out[:used], group=group, async_op=True)
+            work = dist.all_gather_single(gathered, out[:used], group=group, async_op=True)
             state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
             _start_second_stage(state)
             work.get_future().then(lambda _: _finish(exchange, gathered))
