@@ -47,6 +47,15 @@ def address(node):
     return f"10.77.0.{node + 1}"
 
 
+def on_a_node():
+    """Whether this process is a rank started by :func:`run`."""
+    return NODE_ENV in os.environ
+
+
+def ranks_on_this_node():
+    return int(os.environ.get("HOROVOD_LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+
+
 def link_bytes():
     """(NIC, loopback) bytes sent so far by this rank's node (every rank of the node sees the same counters)."""
     sent = {}
@@ -156,7 +165,8 @@ def _horovod_processes(nodes, per_node, argv, env):
                         HOROVOD_LOCAL_SIZE=str(slot.local_size), HOROVOD_CROSS_RANK=str(slot.cross_rank),
                         HOROVOD_CROSS_SIZE=str(slot.cross_size), HOROVOD_GLOO_RENDEZVOUS_ADDR=address(0),
                         HOROVOD_GLOO_RENDEZVOUS_PORT=str(port), HOROVOD_CONTROLLER="gloo",
-                        HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE=NIC)
+                        HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE=NIC,
+                        HOROVOD_GLOO_TIMEOUT_SECONDS=env.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "120"))
         processes.append(subprocess.Popen(nodes.command(node, argv), env=rank_env))
     return processes, server
 

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from benchmarks import nodelab
 from benchmarks.netlab import control_bytes_per_second, loopback_bytes
 
 
@@ -92,6 +93,7 @@ def run(args, job):
     log("Running benchmark...")
     job.barrier()
     wire_start = loopback_bytes()
+    links_start = nodelab.link_bytes() if nodelab.on_a_node() else None
     img_secs, step_times = [], []
     for x in range(args.num_iters):
         elapsed = timeit.timeit(job.step, number=args.num_batches_per_iter)
@@ -102,6 +104,11 @@ def run(args, job):
     job.barrier()
     wire_bytes = loopback_bytes() - wire_start
     steps = args.num_iters * args.num_batches_per_iter
+    links = None
+    if links_start is not None:  # under nodelab: every rank sees its node's counters; each adds its share
+        share = 1.0 / nodelab.ranks_on_this_node()
+        links = [job.sum_over_ranks(f"benchmark.links.{i}", share * (now - then))
+                 for i, (now, then) in enumerate(zip(nodelab.link_bytes(), links_start))]
 
     img_sec_mean, img_sec_conf = np.mean(img_secs), 1.96 * np.std(img_secs)
     log(f"Img/sec per CPU: {img_sec_mean:.1f} +-{img_sec_conf:.1f}")
@@ -134,6 +141,10 @@ def run(args, job):
     }
     log(f"Wire bytes per step (loopback, all ranks): {result['wire_bytes_per_step'] / 1e6:.2f} MB, "
         f"of which Horovod's idle coordination about {result['control_bytes_per_step'] / 1e6:.2f} MB")
+    if links is not None:
+        result["inter_node_bytes_per_step"], result["in_node_bytes_per_step"] = links[0] / steps, links[1] / steps
+        log(f"Bytes per step between nodes (all NICs): {links[0] / steps / 1e6:.2f} MB, inside nodes (all "
+            f"loopbacks): {links[1] / steps / 1e6:.2f} MB")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,0 +1,148 @@
+"""Bytes between nodes per training step: what each exchange puts on the slow inter-node link (needs root).
+
+    python benchmarks/node_bytes.py [--layouts 2x2,2x4] [--out benchmarks/results/node-bytes]
+
+For each layout (nodes x ranks per node), ``benchmarks/nodelab.py`` starts
+the PyTorch synthetic benchmark (``mlp10m``, 9.9M parameters, batch 8 per
+rank) on that many network namespaces joined by veth NICs, so every byte
+between nodes is counted on a NIC and every byte inside a node on its
+loopback. Configurations: uncompressed, QSGD-4 and Top-k 1% with the
+allgather and with the two stages (the flat, node-blind exchanges).
+
+The formula (:func:`formula`) follows each collective's route on the ring
+of ranks (nodes hold consecutive ranks): a ring allreduce crosses each of
+the ``nodes`` node boundaries with ``2 (N-1)/N`` of the buffer; a ring
+allgather sends, on the link from rank r to r+1, every payload but rank
+r+1's; an alltoall sends each slice straight to its owner, so rank i's
+slices for the N-L ranks off its node cross. Measured bytes include
+Horovod's own coordination (a few kB per step).
+
+Writes ``results.json`` and ``README.md`` to ``--out``.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import nodelab  # noqa: E402
+from benchmarks.compressors import benchmark_flags  # noqa: E402
+
+CONFIGS = [("none", "uncompressed"), ("qsgd-4bit-allgather", "QSGD-4, allgather"),
+           ("qsgd-4bit-two-stage", "QSGD-4, two stages"), ("topk-1%-allgather", "Top-k 1%, allgather"),
+           ("topk-1%-two-stage", "Top-k 1%, two stages")]
+
+
+def _flags(name):
+    if name.endswith("-two-stage"):
+        return benchmark_flags(name[:-len("-two-stage")]) + ["--exchange", "two_stage"]
+    return benchmark_flags(name)
+
+
+def _codecs(name):
+    import horovod_qsgd.torch as adapter
+    from benchmarks.compressors import SPECS
+    class_name, kwargs = SPECS[name.replace("-two-stage", "")]
+    kwargs = dict(kwargs, exchange="two_stage") if name.endswith("-two-stage") else kwargs
+    compressor = getattr(adapter, class_name)(**kwargs)
+    return compressor, compressor.codec, compressor.second_codec
+
+
+def _ring_allgather(payloads, per_node):
+    """Bytes crossing nodes when a ring allgather spreads ``payloads`` (one per rank, in rank order)."""
+    n, total = len(payloads), sum(payloads)
+    return sum(total - payloads[(r + 1) % n] for r in range(n) if r // per_node != ((r + 1) % n) // per_node)
+
+
+def formula(model, name, nodes, per_node):
+    """Bytes all nodes send to other nodes per step (see the module docstring)."""
+    from benchmarks.models_torch import build_model
+    from horovod_qsgd.common.two_stage import chunk_bounds
+    ranks = nodes * per_node
+    crossing = nodes if nodes > 1 else 0
+
+    def allreduce(nbytes):
+        return crossing * 2 * (ranks - 1) / ranks * nbytes
+
+    sizes = [p.numel() for p in build_model(model).parameters()]
+    if name == "none":
+        return allreduce(4 * sum(sizes))
+    compressor, first, second = _codecs(name)
+    total = 0.0
+    for n in sizes:
+        if n < compressor.min_numel:
+            total += allreduce(4 * n)
+            continue
+        total += allreduce(4)  # Horovod's one-element placeholder
+        if not name.endswith("-two-stage"):
+            total += _ring_allgather([first.max_payload_nbytes(n)] * ranks, per_node)
+            continue
+        chunks = [end - begin for begin, end in chunk_bounds(n, ranks, getattr(first, "bucket_size", 1))]
+        for sender in range(ranks):
+            total += sum(first.max_payload_nbytes(c) for owner, c in enumerate(chunks)
+                         if owner // per_node != sender // per_node)
+        total += _ring_allgather([second.max_payload_nbytes(c) for c in chunks], per_node)
+    return total
+
+
+def run(name, nodes, per_node, model, tmp):
+    out = os.path.join(tmp, f"{nodes}x{per_node}-{name}.json")
+    argv = [sys.executable, os.path.join(ROOT, "benchmarks", "pytorch_synthetic_benchmark.py"), "--model", model,
+            "--batch-size", "8", "--num-warmup-batches", "2", "--num-iters", "2", "--num-batches-per-iter", "2",
+            "--json-out", out, *_flags(name)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    code, _ = nodelab.run(nodes, per_node, argv, env=env, timeout=1200)
+    if code != 0:
+        raise RuntimeError(f"{nodes}x{per_node} {name} failed (exit {code})")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layouts", default="2x2,2x4")
+    ap.add_argument("--model", default="mlp10m")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "node-bytes"))
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="hq-nodes-")
+    rows = []
+    for layout in args.layouts.split(","):
+        nodes, per_node = (int(x) for x in layout.split("x"))
+        base = None
+        for name, label in CONFIGS:
+            result = run(name, nodes, per_node, args.model, tmp)
+            inter = result["inter_node_bytes_per_step"]
+            base = base or inter
+            expected = formula(args.model, name, nodes, per_node)
+            row = dict(layout=layout, config=label, inter_mb=inter / 1e6, per_node_mb=inter / nodes / 1e6,
+                       in_node_mb=result["in_node_bytes_per_step"] / 1e6, reduction=base / inter,
+                       formula_mb=expected / 1e6)
+            rows.append(row)
+            print(f"{layout}  {label:22s} between nodes {row['inter_mb']:8.2f} MB/step ({row['per_node_mb']:.2f} "
+                  f"per node, {row['reduction']:5.1f}x fewer)  formula {row['formula_mb']:8.2f} MB "
+                  f"({100 * (inter / expected - 1):+.1f}%)  inside nodes {row['in_node_mb']:.2f} MB", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"model": args.model, "rows": rows}, f, indent=1)
+    lines = ["# Bytes between nodes per step, node-blind exchanges", "",
+             f"PyTorch, `{args.model}` (9.9M parameters, 39.6 MB of fp32 gradient), batch 8 per rank, Horovod over "
+             "Gloo on `benchmarks/nodelab.py`'s namespaces (one per node; NICs unshaped here). MB per step sent by "
+             "all nodes' NICs (between nodes) and loopbacks (inside nodes); formula from the model's tensor sizes, "
+             "the codecs and each collective's route (`formula` in `benchmarks/node_bytes.py`). Machine: the "
+             "project's 2-core VM (8 ranks oversubscribe it; bytes do not depend on that).", "",
+             "```bash", f"python benchmarks/node_bytes.py --layouts {args.layouts}", "```", "",
+             "| nodes x ranks | exchange | MB/step between nodes | per node | fewer than uncompressed | formula MB "
+             "| measured/formula | MB/step inside nodes |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['config']} | {r['inter_mb']:.2f} | {r['per_node_mb']:.2f} | "
+                     f"{r['reduction']:.1f}x | {r['formula_mb']:.2f} | {r['inter_mb'] / r['formula_mb']:.3f} | "
+                     f"{r['in_node_mb']:.2f} |")
+    with open(os.path.join(args.out, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The multi-node harness (benchmarks/nodelab.py): ranks on several network namespaces, bytes counted per link.
+
+Horovod (without ssh) and torchrun must see the layout a cluster of that many
+nodes gives them, and a ring allreduce's bytes must appear where a ring puts
+them: each of the ``nodes`` node boundaries crossed with 2 (N-1)/N of the
+buffer on the NICs, the in-node hops on the loopbacks.
+"""
+import json
+import sys
+
+import pytest
+
+from benchmarks import netlab, nodelab
+from tests.harness_samples.node_probe import NUMEL
+
+LAYOUTS = [("horovodrun", 2, 2), ("horovodrun", 3, 2), ("torchrun", 2, 2)]
+
+
+@pytest.fixture(autouse=True)
+def _root_needed():
+    reason = netlab.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("launcher,nodes,per_node", LAYOUTS)
+def test_ranks_see_the_node_layout_and_bytes_cross_where_the_ring_crosses(tmp_path, launcher, nodes, per_node):
+    code, sent = nodelab.run(nodes, per_node, [sys.executable, "-m", "tests.harness_samples.node_probe", launcher,
+                                               str(tmp_path)], launcher=launcher, timeout=240)
+    assert code == 0
+    ranks = nodes * per_node
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for r, report in enumerate(reports):
+        assert report == dict(rank=r, size=ranks, local_rank=r % per_node, local_size=per_node,
+                              cross_rank=r // per_node, cross_size=nodes, total=[ranks * (ranks - 1) / 2]), report
+    ring = 2 * (ranks - 1) / ranks * 4 * NUMEL  # bytes on every link of the ring
+    between, inside = sum(s["nic"] for s in sent), sum(s["loopback"] for s in sent)
+    assert abs(between - nodes * ring) <= 0.05 * nodes * ring, (between, nodes * ring, sent)
+    in_node_hops = ranks - nodes
+    assert abs(inside - in_node_hops * ring) <= 0.05 * in_node_hops * ring, (inside, in_node_hops * ring, sent)
+    # every node sends its share: one boundary each
+    for s in sent:
+        assert abs(s["nic"] - ring) <= 0.05 * ring, sent
+
+
+def test_a_failing_rank_ends_the_job_with_its_exit_code():
+    code, _ = nodelab.run(2, 1, [sys.executable, "-c", "import os, sys, time; "
+                                 "sys.exit(3) if os.environ['HOROVOD_RANK'] == '1' else time.sleep(60)"],
+                          timeout=30)
+    assert code == 3
