@@ -14,9 +14,14 @@ SIZES = (700, 300_000, 290_000)
 MIN_NUMEL = 1000
 
 
-def _gradients(rank, step):
+def _gradients(rank, step, dtype=None):
+    """Each parameter's gradient on ``rank`` at ``step``: float32, or rounded to the torch ``dtype`` and widened."""
     rng = np.random.default_rng(1000 * rank + step)
-    return [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+    grads = [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+    if dtype is None:
+        return grads
+    import torch
+    return [torch.from_numpy(g).to(dtype).float().numpy() for g in grads]
 
 
 def _recording(hook, parameters, calls):
@@ -30,13 +35,13 @@ def _recording(hook, parameters, calls):
     return recording_hook
 
 
-def _model(torch):
+def _model(torch, dtype):
     class Weights(torch.nn.Module):
         """loss = sum_i <w_i, g_i>: the gradient of w_i is exactly g_i."""
 
         def __init__(self):
             super().__init__()
-            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in SIZES])
+            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in SIZES])
 
         def forward(self, grads):
             return sum((w * g).sum() for w, g in zip(self.w, grads))
@@ -44,20 +49,20 @@ def _model(torch):
     return Weights()
 
 
-def _ddp(torch, state, hook, **ddp_kwargs):
-    model = _model(torch)
+def _ddp(torch, state, hook, dtype=None, **ddp_kwargs):
+    model = _model(torch, dtype or torch.float32)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5, **ddp_kwargs)
     calls = []
     ddp.register_comm_hook(state, _recording(hook, list(model.w), calls))
     return ddp, calls
 
 
-def _step(torch, ddp, rank, step):
-    """One backward pass; returns every parameter's averaged gradient (numpy copies)."""
+def _step(torch, ddp, rank, step, dtype=None):
+    """One backward pass; returns every parameter's averaged gradient (float32 numpy copies)."""
     for p in ddp.parameters():
         p.grad = None
-    ddp([torch.from_numpy(g) for g in _gradients(rank, step)]).backward()
-    return [p.grad.numpy().copy() for p in ddp.module.w]
+    ddp([torch.from_numpy(g).to(dtype or torch.float32) for g in _gradients(rank, step)]).backward()
+    return [p.grad.float().numpy().copy() for p in ddp.module.w]
 
 
 def _bucket(arrays, positions):
@@ -102,8 +107,8 @@ class _Reference:
     is encoded (the hook's documented spill).
     """
 
-    def __init__(self, state, num_ranks):
-        self.state, self.num_ranks = state, num_ranks
+    def __init__(self, state, num_ranks, dtype=None):
+        self.state, self.num_ranks, self.dtype = state, num_ranks, dtype
         self.residuals = [[np.zeros(n, np.float32) for n in SIZES] for _ in range(num_ranks)] \
             if state.error_feedback else None
         self.owners = {}
@@ -115,7 +120,7 @@ class _Reference:
         alignment = getattr(state.codec, "bucket_size", 1)
         self.spill_stale(index, positions)
         positions = _compressed(positions)
-        xs = [_staged(_gradients(r, step), positions, alignment) for r in range(num_ranks)]
+        xs = [_staged(_gradients(r, step, self.dtype), positions, alignment) for r in range(num_ranks)]
         name, numel = f"ddp.bucket{index}", xs[0].size
         residuals = None if self.residuals is None else [_staged(r, positions, 1) for r in self.residuals]
         exchange = choose_exchange(state.exchange, state.codec, state.second_codec, numel, num_ranks)
@@ -175,31 +180,42 @@ def test_bucket_results_are_the_codecs_alone_and_equal_on_every_rank(num_ranks, 
 
 
 @pytest.mark.parametrize("num_ranks", _on(3))
-def test_static_graph_and_gradient_as_bucket_view(num_ranks, dist_gloo):
+def test_static_graph_gradient_as_bucket_view_and_half_precision(num_ranks, dist_gloo):
     """DDP's static_graph=True and gradient_as_bucket_view=True (the hook decodes into the gradients'
-    memory) change nothing of the results."""
+    memory) change nothing of the results; bfloat16 and float16 gradients are the codec's bits on the
+    widened gradients, rounded back."""
+    import torch
     for class_name, kwargs in [CASES[1], CASES[3]]:
         _check_against_reference(dist_gloo, class_name, kwargs, static_graph=True, gradient_as_bucket_view=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        for class_name, kwargs in [CASES[0], CASES[3]]:
+            _check_against_reference(dist_gloo, class_name, kwargs, dtype, gradient_as_bucket_view=True)
 
 
-def _check_against_reference(dist, class_name, kwargs, **ddp_kwargs):
+def _check_against_reference(dist, class_name, kwargs, dtype=None, **ddp_kwargs):
+    """``dtype`` (bfloat16, float16): the gradients are, the hook widens them to float32 for the codec and the
+    result is the codec's average rounded back."""
     import torch
     import horovod_qsgd.ddp as ddp_hooks
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     state = getattr(ddp_hooks, class_name)(min_numel=MIN_NUMEL, **kwargs)
     ddp, calls = _ddp(torch, state, ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook,
-                      **ddp_kwargs)
-    reference = _Reference(state, num_ranks)
+                      dtype, **ddp_kwargs)
+    reference = _Reference(state, num_ranks, dtype)
+
+    def rounded(values):
+        return values if dtype is None else torch.from_numpy(values).to(dtype).float().numpy()
+
     for step in range(3):
         start = len(calls)
-        got = _step(torch, ddp, rank, step)
+        got = _step(torch, ddp, rank, step, dtype)
         compressed = passed = 0
         for index, positions, iteration in calls[start:]:
             what = f"{class_name}{kwargs}{ddp_kwargs} step {step} bucket {index} (parameters {positions})"
             assert iteration == step, what
             for i in set(positions) - set(_compressed(positions)):  # passed through: DDP's own average
-                mean = np.mean([_gradients(r, step)[i] for r in range(num_ranks)], axis=0)
-                assert np.allclose(got[i], mean, atol=1e-6), f"{what}: parameter {i}"
+                mean = np.mean([_gradients(r, step, dtype)[i] for r in range(num_ranks)], axis=0)
+                assert np.allclose(got[i], mean, atol=1e-6 if dtype is None else 2e-2), f"{what}: parameter {i}"
                 passed += 1
             if not _compressed(positions):
                 reference.spill_stale(index, positions)
@@ -207,7 +223,7 @@ def _check_against_reference(dist, class_name, kwargs, **ddp_kwargs):
             compressed += 1
             expected, exchange = reference.bucket(index, positions, step)
             for i, values in expected.items():
-                assert np.array_equal(got[i].view(np.uint32), values.view(np.uint32)), \
+                assert np.array_equal(got[i].view(np.uint32), rounded(values).view(np.uint32)), \
                     f"{what} ({exchange}): parameter {i}"
         stats = state.compression_stats(reset=True)
         assert stats["tensors_compressed"] == compressed, stats
