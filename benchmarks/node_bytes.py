@@ -9,13 +9,14 @@ between nodes is counted on a NIC and every byte inside a node on its
 loopback. Configurations: uncompressed, QSGD-4 and Top-k 1% with the
 allgather and with the two stages (the flat, node-blind exchanges).
 
-The formula (:func:`formula`) follows each collective's route on the ring
-of ranks (nodes hold consecutive ranks): a ring allreduce crosses each of
-the ``nodes`` node boundaries with ``2 (N-1)/N`` of the buffer; a ring
-allgather sends, on the link from rank r to r+1, every payload but rank
-r+1's; an alltoall sends each slice straight to its owner, so rank i's
-slices for the N-L ranks off its node cross. Measured bytes include
-Horovod's own coordination (a few kB per step).
+The formula (:func:`formula`) is the node model's
+(``benchmarks/node_scaling.py``): each collective's route on the ring of
+ranks (nodes hold consecutive ranks): a ring allreduce crosses each of the
+``nodes`` node boundaries with ``2 (N-1)/N`` of the buffer; a ring allgather
+sends, on each boundary link, every payload but one; an alltoall sends each
+slice straight to its owner, so a node's ranks send their slices for the
+N-L ranks off the node across. Measured bytes include Horovod's own
+coordination (a few kB per step).
 
 Writes ``results.json`` and ``README.md`` to ``--out``.
 """
@@ -42,50 +43,14 @@ def _flags(name):
     return benchmark_flags(name)
 
 
-def _codecs(name):
-    import horovod_qsgd.torch as adapter
-    from benchmarks.compressors import SPECS
-    class_name, kwargs = SPECS[name.replace("-two-stage", "")]
-    kwargs = dict(kwargs, exchange="two_stage") if name.endswith("-two-stage") else kwargs
-    compressor = getattr(adapter, class_name)(**kwargs)
-    return compressor, compressor.codec, compressor.second_codec
-
-
-def _ring_allgather(payloads, per_node):
-    """Bytes crossing nodes when a ring allgather spreads ``payloads`` (one per rank, in rank order)."""
-    n, total = len(payloads), sum(payloads)
-    return sum(total - payloads[(r + 1) % n] for r in range(n) if r // per_node != ((r + 1) % n) // per_node)
-
-
 def formula(model, name, nodes, per_node):
-    """Bytes all nodes send to other nodes per step (see the module docstring)."""
+    """Bytes all nodes send to other nodes per step: :func:`benchmarks.node_scaling.tensor_bytes` per tensor."""
     from benchmarks.models_torch import build_model
-    from horovod_qsgd.common.two_stage import chunk_bounds
-    ranks = nodes * per_node
-    crossing = nodes if nodes > 1 else 0
-
-    def allreduce(nbytes):
-        return crossing * 2 * (ranks - 1) / ranks * nbytes
-
-    sizes = [p.numel() for p in build_model(model).parameters()]
-    if name == "none":
-        return allreduce(4 * sum(sizes))
-    compressor, first, second = _codecs(name)
-    total = 0.0
-    for n in sizes:
-        if n < compressor.min_numel:
-            total += allreduce(4 * n)
-            continue
-        total += allreduce(4)  # Horovod's one-element placeholder
-        if not name.endswith("-two-stage"):
-            total += _ring_allgather([first.max_payload_nbytes(n)] * ranks, per_node)
-            continue
-        chunks = [end - begin for begin, end in chunk_bounds(n, ranks, getattr(first, "bucket_size", 1))]
-        for sender in range(ranks):
-            total += sum(first.max_payload_nbytes(c) for owner, c in enumerate(chunks)
-                         if owner // per_node != sender // per_node)
-        total += _ring_allgather([second.max_payload_nbytes(c) for c in chunks], per_node)
-    return total
+    from benchmarks.node_scaling import tensor_bytes
+    compressor = name.replace("-two-stage", "")
+    exchange = "two_stage" if name.endswith("-two-stage") else "allgather"
+    return nodes * sum(tensor_bytes(compressor, exchange, p.numel(), nodes, per_node)[0]
+                       for p in build_model(model).parameters())
 
 
 def run(name, nodes, per_node, model, tmp):
