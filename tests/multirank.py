@@ -9,7 +9,9 @@ the traceback of every rank that failed. A job that does not finish within the
 marker's ``timeout`` (seconds) is killed and fails as a hang, so a stuck
 collective never hangs CI. ``launcher="torchrun"`` starts the workers with
 ``torchrun --nproc_per_node n`` instead (the DDP hooks' tests; fixture
-``dist_gloo``).
+``dist_gloo``); ``launcher="nodes:2x2"`` starts them on two network-namespace
+"nodes" of two ranks each (``benchmarks/nodelab.py``; needs root, else the
+test is skipped), ``"torchrun-nodes:2x2"`` likewise under torchrun.
 """
 import json
 import os
@@ -70,13 +72,29 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _launch_command(launcher, num_ranks):
-    """The command that starts ``num_ranks`` workers: Horovod's ``horovodrun --gloo``, or ``torchrun``."""
+def _launch_command(launcher, num_ranks, timeout):
+    """The command that starts ``num_ranks`` workers: Horovod's ``horovodrun --gloo``, ``torchrun``, or
+    ``benchmarks/nodelab.py`` with either across network namespaces ("nodes:MxL", "torchrun-nodes:MxL")."""
+    if ":" in launcher:
+        kind, layout = launcher.split(":")
+        nodes, per_node = (int(x) for x in layout.split("x"))
+        if kind not in ("nodes", "torchrun-nodes") or nodes * per_node != num_ranks:
+            raise ValueError(f"launcher={launcher!r} for {num_ranks} ranks: use 'nodes:MxL' or "
+                             "'torchrun-nodes:MxL' with M x L == the ranks")
+        from benchmarks import netlab
+        reason = netlab.unavailable_reason()
+        if reason:
+            pytest.skip(reason)
+        # nodelab's own deadline comes first: it removes its namespaces before the job is killed
+        return [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "benchmarks", "nodelab.py"),
+                "--nodes", str(nodes), "--per-node", str(per_node), "--timeout", str(max(10, timeout - 15)),
+                "--launcher", "torchrun" if kind == "torchrun-nodes" else "horovodrun", "--"]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_ranks),
                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
     if launcher != "horovodrun":
-        raise ValueError(f"launcher={launcher!r}: use 'horovodrun' or 'torchrun'")
+        raise ValueError(f"launcher={launcher!r}: use 'horovodrun', 'torchrun' or 'nodes:MxL'")
     return [sys.executable, "-m", "horovod.runner.launch", "-np", str(num_ranks), "-H", f"localhost:{num_ranks}",
             "--gloo"]
 
@@ -93,7 +111,7 @@ def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None, launcher="
     env[WORKER_ENV] = "1"
     env[REPORT_DIR_ENV] = report_dir
     env["PYTHONPATH"] = os.pathsep.join(p for p in [rootdir, env.get("PYTHONPATH")] if p)
-    cmd = _launch_command(launcher, num_ranks) + (
+    cmd = _launch_command(launcher, num_ranks, timeout) + (
         [] if launcher == "torchrun" else [sys.executable]) + [
         "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rN", nodeid]
     log_path = os.path.join(report_dir, "horovodrun.log")
@@ -134,7 +152,9 @@ def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None, launcher="
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "ranks(n, timeout=180, env=None, launcher='horovodrun'): run the test on n ranks under "
-        "horovodrun --gloo, or torchrun with launcher='torchrun' (env: extra variables; a None value removes one)")
+        "horovodrun --gloo, or torchrun with launcher='torchrun', or on M network-namespace nodes of L ranks "
+        "with launcher='nodes:MxL' (Horovod) or 'torchrun-nodes:MxL' (env: extra variables; a None value "
+        "removes one)")
 
 
 @pytest.hookimpl(tryfirst=True)

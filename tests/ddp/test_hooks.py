@@ -303,3 +303,13 @@ def test_other_settings_on_one_rank_are_refused_on_every_rank(num_ranks, dist_gl
         _step(torch, ddp, rank, 0)
     assert isinstance(raised.value, CompressionMismatchError) or "CompressionMismatchError" in str(raised.value)
     assert "bits: rank 0=4, rank 1=2" in str(raised.value)
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(4, marks=pytest.mark.ranks(4, timeout=300,
+                                                                            launcher="torchrun-nodes:2x2"))])
+def test_across_two_nodes(num_ranks, dist_gloo):
+    """torchrun on two network-namespace nodes of two ranks (``benchmarks/nodelab.py``): the same bits."""
+    import os
+    assert (os.environ["LOCAL_WORLD_SIZE"], os.environ["GROUP_RANK"]) == ("2", str(dist_gloo.get_rank() // 2))
+    for class_name, kwargs in [CASES[1], CASES[3]]:
+        _check_against_reference(dist_gloo, class_name, kwargs)
