@@ -15,6 +15,7 @@ exchange                NIC bytes per node                           in-node byt
 ring allreduce (none)   ``2 (N-1)/N S`` (the ring crosses once)      ``2 (N-1)/N S``
 allgather               ``(N-1) b(n)`` (every payload but one)       ``(N-1) b(n)``
 two stages (flat)       ``L (N-L)/N b(n) + (N-1)/N b2(n)``           ``(L-1)/N b(n) + (N-1)/N b2(n)``
+two stages, direct      ``L (N-L)/N (b(n) + b2(n))`` (DDP hooks)     ``(L-1)/N (b(n) + b2(n))``
 node-aware              ``2 (M-1)/M L b(n/L)``, M = nodes            ``2 (L-1)/L S``
 =====================  ==========================================  ==============================
 
@@ -83,11 +84,15 @@ def tensor_bytes(name, exchange, n, nodes, per_node):
         nic, inside = (ranks - 1) * b if nodes > 1 else 0.0, (ranks - 1) * b
         return nic + placeholder[0], inside + placeholder[1], placeholder[2] + [(ranks - 1, latency, ranks * b)]
     from horovod_qsgd.common.two_stage import chunk_bounds
-    if exchange == "two_stage":
+    if exchange in ("two_stage", "two_stage_direct"):
         chunks = [e - s for s, e in chunk_bounds(n, ranks, unit)]
         b1, b2 = sum(first.max_payload_nbytes(c) for c in chunks), sum(second.max_payload_nbytes(c) for c in chunks)
-        nic = per_node * (ranks - per_node) / ranks * b1 + (ranks - 1) / ranks * b2 if nodes > 1 else 0.0
-        inside = (per_node - 1) / ranks * b1 + (ranks - 1) / ranks * b2
+        # the second stage by Horovod's ring allgather crosses each boundary once; "direct" (the DDP hooks'
+        # all_to_all_single) sends each owner's payload straight to the N-L ranks off its node
+        direct = exchange == "two_stage_direct"
+        second_crossing = per_node * (ranks - per_node) / ranks * b2 if direct else (ranks - 1) / ranks * b2
+        nic = per_node * (ranks - per_node) / ranks * b1 + second_crossing if nodes > 1 else 0.0
+        inside = (per_node - 1) / ranks * (b1 + b2) if direct else (per_node - 1) / ranks * b1 + (ranks - 1) / ranks * b2
         return (nic + placeholder[0], inside + placeholder[1],
                 placeholder[2] + [(ranks - 1, latency, b1), (ranks - 1, latency, b2)])
     if exchange == "node_aware":

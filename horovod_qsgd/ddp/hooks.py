@@ -38,6 +38,19 @@ bucket), after its first stage arrived, so a bucket's first stage overlaps
 the backward pass of the next. The future DDP gets completes when the
 decode is done.
 
+``QSGDState(exchange="node_aware")``, on nodes of several ranks (torchrun's
+``GROUP_RANK``, else the host name): the node's ranks first sum the bucket
+at full precision, each one shard of it (an in-node ``all_to_all_single``);
+the shard's sum crosses between nodes compressed, with the plan above among
+as many ranks as nodes (``ddp.bucket<i>.shard<local rank>``); an in-node
+``all_gather_single`` returns the decoded shards. Only the bytes between
+nodes are compressed: about 2 (M-1)/M of one compressed bucket per node for M
+nodes, where the flat two stages send about 2 L (M-1)/M of it (L ranks per
+node). Its four collectives run in the hook call, one bucket after the other
+(no overlap with the backward pass yet); top-k's node-aware error feedback is
+not built yet. Nodes of unequal size fall back to the flat exchange with a
+warning on every rank.
+
 Error feedback is kept per parameter, not per bucket: DDP rebuilds its
 buckets after the first iteration (and after a restart), and a residual
 keyed by parameter goes wherever its parameter goes, so nothing is lost and
@@ -49,8 +62,11 @@ layout; when a bucket's layout changes, its old owner residual moves into
 this rank's residuals of the parameters it covered, before the bucket's
 first stage, and is sent by each parameter's next first stage.
 """
+import os
+import socket
 import threading
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -66,6 +82,7 @@ from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+NODE_AWARE = "node_aware"
 
 
 class _PayloadState:
@@ -82,7 +99,10 @@ class _PayloadState:
         self.codec, self.second_codec, self.exchange, self.min_numel = codec, second_codec, exchange, int(min_numel)
         self.iteration = 0  # the RNG's step; advanced after each iteration's last bucket
         self._stats = CompressionStats()
-        self._engine = PayloadEngine(codec, second_codec, exchange, self._stats)
+        # node-aware: the engine plans the exchange between nodes, which the mode "auto" chooses as for N ranks
+        self._engine = PayloadEngine(codec, second_codec, "auto" if exchange == NODE_AWARE else exchange,
+                                     self._stats)
+        self._nodes = None          # _Nodes, when the exchange is node-aware
         self._lock = threading.Lock()
         self._verified = False
         self._keys = {}             # id(parameter) -> its key: the order the hook first saw it in
@@ -138,6 +158,8 @@ class _PayloadState:
         records = [None] * group.size()
         dist.all_gather_object(records, settings_record(type(self).__name__, self.settings()), group=group)
         check_settings(records)
+        if self.exchange == NODE_AWARE:
+            self._nodes = _Nodes.of_this_job(group, self.process_group)
         self._verified = True
 
     def _split(self, bucket):
@@ -187,6 +209,47 @@ class _PayloadState:
                 saved = self._owner_residuals[index] = _OwnerResidual(
                     layout, plan.owned, torch.zeros(plan.own_numel(), dtype=torch.float32, device=device))
             return saved.residual.to(device).clone()
+
+
+class _Nodes:
+    """The job's nodes for the node-aware exchange: this rank's node's process group (``local``), the group of
+    the ranks with this rank's local index on every node (``cross``), and where this rank is in both."""
+
+    def __init__(self, members, rank):
+        self.count, self.local_size = len(members), len(members[0])
+        self.cross_rank = next(k for k, ranks in enumerate(members) if rank in ranks)
+        self.local_rank = members[self.cross_rank].index(rank)
+        # every rank creates every group, in the same order, as torch.distributed requires
+        for ranks in members:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self.local = group
+        for j in range(self.local_size):
+            group = dist.new_group([ranks[j] for ranks in members])
+            if j == self.local_rank:
+                self.cross = group
+
+    @classmethod
+    def of_this_job(cls, group, process_group):
+        """The layout from torchrun's ``GROUP_RANK`` (else the host name), alike on every rank; None (flat
+        exchange, with a warning on every rank) where nodes differ in size or there is one node or one rank
+        per node."""
+        if process_group is not None:
+            raise ValueError("horovod_qsgd: exchange='node_aware' needs the default process group "
+                             "(process_group=None)")
+        nodes = [None] * group.size()
+        dist.all_gather_object(nodes, os.environ.get("GROUP_RANK") or socket.gethostname(), group=group)
+        members = {}
+        for rank, node in enumerate(nodes):
+            members.setdefault(node, []).append(rank)
+        members = list(members.values())
+        sizes = sorted({len(m) for m in members})
+        if len(sizes) > 1 or len(members) == 1 or sizes[0] == 1:
+            warnings.warn(f"horovod_qsgd: exchange='node_aware' needs several nodes of equal size, more than one "
+                          f"rank each; this job has {len(members)} node(s) of {sizes} rank(s): the exchange is "
+                          "node-blind (as 'auto') instead")
+            return None
+        return cls(members, dist.get_rank())
 
 
 class _Split:
@@ -285,7 +348,9 @@ def payload_hook(state, bucket):
     buffer = bucket.buffer()
     num_ranks = group.size()
     split = state._split(bucket)
-    if buffer.dtype not in _FLOATS or not split.layout or num_ranks == 1:
+    if buffer.dtype in _FLOATS and split.layout and state._nodes is not None:
+        future = _node_aware(state, bucket, group, buffer, split)
+    elif buffer.dtype not in _FLOATS or not split.layout or num_ranks == 1:
         if state.error_feedback:
             state._spill_stale_owner_residual(bucket.index(), split.layout, None)
         future = _allreduce_average(state, buffer, group, len(bucket.parameters()))
@@ -348,6 +413,73 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
     _start_second_stage(state)
     state._waiting = exchange
     return future
+
+
+def _node_aware(state, bucket, group, buffer, split):
+    """The bucket's exchange in four collectives, in the hook call: an in-node reduce-scatter at full precision
+    (each of the node's L ranks gets the node's sum of one shard), the engine's exchange of that shard among
+    the nodes (allgather or two stages, as for a tensor among as many ranks as nodes), an in-node allgather of
+    the decoded shards. Only what crosses nodes is compressed (``docs/node-aware-design.md``)."""
+    start = time.perf_counter()
+    nodes, device, step = state._nodes, buffer.device, state.iteration
+    bucket_flat = buffer.reshape(-1)
+    small = split.small_part(bucket_flat)
+    small_future = None if small is None else _allreduce_average(state, small, group, len(split.small))
+    flat = split.stage(bucket_flat)
+    unit = getattr(state.codec, "bucket_size", 1)
+    shard = -(-flat.numel() // (nodes.local_size * unit)) * unit
+    send = torch.zeros(nodes.local_size * shard, dtype=torch.float32, device=device)
+    send[:flat.numel()] = flat
+    slices = torch.empty_like(send)
+    dist.all_to_all_single(slices, send, group=nodes.local)
+    node_sum = slices[:shard].clone()
+    for j in range(1, nodes.local_size):  # in local-rank order: the same bits on every node
+        node_sum += slices[j * shard:(j + 1) * shard]
+    plan = state._engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.count,
+                              nodes.cross_rank, 4 * shard, 0)
+    out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=device)
+    refusal = None
+    with kernel_stream(device):
+        if plan.kind == "allgather":
+            used = plan.encode(as_array(node_sum), as_array(out), step)
+            gathered = torch.empty(nodes.count * used, dtype=torch.uint8, device=device)
+            dist.all_gather_single(gathered, out[:used], group=nodes.cross)
+            collectives = 3
+        else:
+            own = torch.empty(plan.own_numel(), dtype=torch.float32, device=device)
+            splits = plan.encode(as_array(node_sum), as_array(out), as_array(own), step)
+            arriving = [0 if sender == plan.rank else plan.first.max_payload_nbytes(plan.own_numel())
+                        for sender in range(nodes.count)]
+            received = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
+            dist.all_to_all_single(received, out[:sum(splits)], arriving, splits, group=nodes.cross)
+            capacity = plan.owned_capacity()
+            owned = torch.zeros(capacity, dtype=torch.uint8, device=device)
+            _, refusal = plan.sum_and_encode(as_array(received), as_array(own), as_array(owned), step)
+            arriving = [plan.second.max_payload_nbytes(end - begin) for begin, end in plan.bounds]
+            gathered = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
+            dist.all_to_all_single(gathered, owned.repeat(nodes.count), arriving, [capacity] * nodes.count,
+                                   group=nodes.cross)
+            collectives = 4
+        node_sum.zero_()
+        if refusal is None:
+            plan.decode(as_array(gathered), as_array(node_sum))
+    node_sum.mul_(1.0 / group.size())
+    every_shard = torch.empty_like(send)
+    dist.all_gather_single(every_shard, node_sum, group=nodes.local)
+    state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
+    future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+    if refusal is not None:  # after the collectives, on every rank: nobody waits for a rank that raised
+        future.set_exception(refusal)
+        return future
+    split.unstage(every_shard[:flat.numel()], bucket_flat)
+    future.set_result(buffer)
+    if small_future is None:
+        return future
+
+    def put_small(both):
+        split.put_small(both.value()[0].value(), bucket_flat)
+        return both.value()[1].value()
+    return torch.futures.collect_all([small_future, future]).then(put_small)
 
 
 def _start_second_stage(state):
@@ -413,16 +545,17 @@ class QSGDState(_PayloadState):
     DDP: ``model.register_comm_hook(QSGDState(process_group=None, bits=4),
     qsgd_hook)``. A DDP bucket's parameters of at least ``min_numel``
     elements are one tensor, each starting a new scale (see
-    :mod:`horovod_qsgd.ddp`); ``encoding="elias"`` is not available here
+    :mod:`horovod_qsgd.ddp`; ``exchange="node_aware"`` compresses only
+    what crosses between nodes); ``encoding="elias"`` is not available here
     (its payloads vary in size). The result is the average over the process
     group, as DDP's own allreduce gives.""")
 
     def __init__(self, process_group=None, bits=4, bucket_size=512, norm="max", encoding="fixed",
                  scale_dtype="float32", rounding="stochastic", min_numel=10000, seed=0, exchange="auto",
                  second_stage_bits=None):
-        codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
-                                              exchange, second_stage_bits)
-        super().__init__(codec, second, exchange, min_numel, process_group)
+        codec, second, checked = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
+                                             "auto" if exchange == NODE_AWARE else exchange, second_stage_bits)
+        super().__init__(codec, second, exchange if exchange == NODE_AWARE else checked, min_numel, process_group)
 
     def settings(self):
         return dict(super().settings(), second_stage_bits=self.second_codec.bits)
@@ -437,6 +570,10 @@ class TopKState(_PayloadState):
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
+        if exchange == NODE_AWARE:
+            raise ValueError("horovod_qsgd: exchange='node_aware' is built for QSGDState only so far (top-k's "
+                             "error feedback would belong to each node's summed shard: not built yet); use "
+                             "exchange='auto'")
         super().__init__(codec, codec, check_exchange(exchange), min_numel, process_group)
 
 

@@ -313,3 +313,69 @@ def test_across_two_nodes(num_ranks, dist_gloo):
     assert (os.environ["LOCAL_WORLD_SIZE"], os.environ["GROUP_RANK"]) == ("2", str(dist_gloo.get_rank() // 2))
     for class_name, kwargs in [CASES[1], CASES[3]]:
         _check_against_reference(dist_gloo, class_name, kwargs)
+
+
+def _node_aware_reference(state, index, positions, step, nodes, per_node):
+    """{position: result} of a bucket under exchange='node_aware', from the codecs alone: the node sums of each
+    shard in local-rank order, exchanged among the nodes as a tensor ``ddp.bucket<i>.shard<j>`` among
+    ``nodes`` ranks, divided by N."""
+    from horovod_qsgd.common.two_stage import choose_exchange
+    codec, second = state.codec, state.second_codec
+    alignment, ranks = codec.bucket_size, nodes * per_node
+    positions = _compressed(positions)
+    xs = [_staged(_gradients(r, step), positions, alignment) for r in range(ranks)]
+    n = xs[0].size
+    shard = -(-n // (per_node * alignment)) * alignment
+    xs = [np.concatenate([x, np.zeros(per_node * shard - n, np.float32)]) for x in xs]
+    result = np.zeros(per_node * shard, np.float32)
+    for j in range(per_node):
+        part = slice(j * shard, (j + 1) * shard)
+        sums = []
+        for node in range(nodes):
+            total = xs[node * per_node][part].copy()
+            for i in range(1, per_node):
+                total += xs[node * per_node + i][part]
+            sums.append(total)
+        name = f"ddp.bucket{index}.shard{j}"
+        if choose_exchange("auto", codec, second, shard, nodes) == "two_stage":
+            total = two_stage_reference(codec, second, name, sums, step, alignment)
+        else:
+            total = np.zeros(shard, np.float32)
+            for node, x in enumerate(sums):
+                out = np.zeros(codec.max_payload_nbytes(shard), np.uint8)
+                used = codec.encode(x, out, step=step, key=zlib.crc32(f"{name}@rank{node}".encode()))
+                codec.decode_accumulate(out[:used], total)
+        result[part] = total * np.float32(1.0 / ranks)
+    return _unstaged(result[:n], positions, alignment)
+
+
+@pytest.mark.parametrize("nodes, per_node", [
+    pytest.param(2, 2, marks=pytest.mark.ranks(4, timeout=300, launcher="torchrun-nodes:2x2")),
+    pytest.param(3, 2, marks=pytest.mark.ranks(6, timeout=400, launcher="torchrun-nodes:3x2"))])
+def test_node_aware_is_the_node_sums_exchanged_between_nodes(nodes, per_node, dist_gloo):
+    """exchange='node_aware': every bucket, 3 steps through DDP's rebuild, bitwise the reference on every rank
+    (2 nodes: the nodes' allgather; 3 nodes: their two stages); small parameters get DDP's average."""
+    import torch
+    from horovod_qsgd.ddp import QSGDState, qsgd_hook
+    rank, ranks = dist_gloo.get_rank(), nodes * per_node
+    state = QSGDState(bits=4, exchange="node_aware", min_numel=MIN_NUMEL)
+    ddp, calls = _ddp(torch, state, qsgd_hook)
+    for step in range(3):
+        start = len(calls)
+        got = _step(torch, ddp, rank, step)
+        for index, positions, _ in calls[start:]:
+            for i in set(positions) - set(_compressed(positions)):
+                mean = np.mean([_gradients(r, step)[i] for r in range(ranks)], axis=0)
+                assert np.allclose(got[i], mean, atol=1e-6), (step, index, i)
+            if _compressed(positions):
+                expected = _node_aware_reference(state, index, positions, step, nodes, per_node)
+                for i, values in expected.items():
+                    assert np.array_equal(got[i].view(np.uint32), values.view(np.uint32)), (step, index, i)
+    assert len({tuple(positions) for _, positions, _ in calls}) > 2, f"DDP did not rebuild: {calls}"
+    _same_on_every_rank(dist_gloo, torch, [p.grad for p in ddp.module.w])
+
+
+def test_node_aware_is_refused_for_top_k():
+    from horovod_qsgd.ddp import TopKState
+    with pytest.raises(ValueError, match="node_aware.*QSGDState only"):
+        TopKState(exchange="node_aware")
