@@ -25,8 +25,8 @@ The flat rows are the routes of Horovod over Gloo measured in
 to its owner, so a node's L ranks send their slices for the other nodes' ranks
 across (about L C for a compressed tensor of C bytes), while the second
 stage's ring allgather crosses each node boundary once (about C). The
-node-aware exchange (issue #27, **not built yet**: this row is its design's
-projection) reduces inside the node first at full precision (a reduce-scatter),
+node-aware exchange (issue #27; this row is its design's projection; built
+so far for DDP's QSGD hook) reduces inside the node first at full precision (a reduce-scatter),
 runs the two stages on each rank's 1/L shard among the M ranks with the same
 local rank, and gathers inside the node: about 2 (M-1)/M C per node.
 
@@ -162,8 +162,8 @@ def main():
              f"{LATENCY_INTER * 1e6:.0f} us between and {LATENCY_IN * 1e6:.0f} us inside nodes; models of "
              "`benchmarks/scaling.py` (tensors of 2^20 elements; 25M: 100 ms compute, 100M: 400 ms). The model "
              "and its assumptions: `benchmarks/node_scaling.py`'s docstring. **The node-aware rows project an "
-             "exchange that is not built yet** (issue #27); the flat rows' bytes are the routes measured in "
-             "`../node-bytes/`.", "", "```bash", f"python benchmarks/node_scaling.py --per-node {args.per_node}",
+             "exchange built so far only for DDP's QSGD hook** (issue #27; its bytes between nodes measured in "
+             "`../ddp-hooks/nodes/`); the flat rows' bytes are the routes measured in `../node-bytes/`.", "", "```bash", f"python benchmarks/node_scaling.py --per-node {args.per_node}",
              "```", ""]
     for codec in ("free", "this CPU"):
         lines += [f"## Speedup over the uncompressed ring, {codec} codec (x fewer NIC bytes per node)", ""]
