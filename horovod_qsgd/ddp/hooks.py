@@ -461,17 +461,29 @@ def _node_aware(state, bucket, group, buffer, split):
                                    group=nodes.cross)
             collectives = 4
         node_sum.zero_()
-        if refusal is None:
-            plan.decode(as_array(gathered), as_array(node_sum))
-    node_sum.mul_(1.0 / group.size())
-    every_shard = torch.empty_like(send)
-    dist.all_gather_single(every_shard, node_sum, group=nodes.local)
+        error = refusal
+        if error is None:
+            try:
+                plan.decode(as_array(gathered), as_array(node_sum))  # raises on another owner's refusal notice
+            except Exception as exc:  # raised once this rank's collectives are done: nobody waits for it
+                error = exc
+    # the decoded shard and a flag: the node's other ranks must not take a shard that failed for a result
+    reply = torch.empty(shard + 1, dtype=torch.float32, device=device)
+    reply[:shard] = node_sum.mul_(1.0 / group.size())
+    reply[shard] = 0.0 if error is None else 1.0
+    replies = torch.empty(nodes.local_size * (shard + 1), dtype=torch.float32, device=device)
+    dist.all_gather_single(replies, reply, group=nodes.local)
+    replies = replies.view(nodes.local_size, shard + 1)
     state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
     future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
-    if refusal is not None:  # after the collectives, on every rank: nobody waits for a rank that raised
-        future.set_exception(refusal)
+    if error is None and bool((replies[:, shard] != 0).any()):
+        failed = [j for j in range(nodes.local_size) if replies[j, shard] != 0]
+        error = RuntimeError(f"horovod_qsgd: bucket {bucket.index()} failed between nodes on local rank(s) "
+                             f"{failed} of this node (their error says why); its result is not used here either")
+    if error is not None:
+        future.set_exception(error)
         return future
-    split.unstage(every_shard[:flat.numel()], bucket_flat)
+    split.unstage(replies[:, :shard].reshape(-1)[:flat.numel()], bucket_flat)
     future.set_result(buffer)
     if small_future is None:
         return future

@@ -379,3 +379,26 @@ def test_node_aware_is_refused_for_top_k():
     from horovod_qsgd.ddp import TopKState
     with pytest.raises(ValueError, match="node_aware.*QSGDState only"):
         TopKState(exchange="node_aware")
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(4, marks=pytest.mark.ranks(4, timeout=240,
+                                                                            launcher="torchrun-nodes:2x2"))])
+def test_node_aware_failure_on_one_rank_fails_its_whole_node_without_a_hang(num_ranks, dist_gloo):
+    """A shard that fails between nodes on rank 0 (its decode raises here) is not used by rank 1, which gets
+    the other half of the bucket from rank 0: both raise; the other node's ranks, whose shards were fine, go on."""
+    import torch
+    from horovod_qsgd.common import engine
+    from horovod_qsgd.ddp import QSGDState, qsgd_hook
+    rank = dist_gloo.get_rank()
+    if rank == 0:
+        def failing(self, gathered, out):
+            raise ValueError("injected decode failure")
+        engine.AllgatherPlan.decode = failing
+    ddp, _ = _ddp(torch, QSGDState(bits=4, exchange="node_aware", min_numel=MIN_NUMEL), qsgd_hook)
+    if rank >= 2:
+        _step(torch, ddp, rank, 0)
+        return
+    with pytest.raises(Exception) as raised:
+        _step(torch, ddp, rank, 0)
+    expected = "injected decode failure" if rank == 0 else "failed between nodes on local rank(s) [0]"
+    assert expected in str(raised.value)
