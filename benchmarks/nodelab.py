@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -149,7 +150,7 @@ def _setns(fd):
 
 
 def _horovod_processes(nodes, per_node, argv, env):
-    """Starts Horovod's rendezvous server (in node 0's namespace: this process is moved there) and the ranks."""
+    """Starts Horovod's rendezvous server (called with this thread in node 0's namespace) and the ranks."""
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.http.http_server import RendezvousServer
     plan = get_host_assignments(parse_hosts(",".join(f"node{i}:{per_node}" for i in range(nodes.count))),
@@ -167,7 +168,7 @@ def _horovod_processes(nodes, per_node, argv, env):
                         HOROVOD_GLOO_RENDEZVOUS_PORT=str(port), HOROVOD_CONTROLLER="gloo",
                         HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE=NIC,
                         HOROVOD_GLOO_TIMEOUT_SECONDS=env.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "120"))
-        processes.append(subprocess.Popen(nodes.command(node, argv), env=rank_env))
+        processes.append(subprocess.Popen(nodes.command(node, argv), env=rank_env, start_new_session=True))
     return processes, server
 
 
@@ -178,8 +179,26 @@ def _torchrun_processes(nodes, per_node, argv, env):
         launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes.count), "--node_rank",
                   str(node), "--nproc_per_node", str(per_node), "--master_addr", address(0), "--master_port",
                   str(port), "--no-python", *argv]
-        processes.append(subprocess.Popen(nodes.command(node, launch), env=dict(env, GLOO_SOCKET_IFNAME=NIC)))
+        processes.append(subprocess.Popen(nodes.command(node, launch), env=dict(env, GLOO_SOCKET_IFNAME=NIC),
+                                          start_new_session=True))
     return processes, None
+
+
+def _stop(processes, grace=10.0):
+    """Ends what still runs: SIGTERM first (a torchrun agent then stops its workers, which run in sessions of
+    their own), SIGKILL to each process's session after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        running = [p for p in processes if p.poll() is None]
+        for p in running:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    for p in processes:
+        p.wait()
 
 
 def run(nodes_count, per_node, argv, launcher="horovodrun", rate=None, timeout=1800, env=None):
@@ -218,10 +237,7 @@ def run(nodes_count, per_node, argv, launcher="horovodrun", rate=None, timeout=1
                 else:
                     time.sleep(0.2)
         finally:
-            for p in processes:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            _stop(processes)
             if server is not None:
                 server.stop()
         after = nodes.counters()

@@ -38,9 +38,9 @@ def test_ranks_see_the_node_layout_and_bytes_cross_where_the_ring_crosses(tmp_pa
     assert abs(between - nodes * ring) <= 0.05 * nodes * ring, (between, nodes * ring, sent)
     in_node_hops = ranks - nodes
     assert abs(inside - in_node_hops * ring) <= 0.05 * in_node_hops * ring, (inside, in_node_hops * ring, sent)
-    # every node sends its share: one boundary each
+    # every node sends its share, one boundary each (node 0 also carries Horovod's coordinator: 10%)
     for s in sent:
-        assert abs(s["nic"] - ring) <= 0.05 * ring, sent
+        assert abs(s["nic"] - ring) <= 0.10 * ring, sent
 
 
 def test_a_failing_rank_ends_the_job_with_its_exit_code():
@@ -48,3 +48,17 @@ def test_a_failing_rank_ends_the_job_with_its_exit_code():
                                  "sys.exit(3) if os.environ['HOROVOD_RANK'] == '1' else time.sleep(60)"],
                           timeout=30)
     assert code == 3
+
+
+def test_a_failing_node_under_torchrun_takes_the_other_workers_with_it():
+    """A worker that fails on node 1 ends the job; the workers still running (under their torchrun agents) are
+    killed with their agents, not left behind."""
+    import subprocess
+    import uuid
+    tag = f"hq-orphan-{uuid.uuid4().hex[:8]}"
+    code, _ = nodelab.run(2, 1, [sys.executable, "-c", "import os, sys, time; "
+                                 "sys.exit(5) if os.environ['GROUP_RANK'] == '1' else time.sleep(120)", tag],
+                          launcher="torchrun", timeout=60)
+    assert code != 0
+    left = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split()
+    assert not left, f"workers left running: {left}"
