@@ -156,13 +156,8 @@ def run_on_nodes(nodes, per_node, hook, rate, model, tmp):
     from benchmarks import nodelab
     out = os.path.join(tmp, f"n{nodes}x{per_node}-{hook}.json")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--hook", hook, "--model", model, "--json-out", out]
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
-    code, _ = nodelab.run(nodes, per_node, argv, launcher="torchrun", rate=None if rate == "none" else rate,
-                          env=env, timeout=1800)
-    if code != 0:
-        raise RuntimeError(f"{nodes}x{per_node} {hook} failed (exit {code})")
-    with open(out) as f:
-        return json.load(f)
+    return nodelab.run_benchmark(nodes, per_node, argv, out, hook, launcher="torchrun",
+                                 rate=None if rate == "none" else rate, timeout=1800)
 
 
 def run(ranks, hook, rate, model, tmp):

@@ -33,14 +33,23 @@ def unavailable_reason():
     return None
 
 
+def bytes_sent(proc_net_dev):
+    """{interface: bytes it sent} from the text of a ``/proc/net/dev``."""
+    sent = {}
+    for line in proc_net_dev.splitlines():
+        name, _, counters = line.partition(":")
+        if counters:
+            sent[name.strip()] = int(counters.split()[8])  # transmit bytes
+    return sent
+
+
 def loopback_bytes():
     """Bytes sent on ``lo`` in the calling process's network namespace."""
     with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, counters = line.partition(":")
-            if name.strip() == "lo":
-                return int(counters.split()[8])  # transmit bytes
-    raise RuntimeError("no 'lo' in /proc/net/dev")
+        sent = bytes_sent(f.read())
+    if "lo" not in sent:
+        raise RuntimeError("no 'lo' in /proc/net/dev")
+    return sent["lo"]
 
 
 class Namespace:

@@ -58,12 +58,7 @@ def run(name, nodes, per_node, model, tmp):
     argv = [sys.executable, os.path.join(ROOT, "benchmarks", "pytorch_synthetic_benchmark.py"), "--model", model,
             "--batch-size", "8", "--num-warmup-batches", "2", "--num-iters", "2", "--num-batches-per-iter", "2",
             "--json-out", out, *_flags(name)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
-    code, _ = nodelab.run(nodes, per_node, argv, env=env, timeout=1200)
-    if code != 0:
-        raise RuntimeError(f"{nodes}x{per_node} {name} failed (exit {code})")
-    with open(out) as f:
-        return json.load(f)
+    return nodelab.run_benchmark(nodes, per_node, argv, out, name, timeout=1200)
 
 
 def main():

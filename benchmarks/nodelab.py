@@ -38,6 +38,10 @@ import time
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.netlab import bytes_sent  # noqa: E402
+
 NIC = "hqnic"
 MTU = 9000
 BURST = "256kb"
@@ -59,12 +63,8 @@ def ranks_on_this_node():
 
 def link_bytes():
     """(NIC, loopback) bytes sent so far by this rank's node (every rank of the node sees the same counters)."""
-    sent = {}
     with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, counters = line.partition(":")
-            if counters:
-                sent[name.strip()] = int(counters.split()[8])
+        sent = bytes_sent(f.read())
     return sent[os.environ.get(NODE_ENV, NIC)], sent["lo"]
 
 
@@ -133,10 +133,8 @@ class Nodes:
         """Per node: {'nic': bytes sent on its NIC, 'loopback': bytes sent on its loopback}."""
         out = []
         for node in range(self.count):
-            text = subprocess.run(self.command(node, ["cat", "/proc/net/dev"]), capture_output=True, text=True,
-                                  check=True).stdout
-            sent = {line.partition(":")[0].strip(): int(line.partition(":")[2].split()[8])
-                    for line in text.splitlines() if ":" in line}
+            sent = bytes_sent(subprocess.run(self.command(node, ["cat", "/proc/net/dev"]), capture_output=True,
+                                             text=True, check=True).stdout)
             out.append({"nic": sent[NIC], "loopback": sent["lo"]})
         return out
 
@@ -243,6 +241,17 @@ def run(nodes_count, per_node, argv, launcher="horovodrun", rate=None, timeout=1
         after = nodes.counters()
     used = [{key: a[key] - b[key] for key in a} for a, b in zip(after, before)]
     return code, used
+
+
+def run_benchmark(nodes_count, per_node, argv, json_out, what, **run_kwargs):
+    """:func:`run` for a benchmark whose rank 0 writes ``json_out``: one framework and kernel thread per rank;
+    returns the JSON, or raises naming ``what`` and the exit code."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    code, _ = run(nodes_count, per_node, argv, env=env, **run_kwargs)
+    if code != 0:
+        raise RuntimeError(f"{nodes_count}x{per_node} {what} failed (exit {code})")
+    with open(json_out) as f:
+        return json.load(f)
 
 
 def main():

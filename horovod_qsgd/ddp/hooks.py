@@ -374,8 +374,7 @@ def _allreduce_average(state, buffer, group, num_parameters):
 def _compress(state, bucket, group, buffer, num_ranks, split):
     start = time.perf_counter()
     bucket_flat = buffer.reshape(-1)
-    small = split.small_part(bucket_flat)
-    small_future = None if small is None else _allreduce_average(state, small, group, len(split.small))
+    small_future = _average_small(state, group, split, bucket_flat)
     flat = split.stage(bucket_flat)
     plan = state._engine.plan(f"ddp.bucket{bucket.index()}", flat.numel(), num_ranks, group.rank(),
                               sum(numel for _, _, numel in split.layout) * buffer.element_size(), 0)
@@ -383,14 +382,8 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
     if state.error_feedback:
         state._spill_stale_owner_residual(bucket.index(), split.layout, plan)
         residual = state._residual(split.layout, flat.numel(), flat.device)
-    future = torch.futures.Future(devices=[flat.device]) if flat.is_cuda else torch.futures.Future()
-    exchange = _Exchange(state, bucket, group, plan, split, flat, residual, future)
-    if small_future is not None:  # the bucket is done when both are: the small parameters go in last
-        def put_small(both):
-            result, averaged = both.value()[1].value(), both.value()[0].value()
-            split.put_small(averaged, result.reshape(-1))
-            return result
-        future = torch.futures.collect_all([small_future, future]).then(put_small)
+    exchange = _Exchange(state, bucket, group, plan, split, flat, residual, _new_future(flat.device))
+    future = _with_small(exchange.future, small_future, split, bucket_flat)
     out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
     with kernel_stream(flat.device):
         if plan.kind == "allgather":
@@ -423,8 +416,7 @@ def _node_aware(state, bucket, group, buffer, split):
     start = time.perf_counter()
     nodes, device, step = state._nodes, buffer.device, state.iteration
     bucket_flat = buffer.reshape(-1)
-    small = split.small_part(bucket_flat)
-    small_future = None if small is None else _allreduce_average(state, small, group, len(split.small))
+    small_future = _average_small(state, group, split, bucket_flat)
     flat = split.stage(bucket_flat)
     unit = getattr(state.codec, "bucket_size", 1)
     shard = -(-flat.numel() // (nodes.local_size * unit)) * unit
@@ -475,7 +467,7 @@ def _node_aware(state, bucket, group, buffer, split):
     dist.all_gather_single(replies, reply, group=nodes.local)
     replies = replies.view(nodes.local_size, shard + 1)
     state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
-    future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+    future = _new_future(device)
     if error is None and bool((replies[:, shard] != 0).any()):
         failed = [j for j in range(nodes.local_size) if replies[j, shard] != 0]
         error = RuntimeError(f"horovod_qsgd: bucket {bucket.index()} failed between nodes on local rank(s) "
@@ -485,13 +477,29 @@ def _node_aware(state, bucket, group, buffer, split):
         return future
     split.unstage(replies[:, :shard].reshape(-1)[:flat.numel()], bucket_flat)
     future.set_result(buffer)
+    return _with_small(future, small_future, split, bucket_flat)
+
+
+def _average_small(state, group, split, bucket_flat):
+    """A future of the average of the bucket's parameters below ``min_numel`` (one allreduce); None without any."""
+    small = split.small_part(bucket_flat)
+    return None if small is None else _allreduce_average(state, small, group, len(split.small))
+
+
+def _with_small(future, small_future, split, bucket_flat):
+    """``future`` (of the bucket's buffer), done only once the small parameters' average is in the bucket too."""
     if small_future is None:
         return future
 
     def put_small(both):
-        split.put_small(both.value()[0].value(), bucket_flat)
-        return both.value()[1].value()
+        averaged, result = (f.value() for f in both.value())
+        split.put_small(averaged, bucket_flat)
+        return result
     return torch.futures.collect_all([small_future, future]).then(put_small)
+
+
+def _new_future(device):
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
 
 
 def _start_second_stage(state):
