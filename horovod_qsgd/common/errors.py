@@ -13,3 +13,11 @@ class UnsupportedCollectiveError(ValueError):
     """The compressor was asked to serve a collective it cannot serve (Adasum, reducescatter, ...)."""
 
     __init__ = Exception.__init__
+
+
+def elastic_state_missing(kind, state="hvd.elastic.TorchState(model, optimizer, compression=compression)"):
+    """The error when a compressor runs in a Horovod Elastic job (HOROVOD_ELASTIC=1) outside its elastic state."""
+    return (f"horovod_qsgd: this is a Horovod Elastic job and the {kind} compressor is not part of its elastic "
+            "state: after a worker is lost or added, its settings check, exchange plan and step counters would "
+            "not follow the new ranks (the job would hang or sum mismatched payloads). Pass it to the state: "
+            f"{state}.")

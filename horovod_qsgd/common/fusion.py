@@ -72,8 +72,9 @@ class Fuser:
     rank waiting for a name the others never use.
     """
 
-    def __init__(self, threshold):
+    def __init__(self, threshold, namespace=""):
         self.threshold = check_fusion_threshold(threshold)
+        self.namespace = namespace  # equal on every rank, different for each compressor of a process
         self._learned = {}  # key -> (its group's name, the group's keys)
         self._round = {}  # key -> first-stage capacity, of this round's tensors
         self._waiting = {}  # key -> item, of this round's tensors whose group has not started
@@ -117,7 +118,7 @@ class Fuser:
 
     def _name(self, keys):
         self._groups_named += 1
-        return f"{keys[0][0]}.group{self._groups_named}"
+        return f"{self.namespace}{keys[0][0]}.group{self._groups_named}"
 
 
 class _Manifest:

@@ -45,6 +45,23 @@ def owner_layout_changed(tensor_name, saved, layout):
             "lost once).")
 
 
+def saved_owner_chunk(numel, unit, saved_layout, saved_numel):
+    """(begin, end) of the chunk an owner-side residual of ``saved_numel`` elements saved as rank
+    ``saved_layout[1]`` of ``saved_layout[0]`` belongs to, or None if it cannot be this tensor's.
+
+    When the ranks change (an elastic reset, a checkpoint from another job
+    size), the adapters add the residual there into the rank's sender
+    residual: the rank sends it in its next steps, so no mass is lost.
+    """
+    if not saved_layout or len(saved_layout) != 2:
+        return None
+    num_ranks, rank = (int(v) for v in saved_layout)
+    if not 0 <= rank < num_ranks:
+        return None
+    begin, end = chunk_bounds(numel, num_ranks, unit)[rank]
+    return (begin, end) if end - begin == saved_numel else None
+
+
 def check_exchange(exchange):
     """``exchange``, or ValueError naming the allowed values."""
     if exchange not in EXCHANGES:
@@ -94,7 +111,7 @@ def stage_nbytes(first_codec, second_codec, numel, num_ranks):
     own re-encoded chunk in the second (the allgather returns N-1 chunks
     to it). Every rank's total is within a bucket of the mean.
     """
-    bounds = chunk_bounds(numel, num_ranks, _unit(first_codec))
+    bounds = chunk_bounds(numel, num_ranks, chunk_unit(first_codec))
     sizes1 = [first_codec.max_payload_nbytes(e - b) for b, e in bounds]
     sizes2 = [second_codec.max_payload_nbytes(e - b) for b, e in bounds]
     return (sum(sizes1) * (num_ranks - 1) / num_ranks, sum(sizes2) * (num_ranks - 1) / num_ranks)
@@ -118,7 +135,8 @@ def choose_exchange(mode, first_codec, second_codec, numel, num_ranks):
         else "allgather"
 
 
-def _unit(codec):
+def chunk_unit(codec):
+    """What chunk boundaries are multiples of: a QSGD bucket, one element for top-k."""
     return getattr(codec, "bucket_size", 1)
 
 
@@ -134,7 +152,7 @@ class TwoStage:
     def __init__(self, first, second, name, numel, num_ranks, rank):
         self.first, self.second = first, second
         self.name, self.numel, self.num_ranks, self.rank = name, numel, num_ranks, rank
-        self.bounds = chunk_bounds(numel, num_ranks, _unit(first))
+        self.bounds = chunk_bounds(numel, num_ranks, chunk_unit(first))
         self.owned = self.bounds[rank]
 
     def payload_capacity(self):

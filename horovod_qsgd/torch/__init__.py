@@ -15,8 +15,11 @@ from horovod_qsgd.torch.compression import QSGD, RandomK, TopK  # noqa: E402
 from horovod_qsgd.codecs.header import PayloadError  # noqa: E402
 from horovod_qsgd.common.errors import CompressionMismatchError, UnsupportedCollectiveError  # noqa: E402
 from horovod_qsgd.kernels import cpu_threads, set_cpu_threads  # noqa: E402
+from horovod_qsgd.torch.elastic import register_state_handler as _register_state_handler  # noqa: E402
 from horovod_qsgd.torch.join import Join  # noqa: E402
 from horovod_qsgd.torch.swarm import SwarmOptimizer  # noqa: E402
+
+_register_state_handler()  # hvd.elastic.TorchState(..., compression=c) commits and restores c
 
 #: Horovod's own compressors, re-exported so a comparison needs one import.
 NoCompression = _hvd.Compression.none

@@ -33,28 +33,33 @@ from a shared seed, so the optimizer's own allreduce sums the selected values.
 Tensors below ``min_numel`` elements and non-float tensors go through the
 ordinary allreduce unchanged.
 """
+import itertools
+import os
 import threading
 import time
+import warnings
 
 import horovod.torch as hvd
 import torch
 
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common import docs
-from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_missing
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
+from horovod_qsgd.common.two_stage import (check_exchange, chunk_unit, owner_layout_changed, qsgd_codecs,
+                                           saved_owner_chunk)
 from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 _PASS_THROUGH = object()
+_payload_compressors_built = itertools.count()
 # Horovod's torch collectives have no bfloat16 kernels: such tensors travel as fp32.
 _HOROVOD_FLOATS = (torch.float16, torch.float32, torch.float64)
 
@@ -130,6 +135,8 @@ class _CompressorBase:
         self._lock = threading.Lock()
         self._stats = CompressionStats()
         self._nonfinite_on_device = {}  # device -> int64 count of non-finite results (no host read per tensor)
+        self._in_elastic_job = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self.elastic_state_attached = False  # set by horovod_qsgd.torch.elastic's state handler
 
     # -- settings ---------------------------------------------------------------------------
     def settings(self):
@@ -168,6 +175,19 @@ class _CompressorBase:
                 state.residual = state.residual.to(device)
         return state
 
+    def _spill_moved_owner_residual(self, site, state, numel):
+        """Adds an owner-side residual kept for other ranks (an elastic reset, a checkpoint from another job
+        size) into this rank's residual at its old chunk: this rank sends that mass in its next steps."""
+        layout = [site.process_set.size(), site.process_set.rank()]
+        if state.owner_residual is None or list(state.owner_layout or []) == layout:
+            return
+        chunk = saved_owner_chunk(numel, chunk_unit(self.codec), state.owner_layout, state.owner_residual.numel())
+        if chunk is None or state.residual is None:
+            warnings.warn(owner_layout_changed(site.name, state.owner_layout, layout))
+        else:
+            state.residual[chunk[0]:chunk[1]].add_(state.owner_residual.to(state.residual.device))
+        state.owner_residual, state.owner_layout = None, None
+
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
         """Step counters and residuals by tensor name, plus the settings they belong to.
@@ -201,6 +221,25 @@ class _CompressorBase:
                 if residual is not None:
                     residual.mul_(factor)
 
+    # -- Horovod Elastic (horovod_qsgd.torch.elastic) ----------------------------------------
+    def start_new_world(self, steps):
+        """After an elastic reset, on every rank: the settings are checked again at the next compress, the
+        exchange starts afresh (nothing in flight, fusion groups learned anew) and the step counters are
+        ``steps`` (rank 0's, by tensor name), so that a rank that joined draws the same random streams."""
+        self._verified_process_sets = set()
+        self._forget_exchanges()
+        with self._lock:
+            for name, step in steps.items():
+                self._states.setdefault(name, _TensorState()).step = int(step)
+
+    def step_counters(self):
+        """{tensor name: steps taken}: what :meth:`start_new_world` gets from rank 0."""
+        with self._lock:
+            return {name: state.step for name, state in self._states.items()}
+
+    def _forget_exchanges(self):
+        """Drops what a failed step left in flight."""
+
     # -- statistics -------------------------------------------------------------------------
     def compression_stats(self, reset=False):
         """Counters since the last reset: tensors, bytes before and after, encode/decode seconds.
@@ -229,6 +268,8 @@ class _CompressorBase:
 
     # -- Horovod's Compression interface ------------------------------------------------------
     def compress(self, tensor):
+        if self._in_elastic_job and not self.elastic_state_attached:
+            raise RuntimeError(elastic_state_missing(type(self).__name__))
         site = find_call_site(tensor)
         # On every rank at its first tensor, before the handshake's collective: no rank waits for another.
         refuse_adasum(site)
@@ -239,6 +280,7 @@ class _CompressorBase:
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
         state = self._state(site.name, flat.numel(), tensor.device, self.error_feedback)
+        self._spill_moved_owner_residual(site, state, flat.numel())
         # The step updates a copy: the state changes only once the result shows the step counts (_settle).
         residual = None if state.residual is None else state.residual.clone()
         with kernel_stream(tensor.device):
@@ -388,7 +430,13 @@ class PayloadCompressor(_CompressorBase):
         self.second_codec = second_codec
         self.fusion_threshold = check_fusion_threshold(fusion_threshold)
         self._engine = PayloadEngine(codec, second_codec, exchange, self._stats)
-        self._fuser = Fuser(self.fusion_threshold)
+        # Group names count from 1 in each compressor; two compressors in one process (two optimizers) must not
+        # start collectives under the same name. Scripts build their compressors in the same order on every rank.
+        self._fusion_namespace = f"compressor{next(_payload_compressors_built)}."
+        self._forget_exchanges()
+
+    def _forget_exchanges(self):
+        self._fuser = Fuser(self.fusion_threshold, self._fusion_namespace)
         self._first_stages = []  # groups whose alltoall started and whose second stage did not
 
     def settings(self):

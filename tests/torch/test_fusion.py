@@ -122,6 +122,31 @@ def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_to
 
 
 @pytest.mark.ranks(3, timeout=120)
+def test_two_compressors_fuse_in_the_same_step_without_sharing_collectives(hvd_torch):
+    # Two optimizers (a GAN's, or two parts of a model), each with its own compressor, in one backward pass:
+    # both have a group in flight at once and each counts its groups from 1. Under the same collective names
+    # Horovod refused the second alltoall ("a tensor with the same name ... is currently being processed").
+    import torch
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    params = [torch.nn.Parameter(torch.zeros(20_000)) for _ in range(2)]
+    compressors = [QSGD(bits=4, exchange="two_stage", min_numel=0) for _ in params]
+    optimizers = [hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[(f"model{i}.w", p)],
+                                           compression=c) for i, (p, c) in enumerate(zip(params, compressors))]
+    for step in range(2):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        sum((p * torch.from_numpy(_gradient(hvd.rank(), 20_000, 10 * step + i))).sum()
+            for i, p in enumerate(params)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+    for p in params:
+        everyone = hvd.allgather(p.detach().reshape(1, -1))
+        assert all(torch.equal(everyone[0], row) for row in everyone)
+    assert [c.compression_stats()["collectives_started"] for c in compressors] == [4, 4]
+
+
+@pytest.mark.ranks(3, timeout=120)
 def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hvd_torch):
     # Rank 2's plan is forced apart from the others' (one tensor per group): the groups' names still meet,
     # the manifests differ, and every rank raises.
@@ -131,7 +156,7 @@ def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hv
     hvd = hvd_torch
     compressor = _compressor("qsgd")
     if hvd.rank() == 2:
-        compressor._fuser = Fuser(0)
+        compressor._fuser = Fuser(0, compressor._fuser.namespace)
     tensors = [torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(3)]
     with pytest.raises(CompressionMismatchError) as info:
         hvd.grouped_allreduce(tensors, name="three", compression=compressor)
