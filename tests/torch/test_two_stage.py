@@ -243,19 +243,38 @@ def test_top_k_chunk_with_all_the_mass_receives_only_its_share(hvd_torch):
 
 
 @pytest.mark.ranks(3)
-def test_owner_residual_from_another_rank_count_is_reset_with_a_warning(hvd_torch):
+def test_owner_residual_from_another_rank_count_is_sent_by_its_rank_or_reset_with_a_warning(hvd_torch):
+    # A checkpoint of a 4-rank job (or an elastic reset from 4 to 3 ranks): rank r's owner-side residual
+    # belongs to its chunk of 4. It joins rank r's own residual there, so with zero gradients results plus all
+    # residuals equal what was loaded. One that fits no chunk of this tensor is reset with a warning.
     import torch
     from horovod_qsgd.torch import TopK
     hvd = hvd_torch
+    numel, me = 90_000, hvd.rank()
     compressor = TopK(ratio=0.01, exchange="two_stage")
-    hvd.allreduce(torch.from_numpy(_gradient(hvd.rank(), 90_000)), name="t", compression=compressor)
+    hvd.allreduce(torch.zeros(numel), name="t", compression=compressor)
     state = compressor.state_dict()
-    state["tensors"]["t"]["owner_layout"] = [4, hvd.rank()]  # as if saved by a 4-rank job
+    loaded = torch.zeros(numel)
+    for rank, (b, e) in enumerate(_bounds(numel, 4, 1)):
+        loaded[b:e] += rank + 1  # ranks 0-2's owner-side residuals of a 4-rank job; rank 3's went with it
+    b, e = _bounds(numel, 4, 1)[me]
+    state["tensors"]["t"].update(owner_residual=torch.full((e - b,), me + 1.0), owner_layout=[4, me])
+    loaded[_bounds(numel, 4, 1)[3][0]:] = 0
+    resumed = TopK(ratio=0.01, exchange="two_stage")
+    resumed.load_state_dict(state)
+    result = hvd.allreduce(torch.zeros(numel), name="t", op=hvd.Sum, compression=resumed)
+    after = resumed.state_dict()["tensors"]["t"]
+    assert after["owner_layout"] == [3, me]
+    left = hvd.allreduce(after["residual"], name="left", op=hvd.Sum)
+    owned = hvd.allgather(after["owner_residual"], name="owned")
+    assert torch.equal(result + left + owned, loaded)
+
+    state["tensors"]["t"].update(owner_residual=torch.ones(7), owner_layout=[4, me])  # no chunk of 4 has 7
     resumed = TopK(ratio=0.01, exchange="two_stage")
     resumed.load_state_dict(state)
     with pytest.warns(UserWarning, match="saved as rank .* of 4, this is rank .* of 3; it is reset"):
-        hvd.allreduce(torch.from_numpy(_gradient(hvd.rank(), 90_000)), name="t", compression=resumed)
-    assert resumed.state_dict()["tensors"]["t"]["owner_layout"] == [3, hvd.rank()]
+        hvd.allreduce(torch.zeros(numel), name="t", compression=resumed)
+    assert resumed.state_dict()["tensors"]["t"]["owner_layout"] == [3, me]
 
 
 @pytest.mark.ranks(3)
