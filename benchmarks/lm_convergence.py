@@ -95,13 +95,27 @@ def _train(hvd, corpus, s, seed, step, validation_sums, sum_over_ranks, after_st
     return record
 
 
-def train_torch(hvd, compression, corpus, seed, s, embedding_rows=False):
-    """Trains with ``hvd.DistributedOptimizer`` around ``torch.optim.Adam``; returns the run's record."""
+def torch_model(seed, s):
+    """(the model as a torch.nn.Module, loss_of(batch, reduction="mean")): cross-entropy of next bytes."""
     import torch
     ops = byte_lm.TorchOps()
     model = torch.nn.Module()
     for name, value in byte_lm.initial_weights(seed, s["width"], s["layers"], s["context"]).items():
         model.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
+    params = dict(model.named_parameters())
+
+    def loss_of(batch, reduction="mean"):
+        tokens = torch.from_numpy(batch.astype(np.int64))
+        logits = byte_lm.forward(params, tokens[:, :-1], ops, s["heads"])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, byte_lm.VOCABULARY), tokens[:, 1:].reshape(-1),
+                                                 reduction=reduction)
+    return model, loss_of
+
+
+def train_torch(hvd, compression, corpus, seed, s, embedding_rows=False):
+    """Trains with ``hvd.DistributedOptimizer`` around ``torch.optim.Adam``; returns the run's record."""
+    import torch
+    model, loss_of = torch_model(seed, s)
     params = dict(model.named_parameters())
     if s["optimizer"] == "adam":
         local = torch.optim.Adam(model.parameters(), lr=s["lr"], betas=BETAS, eps=EPS)
@@ -109,12 +123,6 @@ def train_torch(hvd, compression, corpus, seed, s, embedding_rows=False):
         local = torch.optim.SGD(model.parameters(), lr=s["lr"], momentum=SGD_MOMENTUM)
     opt = hvd.DistributedOptimizer(local, named_parameters=model.named_parameters(), compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-
-    def loss_of(batch, reduction="mean"):
-        tokens = torch.from_numpy(batch.astype(np.int64))
-        logits = byte_lm.forward(params, tokens[:, :-1], ops, s["heads"])
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, byte_lm.VOCABULARY), tokens[:, 1:].reshape(-1),
-                                                 reduction=reduction)
 
     def step(batch, rate):
         for group in local.param_groups:
