@@ -21,3 +21,11 @@ def elastic_state_missing(kind, state="hvd.elastic.TorchState(model, optimizer, 
             "state: after a worker is lost or added, its settings check, exchange plan and step counters would "
             "not follow the new ranks (the job would hang or sum mismatched payloads). Pass it to the state: "
             f"{state}.")
+
+
+def elastic_unsupported(kind):
+    """The error when a TensorFlow compressor is used in a Horovod Elastic job, which it does not follow yet."""
+    return (f"horovod_qsgd: the TensorFlow {kind} compressor does not support Horovod Elastic yet: after a worker "
+            "is lost or added, its traced exchange and settings check would not follow the new ranks (a hang or "
+            "mismatched sums). Run the job without --min-np/--max-np, or use horovod_qsgd.torch, whose "
+            "compressors go into hvd.elastic.TorchState.")

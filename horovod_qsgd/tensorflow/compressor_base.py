@@ -20,7 +20,7 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.common.call_site import check_compressible
-from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.errors import CompressionMismatchError, elastic_unsupported
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
 from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
@@ -394,6 +394,8 @@ class CompressorBase(tf.Module):
         return np.bool_(finite)
 
     def _prepare(self, tensor):
+        if os.environ.get("HOROVOD_ELASTIC") == "1":  # set by horovodrun in an elastic job's workers
+            raise RuntimeError(elastic_unsupported(type(self).__name__))
         site = find_call_site(tensor, None, hvd.global_process_set)
         self._handshake(site.process_set)
         variable_shape = None if site.variable is None else site.variable.shape
