@@ -88,7 +88,9 @@ def worker(args):
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.faults and t == args.rejoin_at and rank == 0 and size == 2:
                 write_hosts(hosts, with_second=True)
-            for group in local.param_groups:
+            # opt's own groups: restoring the elastic state loads a state dict into opt, which gives it new
+            # group dicts, no longer the ones of the optimizer it wraps
+            for group in opt.param_groups:
                 group["lr"] = learning_rate(t, s)
             opt.zero_grad()
             loss_of(corpus.training_batch(seed, t, s["batch_size"], s["context"])[rank::size]).backward()
