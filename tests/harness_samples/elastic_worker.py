@@ -1,8 +1,9 @@
 """One worker of an elastic job (tests/torch/test_elastic.py): 3 ranks, one lost, 2 ranks, one added, 3 ranks.
 
 Run by ``horovodrun --min-np 2 --max-np 3 --host-discovery-script ...``.
-Two models train side by side, each with its own optimizer and compressor,
-all in one ``hvd.elastic.TorchState``:
+Four models train side by side, each with its own optimizer and compressor,
+all in one ``hvd.elastic.TorchState``, for each ``exchange`` ("auto",
+"two_stage"):
 
 * an MLP on random batches, compressed with QSGD;
 * a vector ``w`` whose gradient is a random vector ``c(step, rank)`` (the
@@ -16,11 +17,10 @@ discovered again and a new worker joins. The job ends once it has taken
 ``STEPS`` steps and at least ``STEPS_AFTER_REJOIN`` with the new worker.
 
 Every worker process appends per-step records to ``<out>/<pid>.jsonl`` and,
-after each commit, writes ``<out>/<pid>.npz``: its top-k accounting
+after each commit, writes ``<out>/<pid>.npz``: each top-k vector's accounting
 (gradients contributed, results received, residual mass) as of that commit.
-Settings come from the environment: ``ELASTIC_QSGD_EXCHANGE``,
-``ELASTIC_TOPK_EXCHANGE``, ``ELASTIC_REJOIN_RATIO`` (the re-added worker's
-top-k ratio: another value makes its settings differ).
+``ELASTIC_REJOIN_RATIO`` in the environment: the re-added worker's top-k
+ratio (another value makes its settings differ).
 """
 import hashlib
 import json
@@ -38,6 +38,7 @@ from horovod_qsgd.torch import QSGD, TopK
 STEPS, KILL_AT, STEPS_AFTER_REJOIN, GIVE_UP_AT = 12, 4, 3, 300
 VECTOR_NUMEL = 70_000  # above exchange="auto"'s two-stage threshold at 3 ranks
 RATIO = 0.05
+EXCHANGES = ("auto", "two_stage")
 
 
 def digest(*modules):
@@ -64,22 +65,29 @@ def main(out):
     hvd.init()
     marker = os.path.join(out, "killed")
     rejoined = os.path.exists(marker)  # a worker started after the loss
-    torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    vector = torch.nn.Module()
-    vector.w = torch.nn.Parameter(torch.zeros(VECTOR_NUMEL))
-    qsgd = QSGD(bits=4, min_numel=0, exchange=os.environ["ELASTIC_QSGD_EXCHANGE"])
     ratio = float(os.environ.get("ELASTIC_REJOIN_RATIO", RATIO)) if rejoined else RATIO
-    topk = TopK(ratio=ratio, min_numel=0, exchange=os.environ["ELASTIC_TOPK_EXCHANGE"])
-    mlp_opt = hvd.DistributedOptimizer(torch.optim.SGD(mlp.parameters(), lr=0.05, momentum=0.9),
-                                       named_parameters=[("mlp." + n, p) for n, p in mlp.named_parameters()],
-                                       compression=qsgd)
-    vector_opt = hvd.DistributedOptimizer(torch.optim.SGD(vector.parameters(), lr=0.01),
-                                          named_parameters=[("vector.w", vector.w)], compression=topk)
-    state = hvd.elastic.TorchState(mlp=mlp, mlp_opt=mlp_opt, vector=vector, vector_opt=vector_opt, qsgd=qsgd,
-                                   topk=topk, step=0, after_rejoin=0)
+    torch.manual_seed(0)
+    models, optimizers, compressors = {}, {}, {}
+    for exchange in EXCHANGES:
+        mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        vector = torch.nn.Module()
+        vector.w = torch.nn.Parameter(torch.zeros(VECTOR_NUMEL))
+        for kind, model, compressor, optimizer in (
+                ("qsgd", mlp, QSGD(bits=4, min_numel=0, exchange=exchange),
+                 torch.optim.SGD(mlp.parameters(), lr=0.05, momentum=0.9)),
+                ("topk", vector, TopK(ratio=ratio, min_numel=0, exchange=exchange),
+                 torch.optim.SGD(vector.parameters(), lr=0.01))):
+            key = f"{kind}_{exchange}"
+            models[key], compressors[key] = model, compressor
+            optimizers[key] = hvd.DistributedOptimizer(
+                optimizer, named_parameters=[(f"{key}.{n}", p) for n, p in model.named_parameters()],
+                compression=compressor)
+    state = hvd.elastic.TorchState(**{f"model_{k}": m for k, m in models.items()},
+                                   **{f"optimizer_{k}": o for k, o in optimizers.items()},
+                                   **{f"compression_{k}": c for k, c in compressors.items()}, step=0, after_rejoin=0)
+    vectors = [k for k in models if k.startswith("topk")]
     log = open(os.path.join(out, f"{os.getpid()}.jsonl"), "a")
-    accounting = {"contributed": np.zeros(VECTOR_NUMEL), "received": np.zeros(VECTOR_NUMEL)}
+    accounting = {f"{k}.{field}": np.zeros(VECTOR_NUMEL) for k in vectors for field in ("contributed", "received")}
     committed = {}
 
     def record(**fields):
@@ -88,12 +96,13 @@ def main(out):
 
     def save_accounting():
         path = os.path.join(out, f"{os.getpid()}.npz")
-        np.savez(path + ".tmp.npz", residual=residual_mass(topk, "vector.w", VECTOR_NUMEL), **accounting)
+        np.savez(path + ".tmp.npz", **accounting,
+                 **{f"{k}.residual": residual_mass(compressors[k], f"{k}.w", VECTOR_NUMEL) for k in vectors})
         os.replace(path + ".tmp.npz", path)
 
     def on_reset():
         accounting.update({k: v.copy() for k, v in committed.items()})
-        record(event="reset", steps=qsgd.step_counters(), topk_steps=topk.step_counters())
+        record(event="reset", steps={k: c.step_counters() for k, c in compressors.items()})
 
     state.register_reset_callbacks([on_reset])
 
@@ -109,16 +118,17 @@ def main(out):
             g = torch.Generator().manual_seed(1000 * state.step + hvd.rank())
             x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
             c = torch.randn(VECTOR_NUMEL, generator=g)
-            mlp_opt.zero_grad()
-            vector_opt.zero_grad()
-            torch.nn.functional.cross_entropy(mlp(x), y).backward()
-            (vector.w * c).sum().backward()
-            mlp_opt.step()
-            vector_opt.step()
-            accounting["contributed"] += c.double().numpy()
-            accounting["received"] += vector.w.grad.double().numpy()  # the average: sum / ranks
-            record(step=state.step, digest=digest(mlp, vector), steps=qsgd.step_counters(),
-                   topk_steps=topk.step_counters())
+            for optimizer in optimizers.values():
+                optimizer.zero_grad()
+            loss = sum(torch.nn.functional.cross_entropy(models[k](x), y) for k in models if k.startswith("qsgd"))
+            (loss + sum((models[k].w * c).sum() for k in vectors)).backward()
+            for optimizer in optimizers.values():
+                optimizer.step()
+            for k in vectors:
+                accounting[f"{k}.contributed"] += c.double().numpy()
+                accounting[f"{k}.received"] += models[k].w.grad.double().numpy()  # the average: sum / ranks
+            record(step=state.step, digest=digest(*models.values()),
+                   steps={k: c.step_counters() for k, c in compressors.items()})
             state.step += 1
             if hvd.size() == 3 and os.path.exists(marker):
                 state.after_rejoin += 1

@@ -58,10 +58,9 @@ def run_elastic_job(tmp_path, **settings):
     return proc.returncode, proc.stdout + proc.stderr, records, accounting
 
 
-@pytest.mark.parametrize("qsgd_exchange,topk_exchange", [("auto", "two_stage"), ("two_stage", "auto")])
-def test_training_goes_on_through_a_lost_and_an_added_worker(tmp_path, qsgd_exchange, topk_exchange):
-    code, output, records, accounting = run_elastic_job(
-        tmp_path, ELASTIC_QSGD_EXCHANGE=qsgd_exchange, ELASTIC_TOPK_EXCHANGE=topk_exchange)
+def test_training_goes_on_through_a_lost_and_an_added_worker(tmp_path):
+    # QSGD and top-k, each with exchange="auto" and "two_stage", in one job (tests/harness_samples/elastic_worker.py)
+    code, output, records, accounting = run_elastic_job(tmp_path)
     assert code == 0, output[-4000:]
     steps = [r for rs in records.values() for r in rs if "step" in r]
     by_step = collections.defaultdict(list)
@@ -76,8 +75,8 @@ def test_training_goes_on_through_a_lost_and_an_added_worker(tmp_path, qsgd_exch
     for s, rs in sorted(by_step.items()):
         assert len({r["digest"] for r in rs}) == 1, f"step {s}: parameters differ between ranks"
         # the step counters (random streams) agree, also on the worker that joined late
-        assert all(r["steps"] == rs[0]["steps"] and r["topk_steps"] == rs[0]["topk_steps"] for r in rs), rs
-        assert set(rs[0]["steps"].values()) == {s + 1}
+        assert all(r["steps"] == rs[0]["steps"] for r in rs), rs
+        assert {n for counters in rs[0]["steps"].values() for n in counters.values()} == {s + 1}
     done = [r for rs in records.values() for r in rs if r.get("event") == "done"]
     assert sorted(r["rank"] for r in done) == [0, 1, 2]
 
@@ -85,24 +84,24 @@ def test_training_goes_on_through_a_lost_and_an_added_worker(tmp_path, qsgd_exch
     # lost worker's (as of its last commit) included. Its share is what a lost worker takes with it.
     killed = [pid for pid, rs in records.items() if not any(r.get("event") == "done" for r in rs)]
     assert len(killed) == 1 and killed[0] in accounting
-    contributed = sum(a["contributed"] for a in accounting.values())
-    delivered = sum(a["received"] for a in accounting.values())
-    residuals = sum(a["residual"] for a in accounting.values())
-    np.testing.assert_allclose(delivered + residuals, contributed, rtol=0, atol=2e-3)
-    lost = np.linalg.norm(accounting[killed[0]]["residual"])
-    assert lost > 0  # (the test would not see a lost owner-side residual otherwise)
-    print(f"lost with the worker: |residual| = {lost:.1f} (one step's gradient: {np.sqrt(70_000):.1f})")
+    for vector in ("topk_auto", "topk_two_stage"):
+        contributed = sum(a[f"{vector}.contributed"] for a in accounting.values())
+        delivered = sum(a[f"{vector}.received"] for a in accounting.values())
+        residuals = sum(a[f"{vector}.residual"] for a in accounting.values())
+        np.testing.assert_allclose(delivered + residuals, contributed, rtol=0, atol=2e-3, err_msg=vector)
+        lost = np.linalg.norm(accounting[killed[0]][f"{vector}.residual"])
+        assert lost > 0  # (the test would not see a lost owner-side residual otherwise)
+        print(f"{vector}: lost with the worker |residual| = {lost:.1f} (one step's gradient: {np.sqrt(70_000):.1f})")
 
 
 def test_a_worker_that_joins_with_other_settings_is_refused_on_every_rank(tmp_path):
-    code, output, records, _ = run_elastic_job(tmp_path, ELASTIC_QSGD_EXCHANGE="auto", ELASTIC_TOPK_EXCHANGE="auto",
-                                               ELASTIC_REJOIN_RATIO="0.1")
+    code, output, records, _ = run_elastic_job(tmp_path, ELASTIC_REJOIN_RATIO="0.1")
     assert code != 0
     after_join = [r for rs in records.values() for r in rs if r.get("size") == 3 and r.get("step", 0) > 4]
     assert after_join == [], "a step ran with mismatched settings"
-    for rank in range(3):
-        assert f"[{rank}]<stderr>:horovod_qsgd.common.errors.CompressionMismatchError" in output, output[-4000:]
-    assert "settings.ratio: rank 0=0.05, rank 1=0.05, rank 2=0.1" in output
+    # every rank of the new world raises (horovodrun's output prefixes are slots, not ranks: count the messages)
+    assert output.count("CompressionMismatchError: horovod_qsgd: ranks use different compression settings") == 3
+    assert output.count("settings.ratio: rank 0=0.05, rank 1=0.05, rank 2=0.1") == 3, output[-4000:]
 
 
 @pytest.mark.parametrize("kind", ["QSGD", "TopK", "RandomK"])
