@@ -12,7 +12,14 @@ collective never hangs CI. ``launcher="torchrun"`` starts the workers with
 ``dist_gloo``); ``launcher="nodes:2x2"`` starts them on two network-namespace
 "nodes" of two ranks each (``benchmarks/nodelab.py``; needs root, else the
 test is skipped), ``"torchrun-nodes:2x2"`` likewise under torchrun.
+
+A launch costs seconds (horovodrun, one interpreter per rank, the imports):
+in a module that sets ``SHARED_LAUNCHES = True`` the tests with the same
+rank count, ``env`` and launcher run one after another in one launch and
+are judged one by one from their own reports (``alone=True`` in a marker
+keeps a test to itself: its own ``hvd.init`` arguments, a job it breaks).
 """
+import hashlib
 import json
 import os
 import signal
@@ -55,10 +62,14 @@ def init_with_process_sets(hvd, *process_sets, timeout=60.0):
                 time.sleep(0.05)
 
 
-def _rank_reports(report_dir, num_ranks):
+def _report_name(nodeid, rank):
+    return f"{hashlib.sha1(nodeid.encode()).hexdigest()[:16]}.rank{rank}.json"
+
+
+def _rank_reports(report_dir, num_ranks, nodeid):
     reports = {}
     for rank in range(num_ranks):
-        path = os.path.join(report_dir, f"rank{rank}.json")
+        path = os.path.join(report_dir, _report_name(nodeid, rank))
         if os.path.exists(path):
             with open(path) as f:
                 reports[rank] = json.load(f)
@@ -99,62 +110,108 @@ def _launch_command(launcher, num_ranks, timeout):
             "--gloo"]
 
 
+class _Launch:
+    """What one launch of some test nodes on ``num_ranks`` ranks left: every rank's report per node, the output."""
+
+    def __init__(self, nodeids, rootdir, num_ranks, timeout, extra_env=None, launcher="horovodrun"):
+        self.num_ranks, self.timeout, self.nodeids = num_ranks, timeout, nodeids
+        report_dir = tempfile.mkdtemp(prefix="hq-ranks-")
+        env = dict(os.environ, **WORKER_THREAD_ENV)
+        for key, value in (extra_env or {}).items():  # None removes a variable
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        env[WORKER_ENV] = "1"
+        env[REPORT_DIR_ENV] = report_dir
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [rootdir, env.get("PYTHONPATH")] if p)
+        cmd = _launch_command(launcher, num_ranks, timeout) + (
+            [] if launcher == "torchrun" else [sys.executable]) + [
+            "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rN"] + list(nodeids)
+        log_path = os.path.join(report_dir, "horovodrun.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=rootdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=timeout)
+                self.hung = False
+            except subprocess.TimeoutExpired:
+                self.hung = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        with open(log_path) as f:
+            self.output = f.read()
+        self.returncode = proc.returncode
+        self.reports = {nodeid: _rank_reports(report_dir, num_ranks, nodeid) for nodeid in nodeids}
+
+    def judge(self, nodeid):
+        """Calls pytest.fail (or skip) for ``nodeid`` as its ranks reported; returns if every rank passed."""
+        num_ranks, reports = self.num_ranks, self.reports[nodeid]
+        shared = "" if len(self.nodeids) == 1 else f" (a launch shared by {len(self.nodeids)} tests)"
+        failures = [f"--- rank {rank} failed ---\n{rep['longrepr']}"
+                    for rank, rep in sorted(reports.items()) if rep["outcome"] == "failed"]
+        missing = [r for r in range(num_ranks) if r not in reports]
+        if self.hung and missing:
+            pytest.fail(f"timed out after {self.timeout} s on {num_ranks} ranks{shared} (a hung collective?); "
+                        f"ranks that finished: {sorted(reports) or 'none'}\n" + "\n".join(failures)
+                        + f"\n--- horovodrun output (tail) ---\n{self.output[-3000:]}", pytrace=False)
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+        skipped = [rep for rep in reports.values() if rep["outcome"] == "skipped"]
+        if len(skipped) == num_ranks:
+            pytest.skip(skipped[0]["longrepr"])
+        if missing or (self.returncode != 0 and len(self.nodeids) == 1):
+            pytest.fail(f"horovodrun exited with {self.returncode}{shared}; ranks without a report: {missing}\n"
+                        f"--- horovodrun output (tail) ---\n{self.output[-3000:]}", pytrace=False)
+
+
 def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None, launcher="horovodrun"):
     """Runs one test node on ``num_ranks`` ranks; calls pytest.fail on any rank failure or a hang."""
-    report_dir = tempfile.mkdtemp(prefix="hq-ranks-")
-    env = dict(os.environ, **WORKER_THREAD_ENV)
-    for key, value in (extra_env or {}).items():  # None removes a variable
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    env[WORKER_ENV] = "1"
-    env[REPORT_DIR_ENV] = report_dir
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [rootdir, env.get("PYTHONPATH")] if p)
-    cmd = _launch_command(launcher, num_ranks, timeout) + (
-        [] if launcher == "torchrun" else [sys.executable]) + [
-        "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rN", nodeid]
-    log_path = os.path.join(report_dir, "horovodrun.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=rootdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-            hung = False
-        except subprocess.TimeoutExpired:
-            hung = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    with open(log_path) as f:
-        output = f.read()
-    reports = _rank_reports(report_dir, num_ranks)
-
-    failures = [f"--- rank {rank} failed ---\n{rep['longrepr']}"
-                for rank, rep in sorted(reports.items()) if rep["outcome"] == "failed"]
-    if hung:
-        finished = sorted(reports)
-        pytest.fail(f"timed out after {timeout} s on {num_ranks} ranks (a hung collective?); "
-                    f"ranks that finished: {finished or 'none'}\n" + "\n".join(failures)
-                    + f"\n--- horovodrun output (tail) ---\n{output[-3000:]}", pytrace=False)
-    if failures:
-        pytest.fail("\n".join(failures), pytrace=False)
-    skipped = [rep for rep in reports.values() if rep["outcome"] == "skipped"]
-    if len(skipped) == num_ranks:
-        pytest.skip(skipped[0]["longrepr"])
-    missing = [r for r in range(num_ranks) if r not in reports]
-    if proc.returncode != 0 or missing:
-        pytest.fail(f"horovodrun exited with {proc.returncode}; ranks without a report: {missing}\n"
-                    f"--- horovodrun output (tail) ---\n{output[-3000:]}", pytrace=False)
+    _Launch([nodeid], rootdir, num_ranks, timeout, extra_env, launcher).judge(nodeid)
 
 
 # ---- pytest hooks, registered from tests/conftest.py ----
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "ranks(n, timeout=180, env=None, launcher='horovodrun'): run the test on n ranks under "
-        "horovodrun --gloo, or torchrun with launcher='torchrun', or on M network-namespace nodes of L ranks "
-        "with launcher='nodes:MxL' (Horovod) or 'torchrun-nodes:MxL' (env: extra variables; a None value "
-        "removes one)")
+        "markers", "ranks(n, timeout=180, env=None, launcher='horovodrun', alone=False): run the test on n ranks "
+        "under horovodrun --gloo, or torchrun with launcher='torchrun', or on M network-namespace nodes of L "
+        "ranks with launcher='nodes:MxL' (Horovod) or 'torchrun-nodes:MxL' (env: extra variables; a None value "
+        "removes one). In a module with SHARED_LAUNCHES = True, tests with the same n, env and launcher share "
+        "one launch unless alone=True")
+
+
+def _shared_launch_key(item, marker):
+    """Tests of a module that sets ``SHARED_LAUNCHES = True`` share one launch per (ranks, timeout-free marker
+    arguments): the workers run them one after another, saving a launch (horovodrun, interpreters, imports)
+    each. ``ranks(..., alone=True)`` keeps a test to itself (its own hvd.init arguments, a job it breaks)."""
+    if not getattr(item.module, "SHARED_LAUNCHES", False) or marker.kwargs.get("alone"):
+        return None
+    env = marker.kwargs.get("env") or {}
+    return (item.module.__name__, _ranks_of(marker), tuple(sorted(env.items())),
+            marker.kwargs.get("launcher", "horovodrun"))
+
+
+def _ranks_of(marker):
+    return marker.args[0] if marker.args else marker.kwargs["n"]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    if in_worker():
+        return
+    groups = {}
+    for item in items:  # what is left to run, after -k and deselection
+        marker = item.get_closest_marker("ranks")
+        key = None if marker is None else _shared_launch_key(item, marker)
+        if key is not None:
+            groups.setdefault(key, []).append(item)
+    for members in groups.values():
+        for item in members:
+            item.shared_launch = members
+
+
+_launches = {}  # id of a shared group's first item -> its _Launch
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -162,10 +219,16 @@ def pytest_pyfunc_call(pyfuncitem):
     marker = pyfuncitem.get_closest_marker("ranks")
     if marker is None or in_worker():
         return None
-    num_ranks = marker.args[0] if marker.args else marker.kwargs["n"]
-    run_on_ranks(pyfuncitem.nodeid, str(pyfuncitem.config.rootpath), num_ranks,
-                 marker.kwargs.get("timeout", DEFAULT_TIMEOUT), marker.kwargs.get("env"),
-                 marker.kwargs.get("launcher", "horovodrun"))
+    num_ranks, rootdir = _ranks_of(marker), str(pyfuncitem.config.rootpath)
+    env, launcher = marker.kwargs.get("env"), marker.kwargs.get("launcher", "horovodrun")
+    members = getattr(pyfuncitem, "shared_launch", [pyfuncitem])
+    launch = _launches.get(id(members[0]))
+    if launch is None:
+        timeout = sum(m.get_closest_marker("ranks").kwargs.get("timeout", DEFAULT_TIMEOUT) for m in members)
+        launch = _Launch([m.nodeid for m in members], rootdir, num_ranks, timeout, env, launcher)
+        if len(members) > 1:
+            _launches[id(members[0])] = launch
+    launch.judge(pyfuncitem.nodeid)
     return True
 
 
@@ -177,7 +240,7 @@ def pytest_runtest_logreport(report):
         longrepr = report.longrepr[2]
     else:
         longrepr = str(report.longrepr) if report.longrepr else ""
-    path = os.path.join(os.environ[REPORT_DIR_ENV], f"rank{rank}.json")
+    path = os.path.join(os.environ[REPORT_DIR_ENV], _report_name(report.nodeid, rank))
     # A failing teardown must not hide a failing call: keep the first failure.
     if os.path.exists(path):
         with open(path) as f:

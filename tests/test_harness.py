@@ -31,3 +31,17 @@ def test_failure_on_rank_one_is_reported_with_its_message(sample_run):
 
 def test_hang_is_reported_as_timeout(sample_run):
     assert "timed out after 30 s on 2 ranks" in sample_run.stdout, sample_run.stdout[-3000:]
+
+
+def test_tests_of_a_shared_launch_run_in_one_job_and_are_judged_apart(tmp_path):
+    env = dict(os.environ, HQ_SAMPLE_PIDS=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
+                           os.path.join("tests", "harness_samples", "shared_launch.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert "1 failed, 2 passed" in out, out[-3000:]
+    assert "FAILED tests/harness_samples/shared_launch.py::test_fails_on_rank_one_in_a_shared_launch" in out
+    assert "deliberate failure on rank 1, shared launch" in out and "--- rank 0 failed ---" not in out
+    # three tests, two processes: one per rank, each ran all three
+    notes = sorted(os.listdir(tmp_path))
+    assert len(notes) == 2 and {n.split(".")[1] for n in notes} == {"rank0", "rank1"}, notes

@@ -7,6 +7,7 @@ the matching recomputed independently in the test.
 """
 import pytest
 
+SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
 RANKS_234 = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=150)) for n in (2, 3, 4)]
 
 
@@ -283,7 +284,7 @@ def _check_resume(hvd, averaging):
     opt.synchronize()
 
 
-@pytest.mark.ranks(2, timeout=120)
+@pytest.mark.ranks(2, timeout=120, alone=True)  # ends in an error on every rank
 def test_different_settings_are_reported_on_every_rank(hvd_torch):
     from horovod_qsgd.common.errors import CompressionMismatchError
     hvd = hvd_torch

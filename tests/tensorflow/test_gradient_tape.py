@@ -10,6 +10,8 @@ import pytest
 from tests.multirank import init_with_process_sets
 from tests.tensorflow.reference import Reference, make
 
+SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
+
 RANKS_2_AND_3 = [pytest.param(2, marks=pytest.mark.ranks(2, timeout=240)),
                  pytest.param(3, marks=pytest.mark.ranks(3, timeout=300))]
 
@@ -136,7 +138,7 @@ def test_plain_allreduce_and_grouped_allreduce_with_names(hvd_tf):
     assert int(ints.numpy()[0]) == 3
 
 
-@pytest.mark.ranks(3, timeout=240)
+@pytest.mark.ranks(3, timeout=240, alone=True)  # hvd.init with a process set
 def test_process_set_of_two_out_of_three_ranks():
     import horovod.tensorflow as hvd
     # A static process set: hvd.add_process_set (dynamic) returned before the set was registered
@@ -149,7 +151,7 @@ def test_process_set_of_two_out_of_three_ranks():
         run_and_compare(hvd, kind, mode, process_set=pair)
 
 
-@pytest.mark.ranks(2, timeout=180)
+@pytest.mark.ranks(2, timeout=180, alone=True)  # TF1-style graph code
 def test_tf1_style_distributed_optimizer(hvd_tf):
     import tensorflow as tf
     hvd = hvd_tf

@@ -8,6 +8,7 @@ import pytest
 
 from tests.two_stage_reference import gradient, reference
 
+SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
 RANKS_3_AND_4 = [pytest.param(3, marks=pytest.mark.ranks(3, timeout=240)),
                  pytest.param(4, marks=pytest.mark.ranks(4, timeout=300))]
 

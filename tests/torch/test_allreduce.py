@@ -3,6 +3,8 @@ import pytest
 
 from tests.multirank import init_with_process_sets
 
+SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
+
 
 @pytest.mark.ranks(2)
 def test_integer_small_and_large_tensors(hvd_torch):
@@ -86,7 +88,7 @@ def test_random_k_fp16_values_travel_as_fp16(hvd_torch):
     assert stats["bytes_sent"] == 500 * 2 and stats["bytes_uncompressed"] == 200000
 
 
-@pytest.mark.ranks(3)
+@pytest.mark.ranks(3, alone=True)  # hvd.init with a process set
 def test_process_set_excludes_the_third_rank():
     import horovod.torch as hvd
     import torch

@@ -11,6 +11,7 @@ from tests.two_stage_reference import bounds as _bounds
 from tests.two_stage_reference import gradient as _gradient
 from tests.two_stage_reference import reference as _reference
 
+SHARED_LAUNCHES = True  # tests with the same rank count run in one launch (tests/multirank.py)
 RANKS_3_AND_4 = [pytest.param(3, marks=pytest.mark.ranks(3)), pytest.param(4, marks=pytest.mark.ranks(4))]
 
 
@@ -299,7 +300,7 @@ def test_residual_from_an_allgather_run_is_delivered_once(hvd_torch):
     assert torch.equal(result + left + owned, torch.full((numel,), 3.0))
 
 
-@pytest.mark.ranks(4, timeout=150)
+@pytest.mark.ranks(4, timeout=150, alone=True)  # hvd.init with a process set
 def test_two_stages_in_a_process_set_of_three_with_groups_and_predivide():
     # Ranks 0-2 form the process set; rank 3 waits outside (Horovod's optimizer broadcasts the groups from
     # global rank 0, which must be in the set). The optimizer groups the two weights and pre-divides: the
