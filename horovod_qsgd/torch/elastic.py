@@ -28,8 +28,8 @@ Residuals stay with the rank that made them: a new worker starts with none.
 An owner-side residual (two stages with top-k) belongs to a chunk of the
 old layout; when the number of ranks or this rank's place changes, it is
 added to this rank's own residual there and sent in its next steps, so a
-reset loses no mass on the ranks that survive. What a lost worker held (its
-residuals since the last commit) is lost with it.
+reset loses no mass on the ranks that survive. A lost worker's residuals (as
+of the last commit) are lost with it.
 
 In an elastic job (``HOROVOD_ELASTIC=1``), a compressor that is not in the
 state refuses to compress, on every rank, with an error that says this:
