@@ -11,6 +11,7 @@ import collections
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -42,12 +43,15 @@ def run_elastic_job(tmp_path, **settings):
     cmd = [sys.executable, "-m", "horovod.runner.launch", "--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(discover), "--blacklist-cooldown-range", "3", "4",
            sys.executable, os.path.join(ROOT, "tests", "harness_samples", "elastic_worker.py"), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the elastic job did not finish in {TIMEOUT} s (a hang after a reset?)\n"
-                    f"{(exc.output or b'')[-3000:]}", pytrace=False)
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # horovodrun and the launchers of its workers
+        output, _ = proc.communicate()
+        pytest.fail(f"the elastic job did not finish in {TIMEOUT} s (a hang after a reset?)\n{output[-3000:]}",
+                    pytrace=False)
     records = collections.defaultdict(list)
     for path in glob.glob(str(tmp_path / "*.jsonl")):
         for line in open(path):
@@ -55,7 +59,7 @@ def run_elastic_job(tmp_path, **settings):
             records[record["pid"]].append(record)
     accounting = {int(os.path.basename(p).split(".")[0]): dict(np.load(p))
                   for p in glob.glob(str(tmp_path / "*.npz"))}
-    return proc.returncode, proc.stdout + proc.stderr, records, accounting
+    return proc.returncode, output, records, accounting
 
 
 def test_training_goes_on_through_a_lost_and_an_added_worker(tmp_path):
