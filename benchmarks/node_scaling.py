@@ -78,12 +78,12 @@ def tensor_bytes(name, exchange, n, nodes, per_node):
     if n < compressor.min_numel:
         return ring(4 * n)
     placeholder = ring(4)
-    unit = getattr(first, "bucket_size", 1)
+    from horovod_qsgd.common.two_stage import chunk_bounds, chunk_unit
+    unit = chunk_unit(first)
     if exchange == "allgather":
         b = first.max_payload_nbytes(n)
         nic, inside = (ranks - 1) * b if nodes > 1 else 0.0, (ranks - 1) * b
         return nic + placeholder[0], inside + placeholder[1], placeholder[2] + [(ranks - 1, latency, ranks * b)]
-    from horovod_qsgd.common.two_stage import chunk_bounds
     if exchange in ("two_stage", "two_stage_direct"):
         chunks = [e - s for s, e in chunk_bounds(n, ranks, unit)]
         b1, b2 = sum(first.max_payload_nbytes(c) for c in chunks), sum(second.max_payload_nbytes(c) for c in chunks)

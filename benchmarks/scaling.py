@@ -156,7 +156,7 @@ def tensor_traffic(name, exchange, n, ranks, fused=True):
 
     An alltoall's bytes are the first-stage payload's capacity over all chunks (what fusion packs by);
     unfused, it is an ``"alltoall_alone"``."""
-    from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, chunk_bounds, stage_nbytes
+    from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, chunk_bounds, chunk_unit, stage_nbytes
     ring = 2 * (ranks - 1) / ranks * 4 * n, [("allreduce", 4 * n)], None
     if name == "none":
         return ring
@@ -170,7 +170,7 @@ def tensor_traffic(name, exchange, n, ranks, fused=True):
         b = first.max_payload_nbytes(n)
         return placeholder + (ranks - 1) * b, [("allreduce", 4), ("allgather", b)], chosen
     first_stage, second_stage = stage_nbytes(first, second, n, ranks)  # the mean over ranks
-    owned = chunk_bounds(n, ranks, getattr(first, "bucket_size", 1))[0]
+    owned = chunk_bounds(n, ranks, chunk_unit(first))[0]
     capacity = TwoStage(first, second, "", n, ranks, 0).payload_capacity()
     return (placeholder + first_stage + second_stage,
             [("allreduce", 4), (alltoall, capacity), ("allgather", second.max_payload_nbytes(owned[1] - owned[0]))],

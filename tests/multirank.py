@@ -165,11 +165,6 @@ class _Launch:
                         f"--- horovodrun output (tail) ---\n{self.output[-3000:]}", pytrace=False)
 
 
-def run_on_ranks(nodeid, rootdir, num_ranks, timeout, extra_env=None, launcher="horovodrun"):
-    """Runs one test node on ``num_ranks`` ranks; calls pytest.fail on any rank failure or a hang."""
-    _Launch([nodeid], rootdir, num_ranks, timeout, extra_env, launcher).judge(nodeid)
-
-
 # ---- pytest hooks, registered from tests/conftest.py ----
 
 def pytest_configure(config):

@@ -77,7 +77,7 @@ from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
+from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, qsgd_codecs
 from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 
@@ -166,8 +166,7 @@ class _PayloadState:
         """The bucket's parameters, keyed, split into the compressed and the passed through (:class:`_Split`)."""
         with self._lock:
             keys = [self._keys.setdefault(id(p), len(self._keys)) for p in bucket.parameters()]
-        return _Split(keys, [p.numel() for p in bucket.parameters()], self.min_numel,
-                      getattr(self.codec, "bucket_size", 1))
+        return _Split(keys, [p.numel() for p in bucket.parameters()], self.min_numel, chunk_unit(self.codec))
 
     def _residual(self, layout, staged_numel, device):
         """A fresh copy of the staged tensor's residual, gathered from its parameters' residuals."""
@@ -418,7 +417,7 @@ def _node_aware(state, bucket, group, buffer, split):
     bucket_flat = buffer.reshape(-1)
     small_future = _average_small(state, group, split, bucket_flat)
     flat = split.stage(bucket_flat)
-    unit = getattr(state.codec, "bucket_size", 1)
+    unit = chunk_unit(state.codec)
     shard = -(-flat.numel() // (nodes.local_size * unit)) * unit
     send = torch.zeros(nodes.local_size * shard, dtype=torch.float32, device=device)
     send[:flat.numel()] = flat

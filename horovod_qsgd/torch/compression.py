@@ -178,8 +178,10 @@ class _CompressorBase:
     def _spill_moved_owner_residual(self, site, state, numel):
         """Adds an owner-side residual kept for other ranks (an elastic reset, a checkpoint from another job
         size) into this rank's residual at its old chunk: this rank sends that mass in its next steps."""
+        if state.owner_residual is None:
+            return
         layout = [site.process_set.size(), site.process_set.rank()]
-        if state.owner_residual is None or list(state.owner_layout or []) == layout:
+        if list(state.owner_layout or []) == layout:
             return
         chunk = saved_owner_chunk(numel, chunk_unit(self.codec), state.owner_layout, state.owner_residual.numel())
         if chunk is None or state.residual is None:
