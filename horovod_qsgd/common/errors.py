@@ -23,9 +23,8 @@ def elastic_state_missing(kind, state="hvd.elastic.TorchState(model, optimizer, 
             f"{state}.")
 
 
-def elastic_unsupported(kind):
-    """The error when a TensorFlow compressor is used in a Horovod Elastic job, which it does not follow yet."""
-    return (f"horovod_qsgd: the TensorFlow {kind} compressor does not support Horovod Elastic yet: after a worker "
-            "is lost or added, its traced exchange and settings check would not follow the new ranks (a hang or "
-            "mismatched sums). Run the job without --min-np/--max-np, or use horovod_qsgd.torch, whose "
-            "compressors go into hvd.elastic.TorchState.")
+def elastic_process_set_unsupported(tensor_name):
+    """The error when a TensorFlow compressor in a Horovod Elastic job meets a tensor of a process set."""
+    return (f"horovod_qsgd: tensor {tensor_name!r} is reduced within a process set in a Horovod Elastic job; there "
+            "the TensorFlow compressors follow the global set only (their plans follow hvd.size() and hvd.rank() "
+            "as the world changes). Reduce it over all ranks, or leave it uncompressed (min_numel).")

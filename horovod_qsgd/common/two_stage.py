@@ -26,6 +26,7 @@ plus an owner-side residual, which keeps what the owner did not send.
 Everything here works on codec arrays (numpy, or CUDA arrays for the CUDA
 kernels) that the adapters allocate; the collectives are the adapters' job.
 """
+import warnings
 import zlib
 
 from horovod_qsgd.common.errors import CompressionMismatchError
@@ -60,6 +61,15 @@ def saved_owner_chunk(numel, unit, saved_layout, saved_numel):
         return None
     begin, end = chunk_bounds(numel, num_ranks, unit)[rank]
     return (begin, end) if end - begin == saved_numel else None
+
+
+def moved_owner_chunk(tensor_name, numel, unit, saved_layout, saved_numel, layout):
+    """Where in the sender residual an owner-side residual saved for ``saved_layout`` goes now that this rank
+    is ``layout`` ([ranks, rank]): (begin, end), or None, warned as reset, when it cannot be this tensor's."""
+    chunk = saved_owner_chunk(numel, unit, saved_layout, saved_numel)
+    if chunk is None:
+        warnings.warn(owner_layout_changed(tensor_name, saved_layout, layout))
+    return chunk
 
 
 def check_exchange(exchange):

@@ -52,10 +52,10 @@ from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import reduction_scale
-from horovod_qsgd.common.naming import tensor_key
-from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
-from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase, ExchangeContext,
-                                                     adapter_method, op_name)
+from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
+from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, moved_owner_chunk, qsgd_codecs
+from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
+                                                     ExchangeContext, adapter_method, op_name)
 from horovod_qsgd.tensorflow.host_ops import payload_encoder, values_gatherer
 
 
@@ -83,12 +83,14 @@ class PayloadCompressor(CompressorBase):
             return self._pass_through(tensor)
         stats = self._runtime.stats
         process_set = step.site.process_set
+        placeholder_dtype = tensor.dtype if tensor.dtype in PLACEHOLDER_DTYPES else tf.float32
+        if self._in_elastic_job:
+            return self._first_stage_in_any_world(step, tensor, placeholder_dtype)
+        placeholder = tf.ones([1], dtype=placeholder_dtype)
         rank = process_set.rank() if process_set.included() else 0
         num_ranks = process_set.size()
-        placeholder_dtype = tensor.dtype if tensor.dtype in PLACEHOLDER_DTYPES else tf.float32
         plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
                                  placeholder_dtype.size)
-        placeholder = tf.ones([1], dtype=placeholder_dtype)
         if plan.kind == "two_stage":
             residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
 
@@ -163,15 +165,131 @@ class PayloadCompressor(CompressorBase):
         payload.set_shape([None])
         return hvd.allgather(payload, name=op_name(plan.second_stage_name), process_set=ctx.process_set)
 
+    # -- Horovod Elastic: one traced function, worlds of any size ------------------------------
+    # Horovod Elastic resets the ranks under a tf.function traced once, so the graph cannot hold a plan: every
+    # tensor takes "an alltoall if the plan has two stages, then an allgather", and the host ops make the plan
+    # of the world they run in (hvd.size(), hvd.rank()). An owner residual of another layout is spilled into
+    # the sender residual at its old chunk, as the PyTorch adapter does.
+    def _live_plan(self, ctx):
+        """The plan of ctx's tensor in the world the ops run in (made once per world)."""
+        key = (ctx.name, hvd.size(), hvd.rank())
+        plan = self._runtime.live_plans.get(key)
+        if plan is None:
+            plan = self._runtime.live_plans[key] = self._engine.plan(ctx.name, ctx.numel, key[1], key[2],
+                                                                     ctx.uncompressed_nbytes, ctx.placeholder_nbytes)
+        return plan
+
+    def _first_stage_in_any_world(self, step, tensor, placeholder_dtype):
+        """(the placeholder for Horovod's allreduce, the context); the alltoall runs where the plan has two stages.
+
+        The placeholder's 1 comes out of the host op: a constant would let
+        grappler's constant folding run its allreduce once, when the graph is
+        optimized, and a worker that joins later would wait there for ranks
+        that optimized theirs long ago.
+        """
+        stats, unit = self._runtime.stats, chunk_unit(self.codec)
+        ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, None, step=step.value,
+                              step_variable=step.variable, live_plan=self._live_plan)
+        ctx.numel, ctx.uncompressed_nbytes, ctx.placeholder_nbytes = (step.numel, step.numel * tensor.dtype.size,
+                                                                      placeholder_dtype.size)
+        residual_var = owner_var = layout_var = None
+        inputs, out_dtypes = [step.flat, step.value], [tf.float32, tf.uint8, tf.int32, tf.float32]
+        if self.error_feedback:
+            residual_var = self._residual_variable(step.name, step.numel)
+            owner_var, layout_var = self._elastic_owner_variables(step.name)
+            inputs += [residual_var.read_value(), owner_var.read_value(), layout_var.read_value()]
+            out_dtypes += [tf.float32, tf.float32, tf.int64]
+
+        def encode(x, step_value, residual=None, owner_residual=None, owner_layout=None):
+            start = time.perf_counter()
+            plan = self._live_plan(ctx)
+            layout = [plan.num_ranks, plan.rank] if plan.kind == "two_stage" else list(NO_OWNER_LAYOUT)
+            if residual is not None:
+                residual = residual.copy()
+                if owner_residual.size and list(owner_layout) != layout:
+                    chunk = moved_owner_chunk(ctx.name, x.size, unit, list(owner_layout), owner_residual.size,
+                                              [plan.num_ranks, plan.rank])
+                    if chunk is not None:
+                        residual[chunk[0]:chunk[1]] += owner_residual
+                    owner_residual = owner_residual[:0]
+            out = np.zeros(plan.capacity(), dtype=np.uint8)
+            if plan.kind == "two_stage":
+                own = np.empty(plan.own_numel(), dtype=np.float32)
+                splits = plan.encode(x, out, own, int(step_value), residual)
+                if owner_residual is not None and owner_residual.size != own.size:
+                    owner_residual = np.zeros(own.size, np.float32)
+                used = sum(splits)
+            else:
+                own, splits = np.zeros(0, np.float32), []
+                used = plan.encode(x, out, int(step_value), residual)
+            stats.add(encode_seconds=time.perf_counter() - start, collectives_started=1)
+            outputs = (np.ones(1, np.float32), out[:used], np.asarray(splits, dtype=np.int32), own)
+            if residual is None:
+                return outputs
+            return outputs + (residual, owner_residual, np.asarray(layout, np.int64))
+
+        outputs = tf.numpy_function(encode, inputs, out_dtypes, stateful=False, name="horovod_qsgd_encode_any_world")
+        one, payload, splits, ctx.own = outputs[:4]
+        one.set_shape([1])
+        for output in outputs[1:4]:
+            output.set_shape([None])
+        if residual_var is not None:
+            new_residual, ctx.owner_residual, new_layout = outputs[4:]
+            new_residual.set_shape(step.flat.shape)
+            ctx.owner_residual.set_shape([None])
+            new_layout.set_shape([2])
+            ctx.pending += [(residual_var, new_residual), (layout_var, new_layout)]
+            ctx.owner_variable = owner_var
+        name = op_name(PAYLOAD_PREFIX + step.name)
+        # every rank takes the same branch: the plan's kind follows the world, the same on every rank
+        ctx.gathered = tf.cond(tf.size(splits) > 0,
+                               lambda: hvd.alltoall(payload, splits=splits, name=name)[0], lambda: payload)
+        return tf.cast(one, placeholder_dtype), ctx
+
+    def _second_stage_in_any_world(self, ctx):
+        """The owner's re-encoded sum (two stages) or this rank's payload (allgather), allgathered."""
+        stats, refusals = self._runtime.stats, self._runtime.refusals
+
+        def sum_and_encode(received, own, step_value, owner_residual=None):
+            plan = self._live_plan(ctx)
+            if plan.kind != "two_stage":
+                return received if owner_residual is None else (received, owner_residual)
+            start = time.perf_counter()
+            total = np.array(own, dtype=np.float32)
+            owner_residual = None if owner_residual is None else owner_residual.copy()
+            out = np.zeros(plan.owned_capacity(), dtype=np.uint8)
+            used, refusal = plan.sum_and_encode(received, total, out, int(step_value), owner_residual)
+            if refusal is not None:
+                refusals[plan.name] = refusal
+            stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
+            return out[:used] if owner_residual is None else (out[:used], owner_residual)
+
+        if ctx.owner_variable is None:
+            payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step], tf.uint8,
+                                        stateful=False, name="horovod_qsgd_encode_sum_any_world")
+        else:
+            payload, new_owner = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step,
+                                                                    ctx.owner_residual],
+                                                   [tf.uint8, tf.float32], stateful=False,
+                                                   name="horovod_qsgd_encode_sum_any_world")
+            new_owner.set_shape([None])
+            ctx.pending.append((ctx.owner_variable, new_owner))
+        payload.set_shape([None])
+        return hvd.allgather(payload, name=op_name(SECOND_STAGE_PREFIX + ctx.name))
+
     @adapter_method
     def decompress(self, tensor, ctx):
         if ctx is PASS_THROUGH:
             return tensor
         stats, refusals = self._runtime.stats, self._runtime.refusals
-        plan, num_ranks = ctx.plan, ctx.num_ranks
-        gathered = self._second_stage(ctx) if plan.kind == "two_stage" else ctx.gathered
+        if ctx.live_plan is not None:
+            gathered = self._second_stage_in_any_world(ctx)
+        else:
+            gathered = self._second_stage(ctx) if ctx.plan.kind == "two_stage" else ctx.gathered
 
         def decode(gathered, placeholder):
+            plan = ctx.plan if ctx.plan is not None else ctx.live_plan(ctx)
+            num_ranks = plan.num_ranks
             start = time.perf_counter()
             refusal = refusals.pop(plan.name, None)
             if refusal is not None:

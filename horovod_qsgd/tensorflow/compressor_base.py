@@ -20,7 +20,8 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.common.call_site import check_compressible
-from horovod_qsgd.common.errors import CompressionMismatchError, elastic_unsupported
+from horovod_qsgd.common.errors import (CompressionMismatchError, elastic_process_set_unsupported,
+                                         elastic_state_missing)
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
 from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
@@ -32,6 +33,8 @@ from horovod_qsgd.tensorflow.host_ops import flat_fp32, host_op
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
 
 PASS_THROUGH = None  # Horovod's own compressors use None as "nothing to undo" too
+NO_OWNER_LAYOUT = (-1, -1)  # the layout of an elastic job's empty owner residual
+ELASTIC_STATE_CALL = "horovod_qsgd.tensorflow.elastic.TensorFlowKerasState(model, optimizer, compression=compression)"
 PLACEHOLDER_DTYPES = (tf.float16, tf.float32, tf.float64)
 
 
@@ -58,6 +61,14 @@ def in_legacy_graph():
     the Session, and a plain v1 graph runs a state change only if what the Session fetches depends on it."""
     with tf.init_scope():
         return not tf.executing_eagerly()
+
+
+def _kept_unless(finite, new_value, variable):
+    """``new_value`` where ``finite``, else the variable's value (which may differ in length: an elastic
+    job's owner residual)."""
+    if variable.shape.is_fully_defined():
+        return tf.where(finite, new_value, variable.read_value())
+    return tf.cond(finite, lambda: new_value, variable.read_value)
 
 
 def _is_eager(variable):
@@ -95,10 +106,11 @@ class _Step:
 class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
     __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "plan", "own",
-                 "process_set", "pending")
+                 "process_set", "pending", "live_plan", "numel", "uncompressed_nbytes", "placeholder_nbytes",
+                 "owner_residual", "owner_variable")
 
     def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, plan=None,
-                 own=None, process_set=None, pending=()):
+                 own=None, process_set=None, pending=(), live_plan=None):
         self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
         self.gathered, self.step, self.step_variable = gathered, step, step_variable
         # [(state variable, its value after this step)], assigned by _settle() if the result is finite
@@ -106,6 +118,12 @@ class ExchangeContext:
         # the engine's plan (horovod_qsgd.common.engine); with two stages gathered holds the first stage's
         # received slices, own this rank's own chunk
         self.plan, self.own, self.process_set = plan, own, process_set
+        # in an elastic job: plan is None and live_plan(ctx) makes the plan of the world the ops run in, for
+        # numel elements; owner_residual is the owner residual after the first stage's spill, owner_variable
+        # its variable
+        self.live_plan, self.numel = live_plan, None
+        self.uncompressed_nbytes = self.placeholder_nbytes = None
+        self.owner_residual = self.owner_variable = None
 
 
 class CompressorBase(tf.Module):
@@ -129,6 +147,10 @@ class CompressorBase(tf.Module):
         self._owner_layouts = {}    # int64 [ranks, rank] each owner residual belongs to
         self._settings = _new_variable(self._settings_json(), "horovod_qsgd_settings", tf.string)
         self._runtime = _Runtime()
+        # In a Horovod Elastic job (horovodrun sets HOROVOD_ELASTIC=1 in its workers) a function is traced once
+        # and runs on worlds of other sizes: plans are made when the ops run (compression.py).
+        self._in_elastic_job = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self.elastic_state_attached = False  # set by horovod_qsgd.tensorflow.elastic's states
 
     # -- identity ---------------------------------------------------------------------------
     # Horovod caches its allreduce function keyed by the compressor: identity is the right key
@@ -270,8 +292,11 @@ class CompressorBase(tf.Module):
         for name, var in self._residuals.items():
             tensors.setdefault(name, {"step": 0})["residual"] = var.numpy().copy()
         for name, var in self._owner_residuals.items():
+            value = var.numpy().copy()
+            if value.size == 0:
+                continue  # an elastic job's owner residual where this rank owns no chunk
             entry = tensors.setdefault(name, {"step": 0, "residual": None})
-            entry["owner_residual"] = var.numpy().copy()
+            entry["owner_residual"] = value
             entry["owner_layout"] = [int(v) for v in self._owner_layouts[name].numpy()]
         return dict(state_header(type(self).__name__, self.settings()), tensors=tensors)
 
@@ -280,14 +305,59 @@ class CompressorBase(tf.Module):
         for name, entry in state["tensors"].items():
             self._step_variable(name).assign(entry["step"])
             if entry.get("owner_residual") is not None:
-                with self._runtime.lock:
-                    self._owner_residuals[name] = _new_variable(np.asarray(entry["owner_residual"], np.float32),
-                                                                f"{name}/owner_residual", tf.float32)
-                    self._owner_layouts[name] = _new_variable(np.asarray(entry["owner_layout"], np.int64),
-                                                              f"{name}/owner_layout", tf.int64)
+                self._load_owner_residual(name, np.asarray(entry["owner_residual"], np.float32),
+                                          np.asarray(entry["owner_layout"], np.int64))
+            elif name in self._owner_residuals and not self._owner_residuals[name].shape.is_fully_defined():
+                self._load_owner_residual(name, np.zeros(0, np.float32), np.array(NO_OWNER_LAYOUT, np.int64))
             if entry.get("residual") is not None:
                 residual = np.asarray(entry["residual"], dtype=np.float32)
                 self._residual_variable(name, residual.size).assign(residual)
+
+    def _load_owner_residual(self, name, value, layout):
+        """Into the variables a traced function reads where they can hold it (always in an elastic job, whose
+        owner residuals change size with the world), else into new ones (a function traced for another
+        layout is traced again: its plan would not match)."""
+        with self._runtime.lock:
+            var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
+            if var is not None and (not var.shape.is_fully_defined() or var.shape.num_elements() == value.size):
+                var.assign(value)
+                layout_var.assign(layout)
+                return
+            self._owner_residuals[name] = _new_variable(value, f"{name}/owner_residual", tf.float32)
+            self._owner_layouts[name] = _new_variable(layout, f"{name}/owner_layout", tf.int64)
+
+    def _elastic_owner_variables(self, name):
+        """(owner residual, its layout) of tensor ``name`` in an elastic job: a variable of any length, empty
+        where this rank owns no chunk; the layout ``NO_OWNER_LAYOUT`` until it does."""
+        with self._runtime.lock, tf.init_scope():
+            var = self._owner_residuals.get(name)
+            if var is None or var.shape.is_fully_defined():
+                initial = np.zeros(0, np.float32) if var is None else _eager_value(var)
+                layout = NO_OWNER_LAYOUT if var is None else _eager_value(self._owner_layouts[name])
+                self._owner_residuals[name] = ResourceVariable(initial, name=op_name(f"{name}/owner_residual"),
+                                                               dtype=tf.float32, trainable=False,
+                                                               shape=tf.TensorShape([None]))
+                self._owner_layouts[name] = _new_variable(np.asarray(layout, np.int64), f"{name}/owner_layout",
+                                                          tf.int64)
+            return self._owner_residuals[name], self._owner_layouts[name]
+
+    # -- Horovod Elastic (horovod_qsgd.tensorflow.elastic) -------------------------------------
+    def start_new_world(self, steps):
+        """After an elastic reset, on every rank: the settings are checked again and the step counters become
+        ``steps`` (rank 0's, by tensor name), so that a rank that joined draws the same random streams."""
+        self._runtime.verified_process_sets = set()
+        self._runtime.refusals.clear()
+        for name, step in steps.items():
+            self._step_variable(name).assign(int(step))
+
+    def verify_settings(self):
+        """Checks the settings among the ranks of the global process set now (eagerly, on every rank)."""
+        self._handshake(hvd.global_process_set)
+
+    def step_counters(self):
+        """{tensor name: steps taken}: what :meth:`start_new_world` gets from rank 0."""
+        with self._runtime.lock:
+            return {name: int(var.numpy()) for name, var in self._steps.items()}
 
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a scalar tensor; works in
@@ -379,8 +449,7 @@ class CompressorBase(tf.Module):
         the step, which a loss scaler skips.
         """
         total, finite = total
-        updates = [variable.assign(tf.where(finite, new_value, variable.read_value()))
-                   for variable, new_value in ctx.pending]
+        updates = [variable.assign(_kept_unless(finite, new_value, variable)) for variable, new_value in ctx.pending]
         with tf.control_dependencies([ctx.step]):  # after this step's read: a v1 graph orders nothing by itself
             updates.append(ctx.step_variable.assign_add(1))
         with tf.control_dependencies(updates):  # run by a tf.compat.v1 Session too, which fetches only the result
@@ -394,9 +463,11 @@ class CompressorBase(tf.Module):
         return np.bool_(finite)
 
     def _prepare(self, tensor):
-        if os.environ.get("HOROVOD_ELASTIC") == "1":  # set by horovodrun in an elastic job's workers
-            raise RuntimeError(elastic_unsupported(type(self).__name__))
+        if self._in_elastic_job and not self.elastic_state_attached:
+            raise RuntimeError(elastic_state_missing(type(self).__name__, ELASTIC_STATE_CALL))
         site = find_call_site(tensor, None, hvd.global_process_set)
+        if self._in_elastic_job and site.process_set.process_set_id != hvd.global_process_set.process_set_id:
+            raise ValueError(elastic_process_set_unsupported(site.name))
         self._handshake(site.process_set)
         variable_shape = None if site.variable is None else site.variable.shape
         if (not tensor.shape.is_fully_defined() and variable_shape is not None and variable_shape.is_fully_defined()
@@ -420,6 +491,7 @@ class _Runtime:
         self.keep_alive = []
         self.pass_through_counters = []
         self.refusals = {}  # tensor name -> the mismatch this rank found in a first stage, raised when decoding
+        self.live_plans = {}  # (tensor name, ranks, rank) -> its plan, in an elastic job
 
 
 class _PassThroughCounter:

@@ -37,7 +37,6 @@ import itertools
 import os
 import threading
 import time
-import warnings
 
 import horovod.torch as hvd
 import torch
@@ -51,8 +50,7 @@ from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, 
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import (check_exchange, chunk_unit, owner_layout_changed, qsgd_codecs,
-                                           saved_owner_chunk)
+from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, moved_owner_chunk, qsgd_codecs
 from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
@@ -183,10 +181,9 @@ class _CompressorBase:
         layout = [site.process_set.size(), site.process_set.rank()]
         if list(state.owner_layout or []) == layout:
             return
-        chunk = saved_owner_chunk(numel, chunk_unit(self.codec), state.owner_layout, state.owner_residual.numel())
-        if chunk is None or state.residual is None:
-            warnings.warn(owner_layout_changed(site.name, state.owner_layout, layout))
-        else:
+        chunk = moved_owner_chunk(site.name, numel, chunk_unit(self.codec), state.owner_layout,
+                                  state.owner_residual.numel(), layout)
+        if chunk is not None:
             state.residual[chunk[0]:chunk[1]].add_(state.owner_residual.to(state.residual.device))
         state.owner_residual, state.owner_layout = None, None
 
