@@ -27,4 +27,4 @@ def elastic_process_set_unsupported(tensor_name):
     """The error when a TensorFlow compressor in a Horovod Elastic job meets a tensor of a process set."""
     return (f"horovod_qsgd: tensor {tensor_name!r} is reduced within a process set in a Horovod Elastic job; there "
             "the TensorFlow compressors follow the global set only (their plans follow hvd.size() and hvd.rank() "
-            "as the world changes). Reduce it over all ranks, or leave it uncompressed (min_numel).")
+            "as the world changes). Reduce it over all ranks, or send it uncompressed (min_numel above its size).")

@@ -466,7 +466,8 @@ class CompressorBase(tf.Module):
         if self._in_elastic_job and not self.elastic_state_attached:
             raise RuntimeError(elastic_state_missing(type(self).__name__, ELASTIC_STATE_CALL))
         site = find_call_site(tensor, None, hvd.global_process_set)
-        if self._in_elastic_job and site.process_set.process_set_id != hvd.global_process_set.process_set_id:
+        if (self._in_elastic_job and site.process_set.process_set_id != hvd.global_process_set.process_set_id
+                and not self._passes_through(tensor)):
             raise ValueError(elastic_process_set_unsupported(site.name))
         self._handshake(site.process_set)
         variable_shape = None if site.variable is None else site.variable.shape
