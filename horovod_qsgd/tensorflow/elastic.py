@@ -73,7 +73,8 @@ def run(func):
         try:
             return func(state, *args, **kwargs)
         except tf.errors.UnknownError as error:
-            if any(sign in error.message for sign in _LOST_WORKER_SIGNS):
+            # our own errors (a mismatch between ranks) end the job: a reset would meet them again
+            if "horovod_qsgd:" not in error.message and any(sign in error.message for sign in _LOST_WORKER_SIGNS):
                 raise HorovodInternalError(error) from error
             raise
 
@@ -133,7 +134,11 @@ class TensorFlowKerasState(_WithCompressors, _horovod_elastic.TensorFlowKerasSta
 
 class TensorFlowState(_WithCompressors, _horovod_elastic.TensorFlowState):
     """``hvd.elastic.TensorFlowState(variables, **kwargs)``; keyword arguments that are compressors are
-    committed, restored and synchronised with the variables (module docstring)."""
+    committed, restored and synchronised with the variables (module docstring).
+
+    Like Horovod's, it broadcasts the variables after a reset only in a
+    ``tf.compat.v1`` session; eagerly a new worker keeps its own initial
+    values: use :class:`TensorFlowKerasState` there."""
 
     def __init__(self, variables=None, session=None, **kwargs):
         super().__init__(variables, session, **self._take_compressors(kwargs))
