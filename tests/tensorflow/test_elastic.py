@@ -18,8 +18,8 @@ def test_training_goes_on_through_a_lost_and_an_added_worker(tmp_path):
     # QSGD and top-k, each with exchange="auto" and "two_stage", in one job
     by_step = check_lost_and_added_worker(*run_elastic_job(tmp_path, "elastic_worker_tf.py", **LEGACY_KERAS),
                                           vectors=("topk_auto", "topk_two_stage"))
-    # the step function was traced once in each process (twice: its first call creates variables) and ran on
-    # worlds of 3 and 2 ranks without being traced again
+    # the step function's trace count never changed in a process: the trace of its first step ran on worlds
+    # of 3 and 2 ranks
     traces = collections.defaultdict(set)
     for rs in by_step.values():
         for r in rs:
