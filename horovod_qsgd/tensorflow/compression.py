@@ -131,17 +131,20 @@ class PayloadCompressor(CompressorBase):
         return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
                                             step=step.value, step_variable=step.variable, plan=plan, pending=pending)
 
-    def _second_stage(self, ctx):
+    def _second_stage(self, ctx, plan_of, owner_var, owner_residual, collective_name):
         """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives).
 
-        The owner-side residual's new value joins ``ctx.pending``.
+        ``plan_of()`` gives the plan when the host op runs; in an elastic job
+        it may be an allgather plan, whose payload passes as it is.
+        ``owner_residual`` is the owner-side residual going in (None without
+        error feedback); its new value, for ``owner_var``, joins ``ctx.pending``.
         """
-        plan, stats, refusals = ctx.plan, self._runtime.stats, self._runtime.refusals
-        owner_var = None
-        if self.error_feedback:
-            owner_var = self._owner_residual_variable(plan)
+        stats, refusals = self._runtime.stats, self._runtime.refusals
 
         def sum_and_encode(received, own, step_value, owner_residual=None):
+            plan = plan_of()
+            if plan.kind != "two_stage":
+                return received if owner_residual is None else (received, owner_residual)
             start = time.perf_counter()
             total = np.array(own, dtype=np.float32)
             owner_residual = None if owner_residual is None else owner_residual.copy()
@@ -156,14 +159,13 @@ class PayloadCompressor(CompressorBase):
             payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step], tf.uint8,
                                         stateful=False, name="horovod_qsgd_encode_sum")
         else:
-            payload, new_owner = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step,
-                                                                    owner_var.read_value()],
+            payload, new_owner = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step, owner_residual],
                                                    [tf.uint8, tf.float32], stateful=False,
                                                    name="horovod_qsgd_encode_sum")
             new_owner.set_shape(owner_var.shape)
             ctx.pending.append((owner_var, new_owner))
         payload.set_shape([None])
-        return hvd.allgather(payload, name=op_name(plan.second_stage_name), process_set=ctx.process_set)
+        return hvd.allgather(payload, name=op_name(collective_name), process_set=ctx.process_set)
 
     # -- Horovod Elastic: one traced function, worlds of any size ------------------------------
     # Horovod Elastic resets the ranks under a tf.function traced once, so the graph cannot hold a plan: every
@@ -189,7 +191,8 @@ class PayloadCompressor(CompressorBase):
         """
         stats, unit = self._runtime.stats, chunk_unit(self.codec)
         ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, None, step=step.value,
-                              step_variable=step.variable, live_plan=self._live_plan)
+                              step_variable=step.variable, process_set=hvd.global_process_set,
+                              live_plan=self._live_plan)
         ctx.numel, ctx.uncompressed_nbytes, ctx.placeholder_nbytes = (step.numel, step.numel * tensor.dtype.size,
                                                                       placeholder_dtype.size)
         residual_var = owner_var = layout_var = None
@@ -246,46 +249,22 @@ class PayloadCompressor(CompressorBase):
                                lambda: hvd.alltoall(payload, splits=splits, name=name)[0], lambda: payload)
         return tf.cast(one, placeholder_dtype), ctx
 
-    def _second_stage_in_any_world(self, ctx):
-        """The owner's re-encoded sum (two stages) or this rank's payload (allgather), allgathered."""
-        stats, refusals = self._runtime.stats, self._runtime.refusals
-
-        def sum_and_encode(received, own, step_value, owner_residual=None):
-            plan = self._live_plan(ctx)
-            if plan.kind != "two_stage":
-                return received if owner_residual is None else (received, owner_residual)
-            start = time.perf_counter()
-            total = np.array(own, dtype=np.float32)
-            owner_residual = None if owner_residual is None else owner_residual.copy()
-            out = np.zeros(plan.owned_capacity(), dtype=np.uint8)
-            used, refusal = plan.sum_and_encode(received, total, out, int(step_value), owner_residual)
-            if refusal is not None:
-                refusals[plan.name] = refusal
-            stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-            return out[:used] if owner_residual is None else (out[:used], owner_residual)
-
-        if ctx.owner_variable is None:
-            payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step], tf.uint8,
-                                        stateful=False, name="horovod_qsgd_encode_sum_any_world")
-        else:
-            payload, new_owner = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step,
-                                                                    ctx.owner_residual],
-                                                   [tf.uint8, tf.float32], stateful=False,
-                                                   name="horovod_qsgd_encode_sum_any_world")
-            new_owner.set_shape([None])
-            ctx.pending.append((ctx.owner_variable, new_owner))
-        payload.set_shape([None])
-        return hvd.allgather(payload, name=op_name(SECOND_STAGE_PREFIX + ctx.name))
-
     @adapter_method
     def decompress(self, tensor, ctx):
         if ctx is PASS_THROUGH:
             return tensor
         stats, refusals = self._runtime.stats, self._runtime.refusals
         if ctx.live_plan is not None:
-            gathered = self._second_stage_in_any_world(ctx)
+            gathered = self._second_stage(ctx, lambda: ctx.live_plan(ctx), ctx.owner_variable, ctx.owner_residual,
+                                          SECOND_STAGE_PREFIX + ctx.name)
+        elif ctx.plan.kind == "two_stage":
+            plan = ctx.plan
+            owner_var = self._owner_residual_variable(plan) if self.error_feedback else None
+            gathered = self._second_stage(ctx, lambda: plan, owner_var,
+                                          None if owner_var is None else owner_var.read_value(),
+                                          plan.second_stage_name)
         else:
-            gathered = self._second_stage(ctx) if ctx.plan.kind == "two_stage" else ctx.gathered
+            gathered = ctx.gathered
 
         def decode(gathered, placeholder):
             plan = ctx.plan if ctx.plan is not None else ctx.live_plan(ctx)
