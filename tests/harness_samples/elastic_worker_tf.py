@@ -1,49 +1,24 @@
-"""The TensorFlow twin of ``elastic_worker.py`` (tests/tensorflow/test_elastic.py): 3 ranks, one lost, 2, 3.
+"""One TensorFlow worker of an elastic job (tests/tensorflow/test_elastic.py): 3 ranks, one lost, 2, 3.
 
-One tf-keras model holds, for each ``exchange`` ("auto", "two_stage"), an
-MLP trained on random batches with QSGD and a vector ``w`` whose gradient is
-a random vector ``c(step, rank)`` sent with top-k and error feedback; each
-part has its own ``hvd.DistributedGradientTape`` and compressor, and one
-SGD optimizer applies them all. The step is one ``tf.function`` traced once
-per process: after a reset it runs on a world of another size.
-
-The worker on the host that is not ``localhost`` kills itself with SIGKILL
-at step ``KILL_AT`` (once per job: a marker file). Every worker appends
-per-step records to ``<out>/<pid>.jsonl`` and after each commit writes the
-top-k accounting to ``<out>/<pid>.npz`` (see elastic_worker.py).
-``ELASTIC_REJOIN_RATIO``: the re-added worker's top-k ratio.
+Run by ``horovodrun --min-np 2 --max-np 3 --host-discovery-script ...``; the
+job, its records and its accounting are ``elastic_script.py``'s. One
+tf-keras model holds, for each ``exchange`` ("auto", "two_stage"), an MLP
+trained on random batches with QSGD and a vector ``w`` whose gradient is a
+random vector ``c(step, rank)`` sent with top-k and error feedback; each part
+has its own ``hvd.DistributedGradientTape`` and compressor, and one SGD
+optimizer applies them all. The step is one ``tf.function`` traced once per
+process: after a reset it runs on a world of another size (records carry its
+trace count).
 """
 import hashlib
-import json
-import os
-import signal
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
+from elastic_script import EXCHANGES, VECTOR_NUMEL, Worker, topk_ratio
 from horovod_qsgd.tensorflow import QSGD, TopK, elastic
-
-STEPS, KILL_AT, STEPS_AFTER_REJOIN, GIVE_UP_AT = 12, 4, 3, 300
-VECTOR_NUMEL = 70_000  # above exchange="auto"'s two-stage threshold at 3 ranks
-RATIO = 0.05
-EXCHANGES = ("auto", "two_stage")
-
-
-def residual_mass(compressor, numel):
-    """The top-k compressor's residual plus its owner-side residual placed at its chunk (float64)."""
-    from horovod_qsgd.common.two_stage import chunk_bounds
-    mass = np.zeros(numel)
-    for entry in compressor.state_dict()["tensors"].values():
-        if entry["residual"] is not None:
-            mass += entry["residual"]
-        if entry.get("owner_residual") is not None:
-            ranks, rank = entry["owner_layout"]
-            begin, end = chunk_bounds(numel, ranks, 1)[rank]
-            mass[begin:end] += entry["owner_residual"]
-    return mass
 
 
 class Parts(tf.keras.Model):
@@ -61,9 +36,7 @@ class Parts(tf.keras.Model):
 
 def main(out):
     hvd.init()
-    marker = os.path.join(out, "killed")
-    rejoined = os.path.exists(marker)
-    ratio = float(os.environ.get("ELASTIC_REJOIN_RATIO", RATIO)) if rejoined else RATIO
+    ratio = topk_ratio(out)
     tf.keras.utils.set_random_seed(0)
     model = Parts()
     optimizer = tf.keras.optimizers.SGD(learning_rate=0.01)
@@ -76,7 +49,7 @@ def main(out):
                                          step=0, after_rejoin=0)
 
     @tf.function
-    def train_step(x, y, c):
+    def step_function(x, y, c):
         grads_and_vars, received = [], {}
         for exchange in EXCHANGES:
             mlp, w = model.mlps[exchange], model.vectors[exchange]
@@ -91,62 +64,22 @@ def main(out):
             (grad,) = hvd.DistributedGradientTape(tape, compression=compressors[f"topk_{exchange}"]).gradient(
                 loss, [w])
             grads_and_vars.append((grad, w))
-            received[exchange] = grad  # the average: sum / ranks
+            received[f"topk_{exchange}"] = grad
         optimizer.apply_gradients(grads_and_vars)
         return received
 
-    log = open(os.path.join(out, f"{os.getpid()}.jsonl"), "a")
-    accounting = {f"topk_{e}.{field}": np.zeros(VECTOR_NUMEL) for e in EXCHANGES for field in ("contributed", "received")}
-    committed = {}
-
-    def record(**fields):
-        log.write(json.dumps(dict(fields, pid=os.getpid(), size=hvd.size(), rank=hvd.rank(),
-                                  traces=train_step.experimental_get_tracing_count())) + "\n")
-        log.flush()
+    def train_step(step, rank):
+        rng = np.random.default_rng(1000 * step + rank)
+        x = rng.standard_normal((16, 32), dtype=np.float32)
+        y = rng.integers(0, 4, 16)
+        c = rng.standard_normal(VECTOR_NUMEL, dtype=np.float32)
+        return c, {k: v.numpy() for k, v in step_function(x, y, c).items()}
 
     def digest():
         return hashlib.sha1(b"".join(v.numpy().tobytes() for v in model.variables)).hexdigest()
 
-    def save_accounting():
-        path = os.path.join(out, f"{os.getpid()}.npz")
-        np.savez(path + ".tmp.npz", **accounting,
-                 **{f"topk_{e}.residual": residual_mass(compressors[f"topk_{e}"], VECTOR_NUMEL) for e in EXCHANGES})
-        os.replace(path + ".tmp.npz", path)
-
-    def on_reset():
-        accounting.update({k: v.copy() for k, v in committed.items()})
-        record(event="reset", steps={k: c.step_counters() for k, c in compressors.items()})
-
-    state.register_reset_callbacks([on_reset])
-
-    @elastic.run
-    def train(state):
-        while state.step < STEPS or state.after_rejoin < STEPS_AFTER_REJOIN:
-            if state.step >= GIVE_UP_AT:
-                raise RuntimeError("no worker rejoined")
-            if os.environ["HOROVOD_HOSTNAME"] != "localhost" and state.step == KILL_AT \
-                    and not os.path.exists(marker):
-                open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
-            rng = np.random.default_rng(1000 * state.step + hvd.rank())
-            x = rng.standard_normal((16, 32), dtype=np.float32)
-            y = rng.integers(0, 4, 16)
-            c = rng.standard_normal(VECTOR_NUMEL, dtype=np.float32)
-            received = train_step(x, y, c)
-            for exchange in EXCHANGES:
-                accounting[f"topk_{exchange}.contributed"] += c
-                accounting[f"topk_{exchange}.received"] += received[exchange].numpy()
-            record(step=state.step, digest=digest(), steps={k: c.step_counters() for k, c in compressors.items()})
-            state.step += 1
-            if hvd.size() == 3 and os.path.exists(marker):
-                state.after_rejoin += 1
-            committed.update({k: v.copy() for k, v in accounting.items()})
-            save_accounting()
-            state.commit()
-            time.sleep(0.2)
-
-    train(state)
-    record(event="done")
+    Worker(out, hvd, compressors, digest, extra=lambda: {"traces": step_function.experimental_get_tracing_count()}
+           ).run(elastic.run, state, train_step)
 
 
 if __name__ == "__main__":
