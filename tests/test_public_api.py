@@ -2,7 +2,7 @@
 import pytest
 
 NAMES = {"QSGD", "TopK", "RandomK", "FP16", "NoCompression", "CompressionMismatchError",
-         "UnsupportedCollectiveError", "PayloadError", "set_cpu_threads", "cpu_threads"}
+         "UnsupportedCollectiveError", "PayloadError", "set_cpu_threads", "cpu_threads", "Join"}
 
 
 @pytest.mark.parametrize("adapter_name", ["torch", "tensorflow"])

@@ -17,6 +17,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
                       "scripts/setup.sh (it builds Horovod 0.28.1 for TF 2.21).") from exc
 
 from horovod_qsgd.tensorflow.compression import QSGD, RandomK, TopK  # noqa: E402
+from horovod_qsgd.tensorflow.join import Join  # noqa: E402
 from horovod_qsgd.codecs.header import PayloadError  # noqa: E402
 from horovod_qsgd.common.errors import CompressionMismatchError, UnsupportedCollectiveError  # noqa: E402
 from horovod_qsgd.kernels import cpu_threads, set_cpu_threads  # noqa: E402
@@ -25,6 +26,6 @@ from horovod_qsgd.kernels import cpu_threads, set_cpu_threads  # noqa: E402
 NoCompression = _hvd.Compression.none
 FP16 = _hvd.Compression.fp16
 
-__all__ = ["QSGD", "TopK", "RandomK", "FP16", "NoCompression",
+__all__ = ["QSGD", "TopK", "RandomK", "FP16", "NoCompression", "Join",
            "CompressionMismatchError", "UnsupportedCollectiveError", "PayloadError",
            "set_cpu_threads", "cpu_threads"]

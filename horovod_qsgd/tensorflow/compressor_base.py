@@ -359,6 +359,21 @@ class CompressorBase(tf.Module):
         with self._runtime.lock:
             return {name: int(var.numpy()) for name, var in self._steps.items()}
 
+    def shadowing_flag(self):
+        """The variable :class:`horovod_qsgd.tensorflow.Join` sets while this rank shadows the others' steps.
+
+        Made on the first call, which must come before the compressor's first
+        tensor: a function traced earlier would not read it.
+        """
+        if self._runtime.shadowing is None:
+            if self._runtime.used:
+                raise RuntimeError(
+                    "horovod_qsgd: make the Join before the compressor's first step: the functions traced "
+                    "so far cannot zero this rank's gradients once it runs out of data. Create "
+                    "Join(train_step, compression) right after the compressor.")
+            self._runtime.shadowing = _new_variable(False, "horovod_qsgd_join_shadowing", tf.bool)
+        return self._runtime.shadowing
+
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a scalar tensor; works in
         ``tf.function``): call it with new / old loss scale when a loss scaler changes its scale (see
@@ -474,6 +489,10 @@ class CompressorBase(tf.Module):
         if (not tensor.shape.is_fully_defined() and variable_shape is not None and variable_shape.is_fully_defined()
                 and tensor.shape.is_compatible_with(variable_shape)):
             tensor = tf.ensure_shape(tensor, variable_shape)
+        self._runtime.used = True
+        if self._runtime.shadowing is not None:
+            # A rank out of data contributes zeros (tf.where: a multiplication by 0 would keep NaN).
+            tensor = tf.where(self._runtime.shadowing, tf.zeros_like(tensor), tensor)
         if self._passes_through(tensor):
             return site, None, tensor
         self._check_site(site)
@@ -493,6 +512,8 @@ class _Runtime:
         self.pass_through_counters = []
         self.refusals = {}  # tensor name -> the mismatch this rank found in a first stage, raised when decoding
         self.live_plans = {}  # (tensor name, ranks, rank) -> its plan, in an elastic job
+        self.shadowing = None  # horovod_qsgd.tensorflow.Join's flag: True while this rank has no data
+        self.used = False  # compress has run (or been traced)
 
 
 class _PassThroughCounter:
