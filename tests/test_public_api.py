@@ -2,7 +2,8 @@
 import pytest
 
 NAMES = {"QSGD", "TopK", "RandomK", "FP16", "NoCompression", "CompressionMismatchError",
-         "UnsupportedCollectiveError", "PayloadError", "set_cpu_threads", "cpu_threads", "Join"}
+         "UnsupportedCollectiveError", "PayloadError", "set_cpu_threads", "cpu_threads", "Join",
+         "JoinUnsupportedError"}
 
 
 @pytest.mark.parametrize("adapter_name", ["torch", "tensorflow"])

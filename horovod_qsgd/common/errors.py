@@ -28,3 +28,19 @@ def elastic_process_set_unsupported(tensor_name):
     return (f"horovod_qsgd: tensor {tensor_name!r} is reduced within a process set in a Horovod Elastic job; there "
             "the TensorFlow compressors follow the global set only (their plans follow hvd.size() and hvd.rank() "
             "as the world changes). Reduce it over all ranks, or send it uncompressed (min_numel above its size).")
+
+
+class JoinUnsupportedError(UnsupportedCollectiveError):
+    """``hvd.join()`` was called while our compressors exchange payloads (Horovod's join answers allreduces only)."""
+
+    __init__ = Exception.__init__
+
+
+def hvd_join_refused(join_class, joined_ranks, num_ranks):
+    """The error every rank raises when ``hvd.join()`` meets compressed payloads: ``joined_ranks`` of
+    ``num_ranks`` called it while the others were still in a step."""
+    return (f"horovod_qsgd: hvd.join() was called on {joined_ranks} of {num_ranks} ranks while the others were "
+            "still training: Horovod's join answers the others' allreduces with zeros but not the allgathers "
+            "and alltoalls that carry QSGD's and TopK's payloads (its background loop would die and the job "
+            f"with it). For uneven inputs use {join_class}; hvd.join() works where every rank calls it after "
+            "the same number of steps.")

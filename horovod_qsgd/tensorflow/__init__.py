@@ -19,7 +19,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from horovod_qsgd.tensorflow.compression import QSGD, RandomK, TopK  # noqa: E402
 from horovod_qsgd.tensorflow.join import Join  # noqa: E402
 from horovod_qsgd.codecs.header import PayloadError  # noqa: E402
-from horovod_qsgd.common.errors import CompressionMismatchError, UnsupportedCollectiveError  # noqa: E402
+from horovod_qsgd.common.errors import (CompressionMismatchError, JoinUnsupportedError,  # noqa: E402
+                                         UnsupportedCollectiveError)
 from horovod_qsgd.kernels import cpu_threads, set_cpu_threads  # noqa: E402
 
 #: Horovod's own compressors, re-exported so a comparison needs one import.
@@ -27,5 +28,5 @@ NoCompression = _hvd.Compression.none
 FP16 = _hvd.Compression.fp16
 
 __all__ = ["QSGD", "TopK", "RandomK", "FP16", "NoCompression", "Join",
-           "CompressionMismatchError", "UnsupportedCollectiveError", "PayloadError",
+           "CompressionMismatchError", "UnsupportedCollectiveError", "JoinUnsupportedError", "PayloadError",
            "set_cpu_threads", "cpu_threads"]

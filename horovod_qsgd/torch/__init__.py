@@ -13,7 +13,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from horovod_qsgd.torch.compression import QSGD, RandomK, TopK  # noqa: E402
 from horovod_qsgd.codecs.header import PayloadError  # noqa: E402
-from horovod_qsgd.common.errors import CompressionMismatchError, UnsupportedCollectiveError  # noqa: E402
+from horovod_qsgd.common.errors import (CompressionMismatchError, JoinUnsupportedError,  # noqa: E402
+                                         UnsupportedCollectiveError)
 from horovod_qsgd.kernels import cpu_threads, set_cpu_threads  # noqa: E402
 from horovod_qsgd.torch.elastic import register_state_handler as _register_state_handler  # noqa: E402
 from horovod_qsgd.torch.join import Join  # noqa: E402
@@ -26,5 +27,5 @@ NoCompression = _hvd.Compression.none
 FP16 = _hvd.Compression.fp16
 
 __all__ = ["QSGD", "TopK", "RandomK", "FP16", "NoCompression", "Join", "SwarmOptimizer",
-           "CompressionMismatchError", "UnsupportedCollectiveError", "PayloadError",
+           "CompressionMismatchError", "UnsupportedCollectiveError", "JoinUnsupportedError", "PayloadError",
            "set_cpu_threads", "cpu_threads"]

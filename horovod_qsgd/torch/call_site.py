@@ -34,6 +34,9 @@ class CallSite:
     # uncompressed gradient overwrites it): decoding into the gradient's own memory is safe there.
     # hvd.allreduce must leave its input alone.
     result_replaces_input: bool = False
+    # Horovod's scaling around the sum, as the allreduce was asked for it (hvd.join()'s refusal repeats it).
+    prescale_factor: float = 1.0
+    postscale_factor: float = 1.0
 
 
 def _from_optimizer(owner, param):
@@ -42,8 +45,10 @@ def _from_optimizer(owner, param):
         return None
     # Horovod's Adasum optimizer (op=hvd.Adasum) is the one distributed optimizer without .op and
     # .process_set: it always reduces with Adasum, over all ranks.
-    return CallSite(name, getattr(owner, "op", hvd.Adasum), getattr(owner, "process_set", hvd.global_process_set),
-                    result_replaces_input=True)
+    op = getattr(owner, "op", hvd.Adasum)
+    predivide = getattr(owner, "gradient_predivide_factor", 1.0) if op == hvd.Average else 1.0
+    return CallSite(name, op, getattr(owner, "process_set", hvd.global_process_set), result_replaces_input=True,
+                    prescale_factor=1.0 / predivide, postscale_factor=predivide)
 
 
 def _from_mpi_ops(code_name, local_vars, element):
@@ -55,7 +60,9 @@ def _from_mpi_ops(code_name, local_vars, element):
         tensors = local_vars["tensors"]
         index = next(i for i, t in enumerate(tensors) if t is element)
         name = f"{name}.{index}"
-    return CallSite(name, op, local_vars.get("process_set", hvd.global_process_set))
+    return CallSite(name, op, local_vars.get("process_set", hvd.global_process_set),
+                    prescale_factor=local_vars.get("prescale_factor", 1.0),
+                    postscale_factor=local_vars.get("postscale_factor", 1.0))
 
 
 def find_call_site(tensor):

@@ -55,6 +55,7 @@ from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
+from horovod_qsgd.torch.join import note_allreduce, refuse_if_a_rank_joined, take_over_hvd_join
 
 _PASS_THROUGH = object()
 _payload_compressors_built = itertools.count()
@@ -117,6 +118,10 @@ class _InFlight:
 
 class _CompressorBase:
     """Settings handshake, per-tensor state, checkpoints and statistics shared by all compressors."""
+
+    # What hvd.join() sends in place of this compressor's tensor (horovod_qsgd.torch.join): zeros, as
+    # Horovod's join does, for a tensor that is summed as it is.
+    _join_stand_in = 0.0
 
     @property
     def error_feedback(self):
@@ -274,7 +279,9 @@ class _CompressorBase:
         refuse_adasum(site)
         self._handshake(site.process_set)
         if self._passes_through(tensor):
-            return self._pass_through(tensor)
+            sent, ctx = self._pass_through(tensor)
+            note_allreduce(site, sent, 0.0)
+            return sent, ctx
         check_site(site)
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
@@ -284,6 +291,7 @@ class _CompressorBase:
         residual = None if state.residual is None else state.residual.clone()
         with kernel_stream(tensor.device):
             sent, handle = self._encode(tensor, flat, site, state.step, residual)
+        note_allreduce(site, sent, self._join_stand_in)
         out = flat if site.result_replaces_input and flat.data_ptr() == tensor.data_ptr() else None
         ctx = self._make_context(handle, site, tensor, state, out, residual)
         state.step += 1
@@ -434,6 +442,14 @@ class PayloadCompressor(_CompressorBase):
         self._fusion_namespace = f"compressor{next(_payload_compressors_built)}."
         self._forget_exchanges()
 
+    # A placeholder's NaN tells a rank in a step that a rank is in hvd.join() (every rank in a step sends 1).
+    _join_stand_in = float("nan")
+
+    def decompress(self, tensor, ctx):
+        if self._passed_through(tensor, ctx) is None:
+            refuse_if_a_rank_joined(tensor)  # before waiting for a payload the joined rank will not send
+        return super().decompress(tensor, ctx)
+
     def _forget_exchanges(self):
         self._fuser = Fuser(self.fusion_threshold, self._fusion_namespace)
         self._first_stages = []  # groups whose alltoall started and whose second stage did not
@@ -442,6 +458,7 @@ class PayloadCompressor(_CompressorBase):
         return dict(super().settings(), exchange=self.exchange, fusion_threshold=self.fusion_threshold)
 
     def _encode(self, tensor, flat, site, step, residual):
+        take_over_hvd_join()  # from the first payload on, which Horovod's join could not answer
         placeholder = self._placeholder(tensor)
         plan = self._engine.plan(site.name, flat.numel(), site.process_set.size(), site.process_set.rank(),
                                  tensor.numel() * tensor.element_size(), placeholder.element_size())

@@ -2,8 +2,10 @@ r"""Uneven inputs with compressed gradients: a rank that runs out of data shadow
 
 Horovod's ``hvd.join()`` lets a rank that has finished answer the others'
 allreduces with zeros, but it cannot answer an allgather or an alltoall:
-with payload compression the coordinator's background loop dies
-(``unordered_map::at``) and the job with it. :class:`Join` does what
+with payload compression the joined rank's background loop dies
+(``unordered_map::at``) and the job with it; once a payload has been
+compressed, ``hvd.join()`` is therefore replaced by a refusal on every rank
+(see the end of this module). :class:`Join` does what
 PyTorch's ``torch.distributed.algorithms.Join`` does for DDP, with the
 optimizer's own collectives::
 
@@ -32,10 +34,20 @@ waited for after the gradients, so it adds no round trip in front of them.
 A block left by an exception does not shadow (the others would wait for
 steps it cannot take); the exception propagates.
 """
+import threading
+import time
+from dataclasses import dataclass
+
 import horovod.torch as hvd
+import horovod.torch.mpi_ops as mpi_ops
 import torch
 
+from horovod_qsgd.common.errors import JoinUnsupportedError, hvd_join_refused
+
 JOIN_FLAG_NAME = "horovod_qsgd.join.active_ranks"
+JOIN_CHECK_NAME = "horovod_qsgd.join.ranks_in_hvd_join"
+JOIN_CLASS = "horovod_qsgd.torch.Join(optimizer)"
+REFUSAL_TIMEOUT_SECONDS = 300
 
 
 class Join:
@@ -99,3 +111,103 @@ class Join:
             with optimizer.skip_synchronize():
                 optimizer.step()
             self.shadow_steps += 1
+
+
+# -- hvd.join() with compressed payloads ------------------------------------------------------------------
+# Horovod's join cannot answer an allgather or an alltoall (with its response cache the joined rank's
+# background loop dies), so once a payload compressor runs, hvd.join() is ours:
+# 1. The joining rank repeats every allreduce the compressors handed Horovod (by name, shape, op, scaling):
+#    a payload's placeholder as NaN, anything else as zeros. A rank still in a step gets them, finds NaN
+#    where its placeholder's sum should be and, before it waits for any payload, adds 0 to a check allreduce.
+# 2. The joining rank adds 1 to the same check. Its sum is the number of ranks in hvd.join(): all of them
+#    when every rank ran out of data together (then Horovod's own join runs, with nothing left to answer),
+#    fewer when a rank was still training: then every rank raises JoinUnsupportedError naming the fix.
+# No rank waits for a collective another rank will not start, except past REFUSAL_TIMEOUT_SECONDS when a
+# rank is in neither a step nor hvd.join() (a collective of its own, or a step whose allreduces did not pass
+# the compressors under their names: the optimizer's groups=) or reaches hvd.join() that much later than
+# the first: then the joining rank raises alone, and the others meet Horovod's shutdown when it exits.
+
+
+@dataclass(frozen=True)
+class _Allreduce:
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    op: object
+    prescale_factor: float
+    postscale_factor: float
+    process_set: object
+    marker: float  # what hvd.join() sends in its place
+
+
+_allreduces = {}  # name -> the latest _Allreduce of that name
+_allreduces_lock = threading.Lock()
+_horovod_join = None
+
+
+def note_allreduce(site, sent, marker):
+    """Remembers the allreduce Horovod runs next on ``sent`` for ``site`` (``marker``: hvd.join()'s stand-in)."""
+    if site.name is None:
+        return
+    with _allreduces_lock:
+        _allreduces[site.name] = _Allreduce(tuple(sent.shape), sent.dtype, sent.device, site.op,
+                                            site.prescale_factor, site.postscale_factor, site.process_set, marker)
+
+
+def take_over_hvd_join():
+    """Makes ``hvd.join()`` refuse compressed payloads on every rank (see above); called by payload compressors."""
+    global _horovod_join
+    if _horovod_join is not None:
+        return
+    with _allreduces_lock:
+        if _horovod_join is None:
+            _horovod_join = mpi_ops.join
+            hvd.join = mpi_ops.join = _join_refusing_payloads
+
+
+def refuse_if_a_rank_joined(placeholder):
+    """Raises JoinUnsupportedError on a rank in a step if a rank in hvd.join() sent this placeholder (NaN)."""
+    if not torch.isnan(placeholder.reshape(-1)[0]):  # every rank in a step sends 1
+        return
+    joined = hvd.allreduce(torch.zeros(1, dtype=torch.int32), name=JOIN_CHECK_NAME, op=hvd.Sum)
+    _refused(int(joined[0]))
+
+
+def _refused(joined_ranks):
+    # What was recorded belongs to the refused steps: a later hvd.join() (a new model) must not repeat it,
+    # nor start again a name whose stand-in no one answered.
+    with _allreduces_lock:
+        _allreduces.clear()
+    raise JoinUnsupportedError(hvd_join_refused(JOIN_CLASS, joined_ranks, hvd.size()))
+
+
+def _wait(handle, deadline):
+    while not hvd.poll(handle):
+        if time.monotonic() > deadline:
+            raise JoinUnsupportedError(
+                f"horovod_qsgd: hvd.join() waited {REFUSAL_TIMEOUT_SECONDS} s for the other ranks, which are "
+                "neither in a training step nor in hvd.join(). With compressed payloads every rank must call "
+                f"hvd.join() after the same number of steps; for uneven inputs use {JOIN_CLASS}.")
+        time.sleep(0.002)
+    try:
+        return hvd.synchronize(handle)
+    except hvd.HorovodInternalError as exc:  # a rank still in a step raised and left
+        raise JoinUnsupportedError(hvd_join_refused(JOIN_CLASS, "some", hvd.size())) from exc
+
+
+def _join_refusing_payloads(device=-1):
+    """``hvd.join()`` while payload compressors run; see the comment above."""
+    with _allreduces_lock:
+        allreduces = list(_allreduces.items())
+    deadline = time.monotonic() + REFUSAL_TIMEOUT_SECONDS
+    stand_ins = [hvd.allreduce_async_(torch.full(a.shape, a.marker, dtype=a.dtype, device=a.device), name=name,
+                                      op=a.op, prescale_factor=a.prescale_factor,
+                                      postscale_factor=a.postscale_factor, process_set=a.process_set)
+                 for name, a in allreduces]
+    joined = int(_wait(hvd.allreduce_async(torch.ones(1, dtype=torch.int32), name=JOIN_CHECK_NAME, op=hvd.Sum),
+                       deadline)[0])
+    if joined < hvd.size():
+        _refused(joined)
+    for handle in stand_ins:  # every rank repeated the same allreduces
+        _wait(handle, deadline)
+    return _horovod_join(device)

@@ -78,3 +78,52 @@ def test_join_trains_uneven_inputs_like_zero_gradient_steps_on_two_ranks(hvd_tor
 @pytest.mark.ranks(3, timeout=300, env={"HOROVOD_FUSION_THRESHOLD": "0"})
 def test_join_trains_uneven_inputs_like_zero_gradient_steps_on_three_ranks(hvd_torch):
     _check_join(hvd_torch)
+
+
+def _hvd_join_after(hvd, kind, exchange, steps):
+    """Trains ``steps`` steps with names of the case's own, then calls hvd.join()."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.ReLU(), torch.nn.Linear(200, 10))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=[(f"{kind}.{exchange}.{name}", p) for name, p in model.named_parameters()],
+        compression=_compressor(hvd, kind, exchange))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(16, 100)).sum().backward()
+        optimizer.step()
+    return model, hvd.join()
+
+
+def _check_hvd_join(hvd):
+    import torch
+    from horovod_qsgd.torch import JoinUnsupportedError
+    size, rank = hvd.size(), hvd.rank()
+    # Even inputs: every rank calls hvd.join() after the same steps, as before, and gets Horovod's answer.
+    model, last_joined = _hvd_join_after(hvd, "qsgd", "auto", 3)
+    assert 0 <= last_joined < size
+    rows = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()])[None], name="even.check")
+    assert all(torch.equal(rows[0], row) for row in rows)
+    # Uneven inputs. The ranks still training are left with payloads no one will answer: Horovod's own join
+    # would meet them, so these cases come last.
+    for kind, exchange in [("qsgd", "allgather"), ("topk", "two_stage")]:
+        # Every rank but the last runs out of data after 2 steps; the last is in its third step.
+        with pytest.raises(JoinUnsupportedError) as info:
+            _hvd_join_after(hvd, kind, exchange, 2 if rank < size - 1 else 3)
+        message = str(info.value)
+        assert f"hvd.join() was called on {size - 1} of {size} ranks" in message, message
+        assert "horovod_qsgd.torch.Join(optimizer)" in message, message
+        # Horovod's background loop lives on: the job can still end in order.
+        alive = hvd.allreduce(torch.ones(1), name=f"alive.{kind}.{exchange}", op=hvd.Sum)
+        assert int(alive[0]) == size
+
+
+@pytest.mark.ranks(2, timeout=240)
+def test_hvd_join_with_payloads_is_refused_on_every_rank_and_works_with_even_inputs_on_two_ranks(hvd_torch):
+    _check_hvd_join(hvd_torch)
+
+
+@pytest.mark.ranks(3, timeout=300)
+def test_hvd_join_with_payloads_is_refused_on_every_rank_and_works_with_even_inputs_on_three_ranks(hvd_torch):
+    _check_hvd_join(hvd_torch)
