@@ -109,6 +109,7 @@ class _PayloadState:
         self._residuals = {}        # key -> flat float32 residual (error feedback)
         self._spilled = {}          # key -> owner-residual mass moved here, added at the parameter's next read
         self._owner_residuals = {}  # bucket index -> _OwnerResidual
+        self._shard_residuals = {}  # node-aware: bucket index -> _OwnerResidual of this rank's node-summed shard
         self._waiting = None        # a two-stage bucket whose second stage is not started yet
 
     @property
@@ -138,7 +139,8 @@ class _PayloadState:
                 residuals[key] += spilled
             return dict(state_header(type(self).__name__, self.settings()), iteration=self.iteration,
                         residuals=residuals,
-                        owner_residuals={index: o.as_dict() for index, o in self._owner_residuals.items()})
+                        owner_residuals={index: o.as_dict() for index, o in self._owner_residuals.items()},
+                        shard_residuals={index: o.as_dict() for index, o in self._shard_residuals.items()})
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
@@ -149,6 +151,8 @@ class _PayloadState:
             self._spilled = {}
             self._owner_residuals = {int(index): _OwnerResidual.from_dict(o)
                                      for index, o in state["owner_residuals"].items()}
+            self._shard_residuals = {int(index): _OwnerResidual.from_dict(o)
+                                     for index, o in state.get("shard_residuals", {}).items()}
 
     # -- per bucket -------------------------------------------------------------------------
     def _handshake(self, group):
@@ -193,12 +197,51 @@ class _PayloadState:
     def _spill_stale_owner_residual(self, index, layout, plan):
         """Moves the owner-side residual of bucket ``index`` into its parameters' residuals unless this call's
         bucket (``layout``; ``plan`` None when it passes through) is the one it was kept for. Done before the
-        bucket's first stage reads any residual, so the mass is sent by the next read of each parameter."""
+        bucket's first stage reads any residual, so the mass is sent by the next read of each parameter.
+        A bucket that passes through spills a node-aware shard residual too."""
         with self._lock:
             saved = self._owner_residuals.get(index)
             if saved is not None and not (plan is not None and saved.fits(layout, plan)):
                 saved.spill(self._spilled, self._residuals)
                 del self._owner_residuals[index]
+            if plan is None and index in self._shard_residuals:
+                self._shard_residuals.pop(index).spill(self._spilled, self._residuals)
+
+    def _kept_residual(self, store, index, layout, owned, device):
+        """A fresh copy of what ``store`` (a dict of _OwnerResidual by bucket index) keeps of bucket ``index``
+        for staged range ``owned`` (zeros at first). One kept for another layout or range (DDP rebuilt the
+        bucket, the exchange changed) is spilled into its parameters' residuals first."""
+        with self._lock:
+            saved = store.get(index)
+            if saved is not None and (saved.layout != [tuple(p) for p in layout] or saved.owned != tuple(owned)):
+                saved.spill(self._spilled, self._residuals)
+                saved = None
+            if saved is None:
+                saved = store[index] = _OwnerResidual(
+                    layout, owned, torch.zeros(owned[1] - owned[0], dtype=torch.float32, device=device))
+            return saved.residual.to(device).clone()
+
+    def _take_parameter_residuals(self, layout, staged_numel, device):
+        """The node-aware exchange keeps error feedback per shard: residuals left per parameter (spilled by a
+        rebuild) join this rank's gradient once, staged (None if there are none); (staged, restore)."""
+        with self._lock:
+            taken = {key: (self._residuals.pop(key, None), self._spilled.pop(key, None)) for key, _, _ in layout}
+        taken = {key: pair for key, pair in taken.items() if pair != (None, None)}
+        if not taken:
+            return None, None
+        staged = torch.zeros(staged_numel, dtype=torch.float32, device=device)
+        for key, offset, numel in layout:
+            for part in taken.get(key, ()):
+                if part is not None:
+                    staged[offset:offset + numel] += part.to(device)
+
+        def restore():  # a step whose result is not finite keeps nothing of it
+            with self._lock:
+                for key, (residual, spilled) in taken.items():
+                    for store, part in ((self._residuals, residual), (self._spilled, spilled)):
+                        if part is not None:
+                            store[key] = part
+        return staged, restore
 
     def _owner_residual(self, index, layout, plan, device):
         """A fresh copy of the owner-side residual of bucket ``index`` (zeros at first)."""
@@ -419,33 +462,51 @@ def _node_aware(state, bucket, group, buffer, split):
     flat = split.stage(bucket_flat)
     unit = chunk_unit(state.codec)
     shard = -(-flat.numel() // (nodes.local_size * unit)) * unit
+    plan = state._engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.count,
+                              nodes.cross_rank, 4 * shard, 0)
+    base = nodes.local_rank * shard  # where this rank's shard starts in the staged tensor
+    residual = owner_residual = restore = None
+    if state.error_feedback:  # error feedback where the compression happens: on the node's sum of the shard
+        residual = state._kept_residual(state._shard_residuals, bucket.index(), split.layout,
+                                        (base, base + shard), device)
+        owners = state._owner_residuals
+        if plan.kind == "two_stage":
+            begin, end = plan.owned
+            owner_residual = state._kept_residual(owners, bucket.index(), split.layout, (base + begin, base + end),
+                                                  device)
+        elif bucket.index() in owners:  # kept for a two-stage plan this bucket no longer takes
+            with state._lock:
+                owners.pop(bucket.index()).spill(state._spilled, state._residuals)
     send = torch.zeros(nodes.local_size * shard, dtype=torch.float32, device=device)
     send[:flat.numel()] = flat
+    if state.error_feedback:  # after the spills above: what they moved is sent now
+        carried, restore = state._take_parameter_residuals(split.layout, flat.numel(), device)
+        if carried is not None:
+            send[:flat.numel()] += carried
     slices = torch.empty_like(send)
     dist.all_to_all_single(slices, send, group=nodes.local)
     node_sum = slices[:shard].clone()
     for j in range(1, nodes.local_size):  # in local-rank order: the same bits on every node
         node_sum += slices[j * shard:(j + 1) * shard]
-    plan = state._engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.count,
-                              nodes.cross_rank, 4 * shard, 0)
     out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=device)
     refusal = None
     with kernel_stream(device):
         if plan.kind == "allgather":
-            used = plan.encode(as_array(node_sum), as_array(out), step)
+            used = plan.encode(as_array(node_sum), as_array(out), step, _array(residual))
             gathered = torch.empty(nodes.count * used, dtype=torch.uint8, device=device)
             dist.all_gather_single(gathered, out[:used], group=nodes.cross)
             collectives = 3
         else:
             own = torch.empty(plan.own_numel(), dtype=torch.float32, device=device)
-            splits = plan.encode(as_array(node_sum), as_array(out), as_array(own), step)
+            splits = plan.encode(as_array(node_sum), as_array(out), as_array(own), step, _array(residual))
             arriving = [0 if sender == plan.rank else plan.first.max_payload_nbytes(plan.own_numel())
                         for sender in range(nodes.count)]
             received = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
             dist.all_to_all_single(received, out[:sum(splits)], arriving, splits, group=nodes.cross)
             capacity = plan.owned_capacity()
             owned = torch.zeros(capacity, dtype=torch.uint8, device=device)
-            _, refusal = plan.sum_and_encode(as_array(received), as_array(own), as_array(owned), step)
+            _, refusal = plan.sum_and_encode(as_array(received), as_array(own), as_array(owned), step,
+                                             _array(owner_residual))
             arriving = [plan.second.max_payload_nbytes(end - begin) for begin, end in plan.bounds]
             gathered = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
             dist.all_to_all_single(gathered, owned.repeat(nodes.count), arriving, [capacity] * nodes.count,
@@ -472,9 +533,23 @@ def _node_aware(state, bucket, group, buffer, split):
         error = RuntimeError(f"horovod_qsgd: bucket {bucket.index()} failed between nodes on local rank(s) "
                              f"{failed} of this node (their error says why); its result is not used here either")
     if error is not None:
+        if restore is not None:
+            restore()
         future.set_exception(error)
         return future
-    split.unstage(replies[:, :shard].reshape(-1)[:flat.numel()], bucket_flat)
+    result = replies[:, :shard].reshape(-1)[:flat.numel()]
+    if state.error_feedback:
+        # every rank holds the whole bucket's result: all decide alike whether the step's residuals stay
+        if bool(torch.isfinite(result).all()) if result.is_cuda else all_finite(as_array(result)):
+            with state._lock:
+                state._shard_residuals[bucket.index()].residual = residual
+                if owner_residual is not None:
+                    state._owner_residuals[bucket.index()].residual = owner_residual
+        else:
+            state._stats.add(tensors_nonfinite=1)
+            if restore is not None:
+                restore()
+    split.unstage(result, bucket_flat)
     future.set_result(buffer)
     return _with_small(future, small_future, split, bucket_flat)
 
@@ -589,11 +664,8 @@ class TopKState(_PayloadState):
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
-        if exchange == NODE_AWARE:
-            raise ValueError("horovod_qsgd: exchange='node_aware' is built for QSGDState only so far (top-k's "
-                             "error feedback would belong to each node's summed shard: not built yet); use "
-                             "exchange='auto'")
-        super().__init__(codec, codec, check_exchange(exchange), min_numel, process_group)
+        super().__init__(codec, codec, exchange if exchange == NODE_AWARE else check_exchange(exchange), min_numel,
+                         process_group)
 
 
 qsgd_hook = topk_hook = payload_hook

@@ -315,70 +315,140 @@ def test_across_two_nodes(num_ranks, dist_gloo):
         _check_against_reference(dist_gloo, class_name, kwargs)
 
 
-def _node_aware_reference(state, index, positions, step, nodes, per_node):
-    """{position: result} of a bucket under exchange='node_aware', from the codecs alone: the node sums of each
-    shard in local-rank order, exchanged among the nodes as a tensor ``ddp.bucket<i>.shard<j>`` among
-    ``nodes`` ranks, divided by N."""
-    from horovod_qsgd.common.two_stage import choose_exchange
-    codec, second = state.codec, state.second_codec
-    alignment, ranks = codec.bucket_size, nodes * per_node
-    positions = _compressed(positions)
-    xs = [_staged(_gradients(r, step), positions, alignment) for r in range(ranks)]
-    n = xs[0].size
-    shard = -(-n // (per_node * alignment)) * alignment
-    xs = [np.concatenate([x, np.zeros(per_node * shard - n, np.float32)]) for x in xs]
-    result = np.zeros(per_node * shard, np.float32)
-    for j in range(per_node):
-        part = slice(j * shard, (j + 1) * shard)
-        sums = []
-        for node in range(nodes):
-            total = xs[node * per_node][part].copy()
-            for i in range(1, per_node):
-                total += xs[node * per_node + i][part]
-            sums.append(total)
-        name = f"ddp.bucket{index}.shard{j}"
-        if choose_exchange("auto", codec, second, shard, nodes) == "two_stage":
-            total = two_stage_reference(codec, second, name, sums, step, alignment)
-        else:
-            total = np.zeros(shard, np.float32)
-            for node, x in enumerate(sums):
-                out = np.zeros(codec.max_payload_nbytes(shard), np.uint8)
-                used = codec.encode(x, out, step=step, key=zlib.crc32(f"{name}@rank{node}".encode()))
-                codec.decode_accumulate(out[:used], total)
-        result[part] = total * np.float32(1.0 / ranks)
-    return _unstaged(result[:n], positions, alignment)
+class _NodeAwareReference:
+    """The buckets under exchange='node_aware', from the codecs alone: the node sums of each shard in local-rank
+    order, exchanged among the nodes as a tensor ``ddp.bucket<i>.shard<j>`` among ``nodes`` ranks, divided by N.
+
+    Error feedback (top-k) lives where the compression happens: rank (node k, local j) keeps the residual of
+    node k's sum of shard j and, from 3 nodes, the owner residual of its chunk of that shard. When DDP rebuilt
+    a bucket, both go into that rank's per-parameter residuals where they lay, and those join its gradient
+    before the node sum, once, the next time the parameter is reduced.
+    """
+
+    def __init__(self, state, nodes, per_node):
+        self.state, self.nodes, self.per_node = state, nodes, per_node
+        self.ranks = nodes * per_node
+        self.carried = [[np.zeros(n, np.float32) for n in SIZES] for _ in range(self.ranks)] \
+            if state.error_feedback else None
+        self.kept = {}  # bucket index -> (compressed positions, shard, residuals by rank, owner residuals or None)
+
+    def bucket(self, index, positions, step):
+        """{position: the result every rank must get} of the bucket's compressed parameters."""
+        from horovod_qsgd.common.two_stage import choose_exchange
+        codec, second, nodes, per_node = self.state.codec, self.state.second_codec, self.nodes, self.per_node
+        alignment = getattr(codec, "bucket_size", 1)
+        positions = _compressed(positions)
+        xs = [_staged(_gradients(r, step), positions, alignment) for r in range(self.ranks)]
+        n = xs[0].size
+        shard = -(-n // (per_node * alignment)) * alignment
+        two_stage = choose_exchange("auto", codec, second, shard, nodes) == "two_stage"
+        if self.carried is not None:
+            self._spill_stale(index, positions, shard, two_stage)
+            for r in range(self.ranks):
+                xs[r] = xs[r] + _staged(self.carried[r], positions, alignment)
+                for i in positions:
+                    self.carried[r][i][:] = 0
+            if index not in self.kept:
+                chunks = bounds(shard, nodes, alignment)  # rank r owns chunk r // per_node of its shard
+                self.kept[index] = (positions, shard, [np.zeros(shard, np.float32) for _ in range(self.ranks)],
+                                    [np.zeros(np.subtract(*chunks[r // per_node][::-1]), np.float32)
+                                     for r in range(self.ranks)] if two_stage else None)
+            kept = self.kept[index]
+        xs = [np.concatenate([x, np.zeros(per_node * shard - n, np.float32)]) for x in xs]
+        result = np.zeros(per_node * shard, np.float32)
+        for j in range(per_node):
+            part = slice(j * shard, (j + 1) * shard)
+            holders = [node * per_node + j for node in range(nodes)]  # the ranks that hold shard j
+            sums = []
+            for node in range(nodes):
+                total = xs[node * per_node][part].copy()
+                for i in range(1, per_node):
+                    total += xs[node * per_node + i][part]
+                sums.append(total)
+            residuals = None if self.carried is None else [kept[2][r] for r in holders]
+            name = f"ddp.bucket{index}.shard{j}"
+            if two_stage:
+                owners = None if self.carried is None else [kept[3][r] for r in holders]
+                total = two_stage_reference(codec, second, name, sums, step, alignment, residuals, owners)
+            else:
+                total = np.zeros(shard, np.float32)
+                for node, x in enumerate(sums):
+                    out = np.zeros(codec.max_payload_nbytes(shard), np.uint8)
+                    used = codec.encode(x, out, step=step, key=zlib.crc32(f"{name}@rank{node}".encode()),
+                                        residual=None if residuals is None else residuals[node])
+                    codec.decode_accumulate(out[:used], total)
+            result[part] = total * np.float32(1.0 / self.ranks)
+        return _unstaged(result[:n], positions, alignment)
+
+    def passes_through(self, index):
+        """Bucket ``index`` now holds small parameters only: what was kept for it is spilled."""
+        if self.carried is not None:
+            self._spill_stale(index, [], None, False)
+
+    def _spill_stale(self, index, positions, shard, two_stage):
+        """Bucket ``index`` now holds ``positions``: what was kept for other parameters is spilled."""
+        alignment = getattr(self.state.codec, "bucket_size", 1)
+        saved = self.kept.get(index)
+        if saved is None or (saved[0], saved[1], saved[3] is not None) == (positions, shard, two_stage):
+            return
+        old_positions, old_shard, residuals, owners = self.kept.pop(index)
+        old_numel = _staged([np.zeros(n, np.float32) for n in SIZES], old_positions, alignment).size
+        for r in range(self.ranks):
+            node, j = divmod(r, self.per_node)
+            whole = np.zeros(self.per_node * old_shard, np.float32)
+            whole[j * old_shard:(j + 1) * old_shard] += residuals[r]
+            if owners is not None:
+                begin, end = bounds(old_shard, self.nodes, alignment)[node]
+                whole[j * old_shard + begin:j * old_shard + end] += owners[r]
+            for i, values in _unstaged(whole[:old_numel], old_positions, alignment).items():
+                self.carried[r][i] += values
 
 
 @pytest.mark.parametrize("nodes, per_node", [
     pytest.param(2, 2, marks=pytest.mark.ranks(4, timeout=300, launcher="torchrun-nodes:2x2")),
     pytest.param(3, 2, marks=pytest.mark.ranks(6, timeout=400, launcher="torchrun-nodes:3x2"))])
 def test_node_aware_is_the_node_sums_exchanged_between_nodes(nodes, per_node, dist_gloo):
-    """exchange='node_aware': every bucket, 3 steps through DDP's rebuild, bitwise the reference on every rank
-    (2 nodes: the nodes' allgather; 3 nodes: their two stages); small parameters get DDP's average."""
+    """exchange='node_aware', QSGD and top-k with its residuals: every bucket, 4 steps through DDP's rebuild,
+    bitwise the reference on every rank (2 nodes: the nodes' allgather; 3 nodes: their two stages); small
+    parameters get DDP's average; top-k resumed from state_dict() after 2 steps, its shard residuals at the
+    end those of the reference."""
+    import io
+
     import torch
-    from horovod_qsgd.ddp import QSGDState, qsgd_hook
+    from horovod_qsgd.ddp import QSGDState, TopKState, qsgd_hook, topk_hook
     rank, ranks = dist_gloo.get_rank(), nodes * per_node
-    state = QSGDState(bits=4, exchange="node_aware", min_numel=MIN_NUMEL)
-    ddp, calls = _ddp(torch, state, qsgd_hook)
-    for step in range(3):
-        start = len(calls)
-        got = _step(torch, ddp, rank, step)
-        for index, positions, _ in calls[start:]:
-            for i in set(positions) - set(_compressed(positions)):
-                mean = np.mean([_gradients(r, step)[i] for r in range(ranks)], axis=0)
-                assert np.allclose(got[i], mean, atol=1e-6), (step, index, i)
-            if _compressed(positions):
-                expected = _node_aware_reference(state, index, positions, step, nodes, per_node)
-                for i, values in expected.items():
-                    assert np.array_equal(got[i].view(np.uint32), values.view(np.uint32)), (step, index, i)
-    assert len({tuple(positions) for _, positions, _ in calls}) > 2, f"DDP did not rebuild: {calls}"
-    _same_on_every_rank(dist_gloo, torch, [p.grad for p in ddp.module.w])
-
-
-def test_node_aware_is_refused_for_top_k():
-    from horovod_qsgd.ddp import TopKState
-    with pytest.raises(ValueError, match="node_aware.*QSGDState only"):
-        TopKState(exchange="node_aware")
+    for make, kwargs, hook in [(QSGDState, {"bits": 4}, qsgd_hook), (TopKState, {"ratio": 0.01}, topk_hook)]:
+        state = make(exchange="node_aware", min_numel=MIN_NUMEL, **kwargs)
+        reference = _NodeAwareReference(state, nodes, per_node)
+        ddp, calls = _ddp(torch, state, hook)
+        for step in range(4):
+            if step == 2 and state.error_feedback:  # resumed from a checkpoint: the same bits go on
+                saved = io.BytesIO()
+                torch.save(state.state_dict(), saved)
+                saved.seek(0)
+                state = make(exchange="node_aware", min_numel=MIN_NUMEL, **kwargs)
+                state.load_state_dict(torch.load(saved, weights_only=False))
+                ddp, calls = _ddp(torch, state, hook)
+            start = len(calls)
+            got = _step(torch, ddp, rank, step)
+            for index, positions, _ in calls[start:]:
+                for i in set(positions) - set(_compressed(positions)):
+                    mean = np.mean([_gradients(r, step)[i] for r in range(ranks)], axis=0)
+                    assert np.allclose(got[i], mean, atol=1e-6), (step, index, i)
+                if not _compressed(positions):
+                    reference.passes_through(index)
+                else:
+                    for i, values in reference.bucket(index, positions, step).items():
+                        assert np.array_equal(got[i].view(np.uint32), values.view(np.uint32)), \
+                            (type(state).__name__, step, index, i)
+        assert len({tuple(positions) for _, positions, _ in calls}) > 2, f"DDP did not rebuild: {calls}"
+        _same_on_every_rank(dist_gloo, torch, [p.grad for p in ddp.module.w])
+        if state.error_feedback:
+            saved = state.state_dict()["shard_residuals"]
+            assert saved.keys() == reference.kept.keys()
+            for index, kept in saved.items():
+                assert np.array_equal(kept["residual"].numpy(), reference.kept[index][2][rank]), index
+                assert np.abs(kept["residual"].numpy()).sum() > 0, index
 
 
 @pytest.mark.parametrize("num_ranks", [pytest.param(4, marks=pytest.mark.ranks(4, timeout=240,
