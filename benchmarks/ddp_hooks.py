@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOKS = ["allreduce", "fp16", "powersgd-1", "powersgd-4", "qsgd-4bit", "topk-1%"]
-NODE_HOOKS = ["allreduce", "qsgd-4bit", "qsgd-4bit-node-aware", "topk-1%"]
+NODE_HOOKS = ["allreduce", "qsgd-4bit", "qsgd-4bit-node-aware", "topk-1%", "topk-1%-node-aware"]
 WARMUP, MEASURED = 3, 4
 
 
@@ -49,6 +49,8 @@ def _hook(name):
         return qsgd_hook, QSGDState(bits=4, exchange="node_aware")
     if name == "topk-1%":
         return topk_hook, TopKState(ratio=0.01)
+    if name == "topk-1%-node-aware":
+        return topk_hook, TopKState(ratio=0.01, exchange="node_aware")
     return None, None
 
 
@@ -119,7 +121,8 @@ def node_formula(hook, buckets, nodes, per_node):
     staged tensor, its small parameters by a ring allreduce)."""
     from benchmarks.node_scaling import tensor_bytes
     name, exchange = {"allreduce": ("none", "ring"), "qsgd-4bit": ("qsgd-4bit", "allgather"),
-                      "qsgd-4bit-node-aware": ("qsgd-4bit", "node_aware"), "topk-1%": ("topk-1%", "allgather")}[hook]
+                      "qsgd-4bit-node-aware": ("qsgd-4bit", "node_aware"), "topk-1%": ("topk-1%", "allgather"),
+                      "topk-1%-node-aware": ("topk-1%", "node_aware")}[hook]
     ranks = nodes * per_node
     if ranks > 2 and exchange == "allgather":
         exchange = "two_stage_direct"  # "auto" from 3 ranks, for buckets this large; both stages all_to_all
@@ -241,8 +244,8 @@ def main():
                  f"`{args.model}` (25.2M parameters), batch 8 per rank, SGD, `torchrun` on `benchmarks/nodelab.py`'s "
                  f"network-namespace nodes (NICs {link}); {MEASURED} steps measured after {WARMUP} of warm-up. MB per "
                  "step sent by all nodes' NICs (between nodes); formula: `node_formula` in `benchmarks/ddp_hooks.py` "
-                 "(the node model's routes). `qsgd-4bit` takes the flat exchange (`auto`), `qsgd-4bit-node-aware` "
-                 "`exchange='node_aware'`. Machine: the project's 2-core VM (ranks oversubscribe it; bytes do not "
+                 "(the node model's routes). `qsgd-4bit` and `topk-1%` take the flat exchange (`auto`), the "
+                 "`-node-aware` rows `exchange='node_aware'`. Machine: the project's 2-core VM (ranks oversubscribe it; bytes do not "
                  "depend on that; step times here only compare hooks).", ""]
         header = "| nodes x ranks | hook | MB/step between nodes | fewer than allreduce | step s | formula MB | measured/formula |"
     else:

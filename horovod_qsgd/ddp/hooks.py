@@ -38,7 +38,7 @@ bucket), after its first stage arrived, so a bucket's first stage overlaps
 the backward pass of the next. The future DDP gets completes when the
 decode is done.
 
-``QSGDState(exchange="node_aware")``, on nodes of several ranks (torchrun's
+``exchange="node_aware"`` (both states), on nodes of several ranks (torchrun's
 ``GROUP_RANK``, else the host name): the node's ranks first sum the bucket
 at full precision, each one shard of it (an in-node ``all_to_all_single``);
 the shard's sum crosses between nodes compressed, with the plan above among
@@ -47,9 +47,12 @@ as many ranks as nodes (``ddp.bucket<i>.shard<local rank>``); an in-node
 nodes are compressed: about 2 (M-1)/M of one compressed bucket per node for M
 nodes, where the flat two stages send about 2 L (M-1)/M of it (L ranks per
 node). Its four collectives run in the hook call, one bucket after the other
-(no overlap with the backward pass yet); top-k's node-aware error feedback is
-not built yet. Nodes of unequal size fall back to the flat exchange with a
-warning on every rank.
+(no overlap with the backward pass yet). Top-k's error feedback lives where
+the compression happens: each rank keeps the residual of its node's sum of its
+shard (and, from 3 nodes, the owner residual of its chunk of that shard); when
+a bucket is rebuilt both move into this rank's per-parameter residuals, which
+join its gradient before the next node sum. Nodes of unequal size fall back to
+the flat exchange with a warning on every rank.
 
 Error feedback is kept per parameter, not per bucket: DDP rebuilds its
 buckets after the first iteration (and after a restart), and a residual
