@@ -4,6 +4,7 @@ import zlib
 PAYLOAD_PREFIX = "horovod_qsgd.payload."
 SECOND_STAGE_PREFIX = "horovod_qsgd.sum."
 HANDSHAKE_NAME = "horovod_qsgd.handshake"
+JOIN_FLAG_NAME = "horovod_qsgd.join.active_ranks"  # the Join classes' count of ranks still training
 
 
 def tensor_key(name):

@@ -39,9 +39,9 @@ propagates. ``hvd.join()`` itself cannot serve compressed payloads.
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from horovod_qsgd.common.naming import JOIN_FLAG_NAME
 from horovod_qsgd.tensorflow.compressor_base import CompressorBase
 
-JOIN_FLAG_NAME = "horovod_qsgd.join.active_ranks"
 
 
 class Join:

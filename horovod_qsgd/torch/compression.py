@@ -302,6 +302,7 @@ class _CompressorBase:
         passed = self._passed_through(tensor, ctx)
         if passed is not None:
             return passed
+        self._check_allreduced(tensor)
         start = time.perf_counter()
         with kernel_stream(tensor.device):
             received = self._receive(ctx)
@@ -352,6 +353,9 @@ class _CompressorBase:
                 setattr(ctx.state, attr, new)
         else:
             self._stats.add(tensors_nonfinite=1)
+
+    def _check_allreduced(self, tensor):
+        """Runs on the optimizer's allreduced ``tensor`` before ``_receive`` waits for anything else."""
 
     def _receive(self, ctx):
         """Waits for what ``_encode`` started besides the optimizer's allreduce; returns its result."""
@@ -445,10 +449,8 @@ class PayloadCompressor(_CompressorBase):
     # A placeholder's NaN tells a rank in a step that a rank is in hvd.join() (every rank in a step sends 1).
     _join_stand_in = float("nan")
 
-    def decompress(self, tensor, ctx):
-        if self._passed_through(tensor, ctx) is None:
-            refuse_if_a_rank_joined(tensor)  # before waiting for a payload the joined rank will not send
-        return super().decompress(tensor, ctx)
+    def _check_allreduced(self, placeholder):
+        refuse_if_a_rank_joined(placeholder)  # before waiting for a payload the joined rank will not send
 
     def _forget_exchanges(self):
         self._fuser = Fuser(self.fusion_threshold, self._fusion_namespace)

@@ -43,8 +43,8 @@ import horovod.torch.mpi_ops as mpi_ops
 import torch
 
 from horovod_qsgd.common.errors import JoinUnsupportedError, hvd_join_refused
+from horovod_qsgd.common.naming import JOIN_FLAG_NAME
 
-JOIN_FLAG_NAME = "horovod_qsgd.join.active_ranks"
 JOIN_CHECK_NAME = "horovod_qsgd.join.ranks_in_hvd_join"
 JOIN_CLASS = "horovod_qsgd.torch.Join(optimizer)"
 REFUSAL_TIMEOUT_SECONDS = 300
