@@ -246,15 +246,6 @@ class _PayloadState:
                             store[key] = part
         return staged, restore
 
-    def _owner_residual(self, index, layout, plan, device):
-        """A fresh copy of the owner-side residual of bucket ``index`` (zeros at first)."""
-        with self._lock:
-            saved = self._owner_residuals.get(index)
-            if saved is None:
-                saved = self._owner_residuals[index] = _OwnerResidual(
-                    layout, plan.owned, torch.zeros(plan.own_numel(), dtype=torch.float32, device=device))
-            return saved.residual.to(device).clone()
-
 
 class _Nodes:
     """The job's nodes for the node-aware exchange: this rank's node's process group (``local``), the group of
@@ -590,7 +581,8 @@ def _start_second_stage(state):
     capacity = plan.owned_capacity()
     out = torch.zeros(capacity, dtype=torch.uint8, device=device)
     if state.error_feedback:
-        exchange.owner_residual = state._owner_residual(exchange.index, exchange.layout, plan, device)
+        exchange.owner_residual = state._kept_residual(state._owner_residuals, exchange.index, exchange.layout,
+                                                       plan.owned, device)
     with kernel_stream(device):
         _, exchange.refusal = plan.sum_and_encode(as_array(exchange.received), as_array(exchange.own),
                                                   as_array(out), exchange.step, _array(exchange.owner_residual))
