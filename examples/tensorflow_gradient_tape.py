@@ -31,6 +31,26 @@ def digits_split():
     return x[train], digits.target[train], x[test], digits.target[test]
 
 
+def digits_mlp(sizes=(64, 256, 256, 10)):
+    """(variables, logits): an MLP of plain tf.Variables, the same initial weights on every rank."""
+    import tensorflow as tf
+    rng = np.random.default_rng(0)
+    variables = []
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        limit = np.sqrt(6.0 / (fan_in + fan_out))
+        variables.append(tf.Variable(rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32),
+                                     name=f"dense{i}/kernel"))
+        variables.append(tf.Variable(np.zeros(fan_out, np.float32), name=f"dense{i}/bias"))
+
+    def logits(x):
+        for i in range(0, len(variables), 2):
+            x = x @ variables[i] + variables[i + 1]
+            if i + 2 < len(variables):
+                x = tf.nn.relu(x)
+        return x
+    return variables, logits
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Digits MLP, custom loop, DistributedGradientTape")
     parser.add_argument("--compression", default="qsgd", choices=["none", "fp16", "qsgd", "topk", "randomk"])
@@ -49,21 +69,7 @@ def main(argv=None):
     x_train, y_train, x_test, y_test = digits_split()
     x_shard, y_shard = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
 
-    rng = np.random.default_rng(0)  # the same initial weights on every rank
-    sizes = [64, 256, 256, 10]
-    variables = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        limit = np.sqrt(6.0 / (fan_in + fan_out))
-        variables.append(tf.Variable(rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32),
-                                     name=f"dense{i}/kernel"))
-        variables.append(tf.Variable(np.zeros(fan_out, np.float32), name=f"dense{i}/bias"))
-
-    def logits(x):
-        for i in range(0, len(variables), 2):
-            x = x @ variables[i] + variables[i + 1]
-            if i + 2 < len(variables):
-                x = tf.nn.relu(x)
-        return x
+    variables, logits = digits_mlp()
 
     compression = {"none": lambda: NoCompression, "fp16": lambda: FP16, "qsgd": lambda: QSGD(bits=args.bits),
                    "topk": lambda: TopK(ratio=0.01),

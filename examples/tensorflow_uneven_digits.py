@@ -25,7 +25,7 @@ def main(argv=None):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    from tensorflow_gradient_tape import digits_split  # this directory is on sys.path when run as a script
+    from tensorflow_gradient_tape import digits_mlp, digits_split  # this directory is on sys.path as a script
     from horovod_qsgd.tensorflow import QSGD, Join, TopK
 
     hvd.init()
@@ -35,20 +35,7 @@ def main(argv=None):
     cuts = np.concatenate([[0], np.cumsum(weights)]) * len(x_train) // weights.sum()
     x_mine, y_mine = x_train[cuts[hvd.rank()]:cuts[hvd.rank() + 1]], y_train[cuts[hvd.rank()]:cuts[hvd.rank() + 1]]
 
-    rng = np.random.default_rng(0)  # the same initial weights on every rank
-    sizes = [64, 256, 256, 10]
-    variables = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-        limit = np.sqrt(6.0 / (fan_in + fan_out))
-        variables += [tf.Variable(rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32)),
-                      tf.Variable(np.zeros(fan_out, np.float32))]
-
-    def logits(x):
-        for i in range(0, len(variables), 2):
-            x = x @ variables[i] + variables[i + 1]
-            if i + 2 < len(variables):
-                x = tf.nn.relu(x)
-        return x
+    variables, logits = digits_mlp()
 
     compression = QSGD(bits=4, min_numel=1000) if args.compression == "qsgd" else TopK(ratio=0.01, min_numel=1000)
     optimizer = tf.keras.optimizers.SGD(0.1, momentum=0.9)
