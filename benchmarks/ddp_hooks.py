@@ -188,7 +188,7 @@ def main():
     ap.add_argument("--rate", default="none")
     ap.add_argument("--model", default="mlp25m")
     ap.add_argument("--hooks", default=None, help=f"default: {','.join(HOOKS)}; with --layouts "
-                    f"{','.join(NODE_HOOKS)}")
+                    f"{','.join(NODE_HOOKS)}".replace("%", "%%"))  # argparse formats help with %
     ap.add_argument("--layouts", help="nodes x ranks per node (e.g. 2x2,2x4): on benchmarks/nodelab.py's nodes, "
                     "counting the bytes between nodes")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ddp-hooks"))

@@ -36,6 +36,30 @@ class JoinUnsupportedError(UnsupportedCollectiveError):
     __init__ = Exception.__init__
 
 
+class RankInJoinError(CompressionMismatchError):
+    """A rank in ``hvd.join()`` sent its notice where a payload belonged (see :mod:`horovod_qsgd.tensorflow.hvd_join`).
+
+    ``joined``: how many ranks sent it in this buffer.
+    """
+
+    __init__ = Exception.__init__
+
+    @property
+    def joined(self):
+        return self.args[1]
+
+
+# How long hvd.join() waits for the others to take part in its refusal before it raises alone.
+HVD_JOIN_TIMEOUT_SECONDS = 300
+
+
+def hvd_join_timed_out(join_class):
+    """The error a rank in ``hvd.join()`` raises alone when the others neither step nor join in time."""
+    return (f"horovod_qsgd: hvd.join() waited {HVD_JOIN_TIMEOUT_SECONDS} s for the other ranks, which are neither "
+            "in a training step nor in hvd.join(). With compressed payloads every rank must call hvd.join() after "
+            f"the same number of steps; for uneven inputs use {join_class}.")
+
+
 def hvd_join_refused(join_class, joined_ranks, num_ranks):
     """The error every rank raises when ``hvd.join()`` meets compressed payloads: ``joined_ranks`` of
     ``num_ranks`` called it while the others were still in a step."""

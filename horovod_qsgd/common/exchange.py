@@ -5,7 +5,7 @@ import numpy as np
 
 from horovod_qsgd.codecs import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, follow_header_chain, pack_header,
                                  parse_header, read_header_bytes, read_header_chain)
-from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.errors import CompressionMismatchError, RankInJoinError
 
 # Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
 # place of its payload, so that every rank waiting for it raises too instead of hanging.
@@ -13,11 +13,24 @@ REFUSAL_CODEC_ID = 0
 # Codec id 255 marks a fused group's manifest: a header in front of one sender's payloads of several tensors
 # (see :mod:`horovod_qsgd.common.fusion`), its numel the number of tensors, its digest their names' crc32.
 GROUP_CODEC_ID = 255
+# Codec id 254 marks a rank in hvd.join() (TensorFlow: :mod:`horovod_qsgd.tensorflow.hvd_join`). With two
+# stages every owner receives one in the first, so what an owner sends on in the second is never read.
+JOINED_CODEC_ID = 254
 
 
 def refusal_notice():
     """The 16 bytes a rank sends instead of a payload it cannot produce (see ``check_payloads``)."""
     return pack_header(REFUSAL_CODEC_ID, 0, 0, HEADER_NBYTES)
+
+
+def join_notice():
+    """The 16 bytes a rank in hvd.join() sends instead of a payload."""
+    return pack_header(JOINED_CODEC_ID, 0, 0, HEADER_NBYTES)
+
+
+def _rank_in_join(tensor_name, joined):
+    return RankInJoinError(f"horovod_qsgd: tensor {tensor_name!r}: {joined} rank(s) sent hvd.join()'s notice "
+                           "instead of a payload", joined)
 
 
 def _checked_header(head, sender, numel, codec, tensor_name, what):
@@ -31,6 +44,8 @@ def _checked_header(head, sender, numel, codec, tensor_name, what):
         raise CompressionMismatchError(
             f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} sent no horovod_qsgd {what} ({exc}). "
             "Every rank must use the same compression for this tensor.") from exc
+    if header.codec_id == JOINED_CODEC_ID:
+        raise _rank_in_join(tensor_name, 1)
     if header.codec_id == REFUSAL_CODEC_ID:
         raise CompressionMismatchError(
             f"horovod_qsgd: tensor {tensor_name!r}: rank {sender} found a mismatch in what it received "
@@ -65,7 +80,7 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
 
 def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, what):
     """:func:`check_payloads` for the host bytes of the header chain, ``heads``."""
-    spans, offset = [], 0
+    spans, offset, joined = [], 0, None
     names = _per_payload(tensor_name, len(senders))
     whats = what if what.endswith("s") else f"{what}s"  # "payloads"; a fused group's "group of ... slices"
     for sender, numel, head, name in zip(senders, numels, heads, names):
@@ -73,7 +88,13 @@ def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, wha
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {name!r}: the received {whats} end after {offset} bytes, "
                 f"before rank {sender}'s; a rank sent a truncated or foreign payload.")
-        header = _checked_header(head, sender, numel, codec, name, what)
+        try:
+            header = _checked_header(head, sender, numel, codec, name, what)
+        except RankInJoinError as exc:  # counted over the whole buffer, then raised
+            joined = exc if joined is None else _rank_in_join(name, joined.joined + exc.joined)
+            spans.append(None)
+            offset += HEADER_NBYTES
+            continue
         if offset + header.nbytes > total_nbytes:
             raise CompressionMismatchError(
                 f"horovod_qsgd: tensor {name!r}: rank {sender}'s {what} says {header.nbytes} bytes, "
@@ -84,6 +105,8 @@ def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, wha
         raise CompressionMismatchError(
             f"horovod_qsgd: tensor {names[-1]!r}: {total_nbytes - offset} unexpected bytes after "
             f"{len(senders)} {whats}; the process set's size differs from what this rank expects.")
+    if joined is not None:
+        raise joined
     return spans
 
 

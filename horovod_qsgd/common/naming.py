@@ -5,6 +5,7 @@ PAYLOAD_PREFIX = "horovod_qsgd.payload."
 SECOND_STAGE_PREFIX = "horovod_qsgd.sum."
 HANDSHAKE_NAME = "horovod_qsgd.handshake"
 JOIN_FLAG_NAME = "horovod_qsgd.join.active_ranks"  # the Join classes' count of ranks still training
+JOIN_CHECK_NAME = "horovod_qsgd.join.ranks_in_hvd_join"  # hvd.join()'s refusal: the ranks that called it
 
 
 def tensor_key(name):

@@ -51,11 +51,13 @@ import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.engine import PayloadEngine
+from horovod_qsgd.common.errors import RankInJoinError
 from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, moved_owner_chunk, qsgd_codecs
 from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
                                                      ExchangeContext, adapter_method, op_name)
+from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.host_ops import payload_encoder, values_gatherer
 
 
@@ -95,6 +97,7 @@ class PayloadCompressor(CompressorBase):
             residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
 
             def encode_for_owners(x, step_value, residual=None):
+                hvd_join.sending(op_name(plan.payload_name))
                 start = time.perf_counter()
                 out = np.zeros(plan.capacity(), dtype=np.uint8)
                 own = np.empty(plan.own_numel(), dtype=np.float32)
@@ -117,7 +120,8 @@ class PayloadCompressor(CompressorBase):
                 outputs[3].set_shape(step.flat.shape)
                 pending.append((residual_var, outputs[3]))
             received, _ = hvd.alltoall(slices, splits=splits, name=op_name(plan.payload_name),
-                                       process_set=process_set)
+                                       ignore_name_scope=True, process_set=process_set)
+            hvd_join.note_payload_collective("alltoall", op_name(plan.payload_name), process_set)
             return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
                                                 step=step.value, step_variable=step.variable, plan=plan, own=own,
                                                 process_set=process_set, pending=pending)
@@ -125,9 +129,15 @@ class PayloadCompressor(CompressorBase):
         def on_encoded(seconds):
             stats.add(encode_seconds=seconds, collectives_started=1)
 
-        encode = payload_encoder(plan.encode, plan.capacity(), on_encoded)
+        def encode_unless_refused(x, out, step_value, residual):
+            hvd_join.sending(op_name(plan.payload_name))
+            return plan.encode(x, out, step_value, residual)
+
+        encode = payload_encoder(encode_unless_refused, plan.capacity(), on_encoded)
         payload, pending = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
-        gathered = hvd.allgather(payload, name=op_name(plan.payload_name), process_set=process_set)
+        gathered = hvd.allgather(payload, name=op_name(plan.payload_name), ignore_name_scope=True,
+                                 process_set=process_set)
+        hvd_join.note_payload_collective("allgather", op_name(plan.payload_name), process_set)
         return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
                                             step=step.value, step_variable=step.variable, plan=plan, pending=pending)
 
@@ -145,6 +155,7 @@ class PayloadCompressor(CompressorBase):
             plan = plan_of()
             if plan.kind != "two_stage":
                 return received if owner_residual is None else (received, owner_residual)
+            hvd_join.sending(op_name(collective_name), first=False)  # never raises mid-step: see hvd_join
             start = time.perf_counter()
             total = np.array(own, dtype=np.float32)
             owner_residual = None if owner_residual is None else owner_residual.copy()
@@ -165,7 +176,11 @@ class PayloadCompressor(CompressorBase):
             new_owner.set_shape(owner_var.shape)
             ctx.pending.append((owner_var, new_owner))
         payload.set_shape([None])
-        return hvd.allgather(payload, name=op_name(collective_name), process_set=ctx.process_set)
+        gathered = hvd.allgather(payload, name=op_name(collective_name), ignore_name_scope=True,
+                                 process_set=ctx.process_set)
+        if ctx.live_plan is None:  # an elastic job's collectives follow the world: not answered by hvd.join()
+            hvd_join.note_payload_collective("allgather", op_name(collective_name), ctx.process_set)
+        return gathered
 
     # -- Horovod Elastic: one traced function, worlds of any size ------------------------------
     # Horovod Elastic resets the ranks under a tf.function traced once, so the graph cannot hold a plan: every
@@ -244,6 +259,7 @@ class PayloadCompressor(CompressorBase):
             ctx.pending += [(residual_var, new_residual), (layout_var, new_layout)]
             ctx.owner_variable = owner_var
         name = op_name(PAYLOAD_PREFIX + step.name)
+        hvd_join.note_unanswerable_collective()
         # every rank takes the same branch: the plan's kind follows the world, the same on every rank
         ctx.gathered = tf.cond(tf.size(splits) > 0,
                                lambda: hvd.alltoall(payload, splits=splits, name=name)[0], lambda: payload)
@@ -271,10 +287,14 @@ class PayloadCompressor(CompressorBase):
             num_ranks = plan.num_ranks
             start = time.perf_counter()
             refusal = refusals.pop(plan.name, None)
-            if refusal is not None:
-                raise refusal
             total = np.zeros(plan.numel, dtype=np.float32)
-            plan.decode(gathered, total)
+            try:
+                if refusal is not None:
+                    raise refusal
+                plan.decode(gathered, total)
+            except RankInJoinError as exc:  # finish the step (see hvd_join), discarded as non-finite
+                hvd_join.note_refused(exc.joined)
+                total[:] = np.nan
             scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
             if scale != 1.0:
                 total *= np.float32(scale)

@@ -34,7 +34,9 @@ batch again on the shadowing ranks.
 Cost: one 4-byte allreduce before each step while the block is open (the
 decision to step must precede the step, which a ``tf.function`` cannot
 undo). A block left by an exception does not shadow; the exception
-propagates. ``hvd.join()`` itself cannot serve compressed payloads.
+propagates. ``hvd.join()`` itself cannot serve compressed payloads: called
+while another rank trains, it is refused on every rank
+(:mod:`horovod_qsgd.tensorflow.hvd_join`).
 """
 import horovod.tensorflow as hvd
 import tensorflow as tf

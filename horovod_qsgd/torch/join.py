@@ -42,12 +42,11 @@ import horovod.torch as hvd
 import horovod.torch.mpi_ops as mpi_ops
 import torch
 
-from horovod_qsgd.common.errors import JoinUnsupportedError, hvd_join_refused
-from horovod_qsgd.common.naming import JOIN_FLAG_NAME
+from horovod_qsgd.common.errors import (HVD_JOIN_TIMEOUT_SECONDS, JoinUnsupportedError, hvd_join_refused,
+                                         hvd_join_timed_out)
+from horovod_qsgd.common.naming import JOIN_CHECK_NAME, JOIN_FLAG_NAME
 
-JOIN_CHECK_NAME = "horovod_qsgd.join.ranks_in_hvd_join"
 JOIN_CLASS = "horovod_qsgd.torch.Join(optimizer)"
-REFUSAL_TIMEOUT_SECONDS = 300
 
 
 class Join:
@@ -122,7 +121,7 @@ class Join:
 # 2. The joining rank adds 1 to the same check. Its sum is the number of ranks in hvd.join(): all of them
 #    when every rank ran out of data together (then Horovod's own join runs, with nothing left to answer),
 #    fewer when a rank was still training: then every rank raises JoinUnsupportedError naming the fix.
-# No rank waits for a collective another rank will not start, except past REFUSAL_TIMEOUT_SECONDS when a
+# No rank waits for a collective another rank will not start, except past HVD_JOIN_TIMEOUT_SECONDS when a
 # rank is in neither a step nor hvd.join() (a collective of its own, or a step whose allreduces did not pass
 # the compressors under their names: the optimizer's groups=) or reaches hvd.join() that much later than
 # the first: then the joining rank raises alone, and the others meet Horovod's shutdown when it exits.
@@ -184,10 +183,7 @@ def _refused(joined_ranks):
 def _wait(handle, deadline):
     while not hvd.poll(handle):
         if time.monotonic() > deadline:
-            raise JoinUnsupportedError(
-                f"horovod_qsgd: hvd.join() waited {REFUSAL_TIMEOUT_SECONDS} s for the other ranks, which are "
-                "neither in a training step nor in hvd.join(). With compressed payloads every rank must call "
-                f"hvd.join() after the same number of steps; for uneven inputs use {JOIN_CLASS}.")
+            raise JoinUnsupportedError(hvd_join_timed_out(JOIN_CLASS))
         time.sleep(0.002)
     try:
         return hvd.synchronize(handle)
@@ -199,7 +195,7 @@ def _join_refusing_payloads(device=-1):
     """``hvd.join()`` while payload compressors run; see the comment above."""
     with _allreduces_lock:
         allreduces = list(_allreduces.items())
-    deadline = time.monotonic() + REFUSAL_TIMEOUT_SECONDS
+    deadline = time.monotonic() + HVD_JOIN_TIMEOUT_SECONDS
     stand_ins = [hvd.allreduce_async_(torch.full(a.shape, a.marker, dtype=a.dtype, device=a.device), name=name,
                                       op=a.op, prescale_factor=a.prescale_factor,
                                       postscale_factor=a.postscale_factor, process_set=a.process_set)

@@ -6,8 +6,8 @@ import pytest
 
 from horovod_qsgd.codecs import PayloadError, QSGDCodec, TopKCodec
 from horovod_qsgd.codecs.header import HEADER_NBYTES
-from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import check_payloads, decode_sum, reduction_scale
+from horovod_qsgd.common.errors import CompressionMismatchError, RankInJoinError
+from horovod_qsgd.common.exchange import check_payloads, decode_sum, join_notice, reduction_scale
 from horovod_qsgd.common.handshake import check_settings, settings_record, verify_settings
 
 
@@ -41,6 +41,21 @@ def test_decode_sum_adds_every_rank_in_rank_order():
     total = np.zeros(300, np.float32)
     decode_sum(codec, gathered, 3, 300, "w", total)
     assert np.array_equal(total, np.full(300, -0.5, np.float32))
+
+
+def test_hvd_join_notices_are_counted_over_the_whole_buffer_and_raised_after_the_walk():
+    codec = QSGDCodec(bits=4)
+    notice = np.frombuffer(join_notice(), np.uint8)
+    payload, = _payloads(codec, [np.ones(300, np.float32)], step=0, key=1)
+    for parts, joined in [([notice, payload, notice], 2), ([payload, notice, payload], 1)]:
+        total = np.zeros(300, np.float32)
+        with pytest.raises(RankInJoinError) as info:
+            decode_sum(codec, np.concatenate(parts), 3, 300, "w", total)
+        assert info.value.joined == joined
+    # a mismatch elsewhere in the buffer is still named, not hidden behind the notice
+    with pytest.raises(CompressionMismatchError, match="sent no horovod_qsgd payload") as info:
+        decode_sum(codec, np.concatenate([notice, np.full(payload.size, 7, np.uint8)]), 2, 300, "w", total)
+    assert not isinstance(info.value, RankInJoinError)
 
 
 def test_walk_reports_truncation_foreign_bytes_and_size():
