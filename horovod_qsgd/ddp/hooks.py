@@ -310,14 +310,20 @@ class _Split:
         # the buffer itself can be the staged tensor: nothing small, no padding
         self.in_place = not self.small and staged == bucket
 
-    def stage(self, flat):
-        """The large parameters of the bucket's flat buffer, as the fp32 tensor the codec compresses."""
-        if self.in_place and flat.dtype == torch.float32:
-            return flat
-        staged = torch.zeros(self.staged_numel, dtype=torch.float32, device=flat.device)
+    def stage(self, flat, out=None):
+        """The large parameters of the bucket's flat buffer, as the fp32 tensor the codec compresses: ``flat``
+        itself where it can be, else ``out`` (fp32, at least ``staged_numel``; zeros past it) or a new one."""
+        if out is None:
+            if self.in_place and flat.dtype == torch.float32:
+                return flat
+            out = torch.empty(self.staged_numel, dtype=torch.float32, device=flat.device)
+        end = 0
         for (_, offset, numel), at in zip(self.layout, self.bucket_offsets):
-            staged[offset:offset + numel] = flat[at:at + numel]
-        return staged
+            out[end:offset].zero_()  # the alignment gap: written, never left as the allocator's bytes
+            out[offset:offset + numel] = flat[at:at + numel]
+            end = offset + numel
+        out[end:].zero_()
+        return out[:self.staged_numel]
 
     def unstage(self, staged, flat):
         if staged.data_ptr() == flat.data_ptr():
@@ -453,9 +459,8 @@ def _node_aware(state, bucket, group, buffer, split):
     nodes, device, step = state._nodes, buffer.device, state.iteration
     bucket_flat = buffer.reshape(-1)
     small_future = _average_small(state, group, split, bucket_flat)
-    flat = split.stage(bucket_flat)
     unit = chunk_unit(state.codec)
-    shard = -(-flat.numel() // (nodes.local_size * unit)) * unit
+    shard = -(-split.staged_numel // (nodes.local_size * unit)) * unit
     plan = state._engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.count,
                               nodes.cross_rank, 4 * shard, 0)
     base = nodes.local_rank * shard  # where this rank's shard starts in the staged tensor
@@ -471,15 +476,15 @@ def _node_aware(state, bucket, group, buffer, split):
         elif bucket.index() in owners:  # kept for a two-stage plan this bucket no longer takes
             with state._lock:
                 owners.pop(bucket.index()).spill(state._spilled, state._residuals)
-    send = torch.zeros(nodes.local_size * shard, dtype=torch.float32, device=device)
-    send[:flat.numel()] = flat
+    send = torch.empty(nodes.local_size * shard, dtype=torch.float32, device=device)
+    flat = split.stage(bucket_flat, out=send)
     if state.error_feedback:  # after the spills above: what they moved is sent now
         carried, restore = state._take_parameter_residuals(split.layout, flat.numel(), device)
         if carried is not None:
-            send[:flat.numel()] += carried
+            flat += carried
     slices = torch.empty_like(send)
     dist.all_to_all_single(slices, send, group=nodes.local)
-    node_sum = slices[:shard].clone()
+    node_sum = slices[:shard]
     for j in range(1, nodes.local_size):  # in local-rank order: the same bits on every node
         node_sum += slices[j * shard:(j + 1) * shard]
     out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=device)
@@ -513,17 +518,17 @@ def _node_aware(state, bucket, group, buffer, split):
                 plan.decode(as_array(gathered), as_array(node_sum))  # raises on another owner's refusal notice
             except Exception as exc:  # raised once this rank's collectives are done: nobody waits for it
                 error = exc
-    # the decoded shard and a flag: the node's other ranks must not take a shard that failed for a result
-    reply = torch.empty(shard + 1, dtype=torch.float32, device=device)
-    reply[:shard] = node_sum.mul_(1.0 / group.size())
-    reply[shard] = 0.0 if error is None else 1.0
-    replies = torch.empty(nodes.local_size * (shard + 1), dtype=torch.float32, device=device)
-    dist.all_gather_single(replies, reply, group=nodes.local)
-    replies = replies.view(nodes.local_size, shard + 1)
+    # the decoded shards, and a flag each: the node's other ranks must not take a shard that failed for a result
+    # (a collective of its own: beside the shard it would leave the gathered shards apart, to be copied)
+    shards = send  # sent long ago: its buffer takes the node's shards in local-rank order
+    dist.all_gather_single(shards, node_sum.mul_(1.0 / group.size()), group=nodes.local)
+    flags = torch.empty(nodes.local_size, dtype=torch.float32, device=device)
+    dist.all_gather_single(flags, torch.full((1,), 0.0 if error is None else 1.0, device=device),
+                                group=nodes.local)
     state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
     future = _new_future(device)
-    if error is None and bool((replies[:, shard] != 0).any()):
-        failed = [j for j in range(nodes.local_size) if replies[j, shard] != 0]
+    if error is None and bool((flags != 0).any()):
+        failed = [j for j in range(nodes.local_size) if flags[j] != 0]
         error = RuntimeError(f"horovod_qsgd: bucket {bucket.index()} failed between nodes on local rank(s) "
                              f"{failed} of this node (their error says why); its result is not used here either")
     if error is not None:
@@ -531,7 +536,7 @@ def _node_aware(state, bucket, group, buffer, split):
             restore()
         future.set_exception(error)
         return future
-    result = replies[:, :shard].reshape(-1)[:flat.numel()]
+    result = shards[:flat.numel()]
     if state.error_feedback:
         # every rank holds the whole bucket's result: all decide alike whether the step's residuals stay
         if bool(torch.isfinite(result).all()) if result.is_cuda else all_finite(as_array(result)):
