@@ -236,7 +236,8 @@ def main():
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"model": args.model, "rate": args.rate, "rows": rows}, f, indent=1)
     link = "unshaped" if args.rate == "none" else f"shaped to {args.rate} (shared by both directions)"
-    command = (f"python benchmarks/ddp_hooks.py --layouts {args.layouts}" if args.layouts else
+    command = (f"python benchmarks/ddp_hooks.py --layouts {args.layouts}"
+               + ("" if args.rate == "none" else f" --rate {args.rate}") if args.layouts else
                f"python benchmarks/ddp_hooks.py --ranks {args.ranks} --rate {args.rate}")
     if args.layouts:
         link = "unshaped" if args.rate == "none" else f"shaped to {args.rate} each way"
