@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/lm_ddp.py
     python benchmarks/lm_convergence.py --report benchmarks/results/lm-convergence/ddp_2ranks.json
+    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/nodelab.py --nodes 2 --per-node 2 \
+        --launcher torchrun -- python benchmarks/lm_ddp.py
 
 The study of ``benchmarks/lm_convergence.py`` (same data, model, initial
 weights, global batch, Adam schedule and seeds; ``STUDY`` there), trained by
@@ -12,6 +14,8 @@ hook instead of ``hvd.DistributedOptimizer``:
 - ``qsgd-4bit`` / ``qsgd-8bit``: ``horovod_qsgd.ddp.QSGDState(bits=...)`` with
   ``qsgd_hook`` (the whole bucket is one tensor, so the position embedding,
   biases and norms are quantized too: DDP fuses them into the bucket);
+  ``-nodes`` (``qsgd-4bit-nodes``): with ``exchange="node_aware"``, on
+  ``benchmarks/nodelab.py``'s nodes;
 - ``powersgd-4`` / ``powersgd-16``: ``powerSGD_hook`` at
   ``matrix_approximation_rank`` 4 (the issue's anchor) and 16 (its docstring
   raises the rank for NLP tasks), with its documented warm-up,
@@ -28,7 +32,7 @@ sends the bucket (4 bytes per parameter); PowerSGD the elements it allreduces
 each); ours ``compression_stats()['bytes_sent']``. At 2 ranks a ring
 allreduce and an allgather each put about one payload per rank on the wire.
 
-Rank 0 writes ``ddp_<N>ranks.json`` (the record format of
+Rank 0 writes ``ddp_<N>ranks.json`` (on nodelab's nodes ``ddp_<M>x<L>nodes.json``; the record format of
 ``lm_convergence.py`` plus ``bytes_per_step``), a plot, and prints the table.
 """
 import argparse
@@ -46,6 +50,7 @@ from benchmarks import byte_lm  # noqa: E402
 from benchmarks.lm_convergence import BETAS, EPS, STUDY, _train, _write, report  # noqa: E402
 
 CONFIGS = ["none", "qsgd-8bit", "qsgd-4bit", "powersgd-4", "powersgd-16"]
+NODE_CONFIGS = ["none", "qsgd-8bit-nodes", "qsgd-4bit-nodes"]  # the default on nodelab's nodes
 
 
 def hook_and_state(name, seed, steps):
@@ -53,7 +58,10 @@ def hook_and_state(name, seed, steps):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from horovod_qsgd.ddp import QSGDState, qsgd_hook
     if name.startswith("qsgd-"):
-        return qsgd_hook, QSGDState(bits=int(name[len("qsgd-"):-len("bit")]), seed=seed)
+        bits, _, nodes = name[len("qsgd-"):].partition("bit")
+        if nodes not in ("", "-nodes"):
+            raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS + NODE_CONFIGS[1:])}")
+        return qsgd_hook, QSGDState(bits=int(bits), seed=seed, exchange="node_aware" if nodes else "auto")
     if name.startswith("powersgd-"):
         start = max(STUDY["warmup_steps"], steps // 10)
         return powerSGD_hook.powerSGD_hook, powerSGD_hook.PowerSGDState(
@@ -61,7 +69,7 @@ def hook_and_state(name, seed, steps):
             random_seed=seed)
     if name == "none":
         return None, None
-    raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+    raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS + NODE_CONFIGS[1:])}")
 
 
 class _Ranks:
@@ -138,7 +146,8 @@ def train_ddp(dist, name, corpus, seed, s, bucket_cap_mb=25):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=None, help=f"default: {','.join(CONFIGS)}; on nodelab's nodes "
+                        f"{','.join(NODE_CONFIGS)}")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=STUDY["steps"])
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
@@ -146,6 +155,8 @@ def main():
     parser.add_argument("--resume", action="store_true", help="keep the runs already in the output file")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "lm-convergence"))
     args = parser.parse_args()
+    from benchmarks import nodelab
+    args.configs = args.configs or ",".join(NODE_CONFIGS if nodelab.on_a_node() else CONFIGS)
     for name in args.configs.split(","):
         hook_and_state(name, 0, args.steps)  # unknown names fail before any rank trains
 
@@ -155,7 +166,9 @@ def main():
     settings = dict(STUDY, steps=args.steps, optimizer="adam", trainer="ddp", bucket_cap_mb=args.bucket_cap_mb)
     corpus = Corpus()
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"ddp_{dist.get_world_size()}ranks.json")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    path = os.path.join(args.out, f"ddp_{dist.get_world_size() // per_node}x{per_node}nodes.json"
+                        if nodelab.on_a_node() else f"ddp_{dist.get_world_size()}ranks.json")
     results, payload, earlier_seconds = {}, {}, 0.0
     if args.resume and os.path.exists(path):
         with open(path) as f:
