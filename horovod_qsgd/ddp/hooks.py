@@ -537,17 +537,17 @@ def _node_aware(state, bucket, group, buffer, split):
         future.set_exception(error)
         return future
     result = shards[:flat.numel()]
-    if state.error_feedback:
-        # every rank holds the whole bucket's result: all decide alike whether the step's residuals stay
-        if bool(torch.isfinite(result).all()) if result.is_cuda else all_finite(as_array(result)):
+    # every rank holds the whole bucket's result: all decide alike whether the step's residuals stay
+    if bool(torch.isfinite(result).all()) if result.is_cuda else all_finite(as_array(result)):
+        if state.error_feedback:
             with state._lock:
                 state._shard_residuals[bucket.index()].residual = residual
                 if owner_residual is not None:
                     state._owner_residuals[bucket.index()].residual = owner_residual
-        else:
-            state._stats.add(tensors_nonfinite=1)
-            if restore is not None:
-                restore()
+    else:
+        state._stats.add(tensors_nonfinite=1)
+        if restore is not None:
+            restore()
     split.unstage(result, bucket_flat)
     future.set_result(buffer)
     return _with_small(future, small_future, split, bucket_flat)

@@ -449,6 +449,40 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes(nodes, per_node, di
             for index, kept in saved.items():
                 assert np.array_equal(kept["residual"].numpy(), reference.kept[index][2][rank]), index
                 assert np.abs(kept["residual"].numpy()).sum() > 0, index
+        _check_nonfinite_step_is_discarded(torch, dist_gloo, ddp, calls, state, rank, ranks)
+
+
+def _residual_tensors(state):
+    """Every error-feedback tensor of a DDP state (not its step counter), flattened, by where it is kept."""
+    saved = state.state_dict()
+    found = {f"residuals/{key}": r for key, r in saved["residuals"].items()}
+    for kind in ("owner_residuals", "shard_residuals"):
+        found.update({f"{kind}/{index}": entry["residual"] for index, entry in saved[kind].items()})
+    return {name: tensor.clone() for name, tensor in found.items()}
+
+
+def _check_nonfinite_step_is_discarded(torch, dist, ddp, calls, state, rank, ranks):
+    """inf in one rank's gradient of SIZES[1], alone in its bucket after DDP's rebuild: that bucket's result is
+    not finite on every rank, the others' are; its error-feedback state stays as it was (a loss scaler skips
+    the step) while the other buckets' go on; the statistics count it."""
+    before, counted = _residual_tensors(state), state.compression_stats()["tensors_nonfinite"]
+    start = len(calls)
+    for p in ddp.parameters():
+        p.grad = None
+    grads = _gradients(rank, 9)
+    if rank == ranks - 1:
+        grads[1][5] = np.inf
+    ddp([torch.from_numpy(g) for g in grads]).backward()
+    finite = torch.tensor([bool(torch.isfinite(p.grad).all()) for p in ddp.module.w], dtype=torch.int32)
+    everywhere = [torch.empty_like(finite) for _ in range(ranks)]
+    dist.all_gather(everywhere, finite)
+    assert all(f.tolist() == [1, 0, 1] for f in everywhere), [f.tolist() for f in everywhere]
+    bad = {f"/{index}" for index, positions, _ in calls[start:] if positions == [1]}
+    after = _residual_tensors(state)
+    assert after.keys() == before.keys() and len(bad) == 1, (after.keys(), calls[start:])
+    kept = {name for name in before if torch.equal(after[name], before[name])}
+    assert kept == {name for name in before if name.endswith(tuple(bad))}, (type(state).__name__, kept, bad)
+    assert state.compression_stats()["tensors_nonfinite"] == counted + 1
 
 
 @pytest.mark.parametrize("num_ranks", [pytest.param(4, marks=pytest.mark.ranks(4, timeout=240,
