@@ -43,16 +43,21 @@ decode is done.
 at full precision, each one shard of it (an in-node ``all_to_all_single``);
 the shard's sum crosses between nodes compressed, with the plan above among
 as many ranks as nodes (``ddp.bucket<i>.shard<local rank>``); an in-node
-``all_gather_single`` returns the decoded shards. Only the bytes between
-nodes are compressed: about 2 (M-1)/M of one compressed bucket per node for M
-nodes, where the flat two stages send about 2 L (M-1)/M of it (L ranks per
-node). Its four collectives run in the hook call, one bucket after the other
-(no overlap with the backward pass yet). Top-k's error feedback lives where
-the compression happens: each rank keeps the residual of its node's sum of its
-shard (and, from 3 nodes, the owner residual of its chunk of that shard); when
-a bucket is rebuilt both move into this rank's per-parameter residuals, which
-join its gradient before the next node sum. Nodes of unequal size fall back to
-the flat exchange with a warning on every rank.
+``all_gather_single`` returns the decoded shards (and a second, of one flag
+per rank, any failed shard). Only the bytes between nodes are compressed:
+about 2 (M-1)/M of one compressed bucket per node for M nodes, where the flat
+two stages send about 2 L (M-1)/M of it (L ranks per node). Its collectives
+run in the hook call, one bucket after the other (no overlap with the
+backward pass yet); the full-precision steps inside the node are what a GPU
+node does over NVLink or PCIe, and what makes it slower than the flat
+exchange on CPU nodes joined by 1 Gbit/s (measured:
+``benchmarks/results/ddp-hooks/nodes-1gbit/``; ahead at 100 Mbit/s).
+Top-k's error feedback lives where the compression happens: each rank keeps
+the residual of its node's sum of its shard (and, from 3 nodes, the owner
+residual of its chunk of that shard); when a bucket is rebuilt both move into
+this rank's per-parameter residuals, which join its gradient before the next
+node sum. Nodes of unequal size fall back to the flat exchange with a warning
+on every rank.
 
 Error feedback is kept per parameter, not per bucket: DDP rebuilds its
 buckets after the first iteration (and after a restart), and a residual
@@ -451,10 +456,10 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
 
 
 def _node_aware(state, bucket, group, buffer, split):
-    """The bucket's exchange in four collectives, in the hook call: an in-node reduce-scatter at full precision
-    (each of the node's L ranks gets the node's sum of one shard), the engine's exchange of that shard among
-    the nodes (allgather or two stages, as for a tensor among as many ranks as nodes), an in-node allgather of
-    the decoded shards. Only what crosses nodes is compressed (``docs/node-aware-design.md``)."""
+    """The bucket's exchange, in the hook call: an in-node reduce-scatter at full precision (each of the node's
+    L ranks gets the node's sum of one shard), the engine's exchange of that shard among the nodes (allgather
+    or two stages, as for a tensor among as many ranks as nodes), an in-node allgather of the decoded shards
+    and one of their failure flags. Only what crosses nodes is compressed (``docs/node-aware-design.md``)."""
     start = time.perf_counter()
     nodes, device, step = state._nodes, buffer.device, state.iteration
     bucket_flat = buffer.reshape(-1)
@@ -494,7 +499,7 @@ def _node_aware(state, bucket, group, buffer, split):
             used = plan.encode(as_array(node_sum), as_array(out), step, _array(residual))
             gathered = torch.empty(nodes.count * used, dtype=torch.uint8, device=device)
             dist.all_gather_single(gathered, out[:used], group=nodes.cross)
-            collectives = 3
+            collectives = 4
         else:
             own = torch.empty(plan.own_numel(), dtype=torch.float32, device=device)
             splits = plan.encode(as_array(node_sum), as_array(out), as_array(own), step, _array(residual))
@@ -510,7 +515,7 @@ def _node_aware(state, bucket, group, buffer, split):
             gathered = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
             dist.all_to_all_single(gathered, owned.repeat(nodes.count), arriving, [capacity] * nodes.count,
                                    group=nodes.cross)
-            collectives = 4
+            collectives = 5
         node_sum.zero_()
         error = refusal
         if error is None:
