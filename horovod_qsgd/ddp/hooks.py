@@ -143,8 +143,8 @@ class _PayloadState:
         """The step and the residuals, plus the settings they belong to; every rank saves its own."""
         with self._lock:
             residuals = {key: r.clone() for key, r in self._residuals.items()}
-            for key, spilled in self._spilled.items():
-                residuals[key] += spilled
+            for key, spilled in self._spilled.items():  # node-aware: a parameter may have nothing else kept
+                residuals[key] = residuals[key] + spilled if key in residuals else spilled.clone()
             return dict(state_header(type(self).__name__, self.settings()), iteration=self.iteration,
                         residuals=residuals,
                         owner_residuals={index: o.as_dict() for index, o in self._owner_residuals.items()},

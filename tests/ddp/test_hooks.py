@@ -452,6 +452,21 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes(nodes, per_node, di
         _check_nonfinite_step_is_discarded(torch, dist_gloo, ddp, calls, state, rank, ranks)
 
 
+def test_residuals_spilled_by_a_rebuild_and_not_yet_sent_are_saved():
+    """A bucket rebuild spills a node-aware bucket's shard residual into its parameters' keys, sent by their
+    next bucket: a checkpoint taken before then saves them (per-parameter residuals are otherwise empty there)."""
+    import torch
+    from horovod_qsgd.ddp import TopKState
+    state = TopKState(exchange="node_aware")
+    state._spilled[3] = torch.ones(5)
+    state._residuals[4], state._spilled[4] = torch.ones(2), torch.full((2,), 2.0)
+    saved = state.state_dict()["residuals"]
+    assert torch.equal(saved[3], torch.ones(5)) and torch.equal(saved[4], torch.full((2,), 3.0))
+    restored = TopKState(exchange="node_aware")
+    restored.load_state_dict(state.state_dict())
+    assert torch.equal(restored.state_dict()["residuals"][3], torch.ones(5))
+
+
 def _residual_tensors(state):
     """Every error-feedback tensor of a DDP state (not its step counter), flattened, by where it is kept."""
     saved = state.state_dict()
