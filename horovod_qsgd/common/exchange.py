@@ -80,7 +80,7 @@ def check_payloads(buffer, senders, numels, codec, tensor_name, what="payload"):
 
 def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, what):
     """:func:`check_payloads` for the host bytes of the header chain, ``heads``."""
-    spans, offset, joined = [], 0, None
+    spans, offset, joined = [], 0, 0
     names = _per_payload(tensor_name, len(senders))
     whats = what if what.endswith("s") else f"{what}s"  # "payloads"; a fused group's "group of ... slices"
     for sender, numel, head, name in zip(senders, numels, heads, names):
@@ -90,9 +90,8 @@ def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, wha
                 f"before rank {sender}'s; a rank sent a truncated or foreign payload.")
         try:
             header = _checked_header(head, sender, numel, codec, name, what)
-        except RankInJoinError as exc:  # counted over the whole buffer, then raised
-            joined = exc if joined is None else _rank_in_join(name, joined.joined + exc.joined)
-            spans.append(None)
+        except RankInJoinError:  # counted over the whole buffer, then raised
+            joined += 1
             offset += HEADER_NBYTES
             continue
         if offset + header.nbytes > total_nbytes:
@@ -105,8 +104,8 @@ def _checked_spans(heads, total_nbytes, senders, numels, codec, tensor_name, wha
         raise CompressionMismatchError(
             f"horovod_qsgd: tensor {names[-1]!r}: {total_nbytes - offset} unexpected bytes after "
             f"{len(senders)} {whats}; the process set's size differs from what this rank expects.")
-    if joined is not None:
-        raise joined
+    if joined:
+        raise _rank_in_join(names[0], joined)
     return spans
 
 

@@ -528,8 +528,7 @@ def _node_aware(state, bucket, group, buffer, split):
     shards = send  # sent long ago: its buffer takes the node's shards in local-rank order
     dist.all_gather_single(shards, node_sum.mul_(1.0 / group.size()), group=nodes.local)
     flags = torch.empty(nodes.local_size, dtype=torch.float32, device=device)
-    dist.all_gather_single(flags, torch.full((1,), 0.0 if error is None else 1.0, device=device),
-                                group=nodes.local)
+    dist.all_gather_single(flags, torch.full((1,), 0.0 if error is None else 1.0, device=device), group=nodes.local)
     state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
     future = _new_future(device)
     if error is None and bool((flags != 0).any()):
@@ -543,7 +542,7 @@ def _node_aware(state, bucket, group, buffer, split):
         return future
     result = shards[:flat.numel()]
     # every rank holds the whole bucket's result: all decide alike whether the step's residuals stay
-    if bool(torch.isfinite(result).all()) if result.is_cuda else all_finite(as_array(result)):
+    if _all_finite(result):
         if state.error_feedback:
             with state._lock:
                 state._shard_residuals[bucket.index()].residual = residual
@@ -618,8 +617,7 @@ def _finish(exchange, gathered):
         with kernel_stream(total.device):
             plan.decode(as_array(gathered), as_array(total))
         total.mul_(1.0 / plan.num_ranks)  # as the Horovod adapter scales an average: the same bits
-        finite = bool(torch.isfinite(total).all()) if total.is_cuda else all_finite(as_array(total))
-        if finite:
+        if _all_finite(total):
             if exchange.residual is not None:
                 state._keep_residual(exchange.layout, exchange.residual)
             if exchange.owner_residual is not None:
@@ -632,6 +630,10 @@ def _finish(exchange, gathered):
         exchange.future.set_result(exchange.buffer)
     except Exception as exc:  # every rank's DDP raises it when it waits for the bucket
         exchange.future.set_exception(exc)
+
+
+def _all_finite(tensor):
+    return bool(torch.isfinite(tensor).all()) if tensor.is_cuda else all_finite(as_array(tensor))
 
 
 def _array(tensor):

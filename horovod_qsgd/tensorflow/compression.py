@@ -93,11 +93,12 @@ class PayloadCompressor(CompressorBase):
         num_ranks = process_set.size()
         plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
                                  placeholder_dtype.size)
+        payload_name = op_name(plan.payload_name)  # collectives ignore name scopes: see hvd_join
         if plan.kind == "two_stage":
             residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
 
             def encode_for_owners(x, step_value, residual=None):
-                hvd_join.sending(op_name(plan.payload_name))
+                hvd_join.sending(payload_name)
                 start = time.perf_counter()
                 out = np.zeros(plan.capacity(), dtype=np.uint8)
                 own = np.empty(plan.own_numel(), dtype=np.float32)
@@ -119,9 +120,9 @@ class PayloadCompressor(CompressorBase):
             if residual_var is not None:
                 outputs[3].set_shape(step.flat.shape)
                 pending.append((residual_var, outputs[3]))
-            received, _ = hvd.alltoall(slices, splits=splits, name=op_name(plan.payload_name),
-                                       ignore_name_scope=True, process_set=process_set)
-            hvd_join.note_payload_collective("alltoall", op_name(plan.payload_name), process_set)
+            received, _ = hvd.alltoall(slices, splits=splits, name=payload_name, ignore_name_scope=True,
+                                       process_set=process_set)
+            hvd_join.note_payload_collective("alltoall", payload_name, process_set)
             return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
                                                 step=step.value, step_variable=step.variable, plan=plan, own=own,
                                                 process_set=process_set, pending=pending)
@@ -130,14 +131,13 @@ class PayloadCompressor(CompressorBase):
             stats.add(encode_seconds=seconds, collectives_started=1)
 
         def encode_unless_refused(x, out, step_value, residual):
-            hvd_join.sending(op_name(plan.payload_name))
+            hvd_join.sending(payload_name)
             return plan.encode(x, out, step_value, residual)
 
         encode = payload_encoder(encode_unless_refused, plan.capacity(), on_encoded)
         payload, pending = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
-        gathered = hvd.allgather(payload, name=op_name(plan.payload_name), ignore_name_scope=True,
-                                 process_set=process_set)
-        hvd_join.note_payload_collective("allgather", op_name(plan.payload_name), process_set)
+        gathered = hvd.allgather(payload, name=payload_name, ignore_name_scope=True, process_set=process_set)
+        hvd_join.note_payload_collective("allgather", payload_name, process_set)
         return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
                                             step=step.value, step_variable=step.variable, plan=plan, pending=pending)
 
