@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -57,11 +58,55 @@ def first_call(torch, fn):
     return time.perf_counter() - start
 
 
+def kernel_name(name):
+    """numba's mangled kernel name -> the Python function's name (``..._kernel``), else torch's name cut short."""
+    found = re.findall(r"([A-Za-z_]\w*?_kernel)", name)
+    return found[0] if found else name[:48]
+
+
+def profile(torch, qsgd, topk_codec, x, payload, total, device, reps):
+    """{operation: [(kernel, share of the GPU time, ms per call)]} from torch.profiler over ``reps`` calls."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    from horovod_qsgd.torch_arrays import as_array, kernel_stream
+    residual = torch.zeros_like(x)
+    operations = {"qsgd4_encode": lambda: qsgd.encode(as_array(x), as_array(payload), step=1, key=1),
+                  "qsgd4_decode": lambda: qsgd.decode_accumulate(as_array(payload), as_array(total))}
+    for selector in ("exact", "gaussian", "sample"):
+        codec = topk_codec(ratio=0.01, selector=selector)
+        out = torch.zeros(codec.max_payload_nbytes(x.numel()), dtype=torch.uint8, device=device)
+        operations[f"{selector}_0.01_encode"] = (
+            lambda c=codec, o=out: c.encode(as_array(x), as_array(o), step=0, key=1, residual=as_array(residual)))
+    shares = {}
+    for what, fn in operations.items():
+        with kernel_stream(device):
+            fn()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    fn()
+                torch.cuda.synchronize()
+        per_kernel = {}
+        for event in prof.events():
+            if event.device_type.name == "CUDA":
+                name = kernel_name(event.name)
+                calls, us = per_kernel.get(name, (0, 0.0))
+                per_kernel[name] = (calls + 1, us + event.time_range.elapsed_us())
+        busy = sum(us for _, us in per_kernel.values()) or 1.0
+        rows = sorted(per_kernel.items(), key=lambda item: -item[1][1])
+        shares[what] = [(name, us / busy, us / reps / 1000, calls // reps) for name, (calls, us) in rows]
+        print(f"{what}: {busy / reps / 1000:.3f} ms of kernels per call; " + ", ".join(
+            f"{name} {share:.0%} ({calls}x)" for name, share, _, calls in shares[what][:6]))
+    return shares
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", help="JSON file for the results")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each kernel's share of the QSGD and top-k calls (torch.profiler)")
     args = parser.parse_args()
 
     import torch
@@ -122,6 +167,34 @@ def main():
                 ms = gpu_time(torch, select, reps)
             results[f"{selector}_{ratio}_ms"], results[f"{selector}_{ratio}_first_s"] = ms, first
             print(f"  {selector:>8}: {ms:8.3f} ms = {topk_ms / ms:5.2f}x torch.topk's speed (first call {first:.2f} s)")
+
+    # -- selection on inputs of many equal magnitudes ----------------------------------------------
+    # The radix histogram's worst case: every thread of a block adds to one shared-memory bin.
+    signs = torch.where(torch.randn(n, device=device, generator=gen) > 0, 1.0, -1.0)
+    relu = torch.randn(n, device=device, generator=gen).clamp_(min=0) * (torch.rand(
+        n, device=device, generator=gen) < 0.1)
+    for label, data in (("relu-90%-zeros", relu), ("all-equal", signs)):
+        k = max(1, int(n * 0.01))
+        topk_ms = gpu_time(torch, lambda: torch.topk(data.abs(), k, sorted=False), reps)
+        results[f"torch_topk_{label}_ms"] = topk_ms
+        print(f"{label}, ratio 0.01: torch.topk(|x|) {topk_ms:.3f} ms")
+        for selector in ("exact", "gaussian", "sample"):
+            codec = TopKCodec(ratio=0.01, selector=selector, error_feedback=False)  # the same input every call
+            out = torch.zeros(codec.max_payload_nbytes(n), dtype=torch.uint8, device=device)
+            with kernel_stream(device):
+                def select():
+                    codec.encode(as_array(data), as_array(out), step=0, key=1)
+                ms = gpu_time(torch, select, reps)
+            results[f"{selector}_{label}_ms"] = ms
+            print(f"  {selector:>8}: {ms:8.3f} ms = {topk_ms / ms:5.2f}x torch.topk's speed")
+
+    # -- where the time goes: each kernel's share (CUPTI sees numba's launches too) ---------------
+    if args.profile:
+        try:
+            results["kernel_shares"] = profile(torch, qsgd, TopKCodec, x, payload, total, device, reps)
+        except Exception as error:  # the profiler is a yardstick: its failure must not hide the race check
+            results["kernel_shares_error"] = repr(error)
+            print("profile failed:", repr(error))
 
     # -- the stream race ---------------------------------------------------------------------------
     side = torch.cuda.Stream(device)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every GPU check and measurement of this project in one call, for a lent GPU machine (no Horovod, no
+# TensorFlow, no network: PyTorch's CUDA build, numba and numba-cuda as installed there).
+#
+#     OUT=/some/folder bash scripts/gpu_session.sh
+#
+# Writes each step's log (and gpu_benchmark*.json) to $OUT. Steps in order of what matters most, each
+# under its own time limit so that one that hangs leaves the others their time; the numba cache starts
+# empty, so the first benchmark's first calls include compilation and the second's show the disk cache.
+set -u
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/horovod-qsgd-numba-cache
+rm -rf "$NUMBA_CACHE_DIR"
+PY=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, say how it ended and how long it took
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "=== $name: $*"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    grep -v '^\[W\|^W[0-9]\|^\*\*\*\*\|Setting OMP_NUM_THREADS\|^ *warnings.warn' "$OUT/$name.log" | tail -n 40
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    $PY -c 'import sys, torch, numpy, numba, numba.cuda as c; print(sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "numpy", numpy.__version__, "numba", numba.__version__, "numba.cuda", c.implementation)'
+    $PY -m pip list 2>/dev/null | grep -iE '^(numba|numba-cuda|cuda-|nvidia-cuda-nvcc|nvidia-cuda-nvrtc|llvmlite)'
+} > "$OUT/machine.log" 2>&1
+cat "$OUT/machine.log"
+
+step gpu_benchmark 150 $PY benchmarks/gpu_benchmark.py --profile --out "$OUT/gpu_benchmark.json"
+step cuda_check 150 $PY scripts/cuda_check.py
+step ddp_2ranks 80 torchrun --nproc_per_node 2 --master_port 29510 scripts/gpu_ddp_check.py
+step gpu_benchmark_cached 60 $PY benchmarks/gpu_benchmark.py --reps 10 --out "$OUT/gpu_benchmark_cached.json"
+node() {
+    torchrun --nnodes 2 --node_rank "$1" --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 \
+        scripts/gpu_ddp_check.py
+}
+step ddp_2x2nodes 80 bash -c "$(declare -f node); node 1 > $OUT/ddp_node1.log 2>&1 & node 0; rc=\$?; wait \$! || rc=1; exit \$rc"
+grep -h "^rank" "$OUT/ddp_node1.log"
