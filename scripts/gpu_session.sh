@@ -13,6 +13,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/horovod-qsgd-numba-cache
 rm -rf "$NUMBA_CACHE_DIR"
 PY=${PYTHON:-python3}
+# numba-cuda 0.30.4 does not import under numpy 2.5 (np.row_stack is gone): wheels carried in .whl/ (numpy 2.4)
+# go first on the path
+if ls .whl/*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, say how it ended and how long it took
     local name=$1 limit=$2; shift 2

@@ -90,6 +90,9 @@ from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
+# the old name, and the hooks must not fail there
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 NODE_AWARE = "node_aware"
 
 
@@ -437,7 +440,7 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
             used = plan.encode(as_array(flat), as_array(out), exchange.step, _array(residual))
             # fixed-size payloads: every rank's is ``capacity`` bytes, as all_gather_single needs
             gathered = torch.empty(num_ranks * used, dtype=torch.uint8, device=flat.device)
-            work = dist.all_gather_single(gathered, out[:used], group=group, async_op=True)
+            work = _all_gather_single(gathered, out[:used], group=group, async_op=True)
             state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
             _start_second_stage(state)
             work.get_future().then(lambda _: _finish(exchange, gathered))
@@ -498,7 +501,7 @@ def _node_aware(state, bucket, group, buffer, split):
         if plan.kind == "allgather":
             used = plan.encode(as_array(node_sum), as_array(out), step, _array(residual))
             gathered = torch.empty(nodes.count * used, dtype=torch.uint8, device=device)
-            dist.all_gather_single(gathered, out[:used], group=nodes.cross)
+            _all_gather_single(gathered, out[:used], group=nodes.cross)
             collectives = 4
         else:
             own = torch.empty(plan.own_numel(), dtype=torch.float32, device=device)
@@ -526,9 +529,9 @@ def _node_aware(state, bucket, group, buffer, split):
     # the decoded shards, and a flag each: the node's other ranks must not take a shard that failed for a result
     # (a collective of its own: beside the shard it would leave the gathered shards apart, to be copied)
     shards = send  # sent long ago: its buffer takes the node's shards in local-rank order
-    dist.all_gather_single(shards, node_sum.mul_(1.0 / group.size()), group=nodes.local)
+    _all_gather_single(shards, node_sum.mul_(1.0 / group.size()), group=nodes.local)
     flags = torch.empty(nodes.local_size, dtype=torch.float32, device=device)
-    dist.all_gather_single(flags, torch.full((1,), 0.0 if error is None else 1.0, device=device), group=nodes.local)
+    _all_gather_single(flags, torch.full((1,), 0.0 if error is None else 1.0, device=device), group=nodes.local)
     state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
     future = _new_future(device)
     if error is None and bool((flags != 0).any()):
