@@ -100,6 +100,31 @@ def profile(torch, qsgd, topk_codec, x, payload, total, device, reps):
     return shares
 
 
+def host_profile(torch, qsgd, topk_codec, x, payload, total, device, calls=20):
+    """Where the host's time goes in a call (cProfile): the kernels are a fraction of the time measured."""
+    import cProfile
+    import pstats
+    from horovod_qsgd.torch_arrays import as_array, kernel_stream
+    residual = torch.zeros_like(x)
+    exact = topk_codec(ratio=0.01)
+    out = torch.zeros(exact.max_payload_nbytes(x.numel()), dtype=torch.uint8, device=device)
+    for what, fn in {"qsgd4_encode": lambda: qsgd.encode(as_array(x), as_array(payload), step=1, key=1),
+                     "qsgd4_decode": lambda: qsgd.decode_accumulate(as_array(payload), as_array(total)),
+                     "exact_0.01_encode": lambda: exact.encode(as_array(x), as_array(out), step=0, key=1,
+                                                               residual=as_array(residual))}.items():
+        with kernel_stream(device):
+            fn()
+            torch.cuda.synchronize()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            profiler.disable()
+        print(f"-- host profile of {calls} calls of {what}, by own time:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=25_000_000)
@@ -107,6 +132,7 @@ def main():
     parser.add_argument("--out", help="JSON file for the results")
     parser.add_argument("--profile", action="store_true",
                         help="also each kernel's share of the QSGD and top-k calls (torch.profiler)")
+    parser.add_argument("--host-profile", action="store_true", help="also cProfile of the host's side of a call")
     args = parser.parse_args()
 
     import torch
@@ -195,6 +221,9 @@ def main():
         except Exception as error:  # the profiler is a yardstick: its failure must not hide the race check
             results["kernel_shares_error"] = repr(error)
             print("profile failed:", repr(error))
+
+    if args.host_profile:
+        host_profile(torch, qsgd, TopKCodec, x, payload, total, device)
 
     # -- the stream race ---------------------------------------------------------------------------
     side = torch.cuda.Stream(device)

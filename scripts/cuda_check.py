@@ -35,15 +35,37 @@ from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
 from horovod_qsgd.testdata import load_vectors, make_codec  # noqa: E402
 
 failures = []
+nan_bits_only = []
+NAN_BITS = "NaN bits"   # what same() returns where the only differences are the bits of NaNs
 
 
 def same(a, b):
+    """True where the bytes are equal; NAN_BITS where they differ only inside words that are NaN on both sides.
+
+    A NaN's bits are the hardware's: x86 keeps an operand NaN's bits through an add and makes inf - inf
+    0xffc00000, an NVIDIA GPU gives 0x7fffffff for both (seen on an H200). Values are equal either way."""
     a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    if a.shape != b.shape:
+        return False
+    a8, b8 = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+    differ = np.flatnonzero(a8 != b8)
+    if differ.size == 0:
+        return True
+    for width, ftype in ((4, np.float32), (2, np.float16)):
+        whole = a8.size - a8.size % width
+        if differ[-1] >= whole:
+            continue
+        words = np.unique(differ // width)
+        if (np.isnan(a8[:whole].view(ftype)[words]).all() and np.isnan(b8[:whole].view(ftype)[words]).all()):
+            return NAN_BITS
+    return False
 
 
 def check(name, ok):
-    if not ok:
+    if ok is NAN_BITS:
+        nan_bits_only.append(name)
+        print("NaN bits differ (values equal)", name, flush=True)
+    elif not ok:
         failures.append(name)
         print("MISMATCH", name, flush=True)
 
@@ -125,7 +147,8 @@ def main():
         print(f"{len(failures)} mismatches")
         return 1
     where = "CUDA-simulator" if SIMULATED else f"CUDA ({cuda.get_current_device().name})"
-    print(f"OK: {total} {where} checks bit-identical to the CPU path and the test vectors")
+    print(f"OK: {total} {where} checks bit-identical to the CPU path and the test vectors"
+          + (f" ({len(nan_bits_only)} of them up to the bits of NaNs)" if nan_bits_only else ""))
     return 0
 
 
