@@ -18,9 +18,10 @@ setup(
         "bench": ["matplotlib"],
         # numba's CUDA target with NVVM and libdevice from the package index (PyTorch's CUDA wheels lack
         # them); take the one of your CUDA major version (torch.version.cuda): the other would install
-        # cuda-bindings and toolkit wheels of the wrong major version
-        "cuda12": ["numba-cuda[cu12]"],
-        "cuda13": ["numba-cuda[cu13]"],
+        # cuda-bindings and toolkit wheels of the wrong major version. numpy < 2.5: numba-cuda 0.30.4 (the
+        # newest) fails to import under numpy 2.5, which removed np.row_stack (seen on a GPU machine)
+        "cuda12": ["numba-cuda[cu12]", "numpy<2.5"],
+        "cuda13": ["numba-cuda[cu13]", "numpy<2.5"],
         # tests only: compile every kernel for named GPUs without one (scripts/gpu_compile_check.py); pinned so
         # that the register table in benchmarks/results/gpu/ is reproducible
         "gpu-compile": ["numba-cuda[cu13]==0.30.4", "nvidia-cuda-nvcc==13.5.37"],

@@ -100,6 +100,29 @@ def profile(torch, qsgd, topk_codec, x, payload, total, device, reps):
     return shares
 
 
+def launch_cost(torch, tensors, device, launches=500):
+    """Host microseconds per launch of an empty kernel: {'launch_us_arrays', 'launch_us_tensors'}."""
+    from numba import cuda
+    from horovod_qsgd.torch_arrays import as_array
+
+    @cuda.jit
+    def empty(a, b, c, d):
+        pass
+
+    stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+    arrays = [as_array(t) for t in tensors]
+    empty[1, 32, stream](*arrays)
+    torch.cuda.synchronize()
+    cost = {}
+    for label, args in (("arrays", lambda: arrays), ("tensors", lambda: [as_array(t) for t in tensors])):
+        start = time.perf_counter()
+        for _ in range(launches):
+            empty[1, 32, stream](*args())
+        cost[f"launch_us_{label}"] = (time.perf_counter() - start) / launches * 1e6
+        torch.cuda.synchronize()
+    return cost
+
+
 def host_profile(torch, qsgd, topk_codec, x, payload, total, device, calls=20):
     """Where the host's time goes in a call (cProfile): the kernels are a fraction of the time measured."""
     import cProfile
@@ -221,6 +244,11 @@ def main():
         except Exception as error:  # the profiler is a yardstick: its failure must not hide the race check
             results["kernel_shares_error"] = repr(error)
             print("profile failed:", repr(error))
+
+    # -- what one launch costs the host: numba-cuda's dispatch of an empty kernel with 4 array arguments ----
+    results.update(launch_cost(torch, [x, payload, total, copy_dst], device))
+    print(f"one empty kernel launch, 4 array arguments: {results['launch_us_arrays']:.0f} us of host time with "
+          f"numba arrays made once, {results['launch_us_tensors']:.0f} us converting torch tensors per launch")
 
     if args.host_profile:
         host_profile(torch, qsgd, TopKCodec, x, payload, total, device)

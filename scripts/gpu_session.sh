@@ -49,5 +49,7 @@ node() {
     torchrun --nnodes 2 --node_rank "$1" --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 \
         scripts/gpu_ddp_check.py
 }
-step ddp_2x2nodes 80 bash -c "$(declare -f node); node 1 > $OUT/ddp_node1.log 2>&1 & node 0; rc=\$?; wait \$! || rc=1; exit \$rc"
-[[ ! -f "$OUT/ddp_node1.log" ]] || grep -h "^rank" "$OUT/ddp_node1.log"
+step ddp_2x2nodes 80 bash -c "$(declare -f node); node 1 > /tmp/ddp_node1.log 2>&1 & node 0; rc=\$?; wait \$! || rc=1; exit \$rc"
+if [[ -f /tmp/ddp_node1.log ]]; then  # the second node's ranks, into the same log
+    grep -h "^rank" /tmp/ddp_node1.log | tee -a "$OUT/ddp_2x2nodes.log"
+fi
