@@ -59,6 +59,17 @@ this rank's per-parameter residuals, which join its gradient before the next
 node sum. Nodes of unequal size fall back to the flat exchange with a warning
 on every rank.
 
+``exchange="auto"`` (the default) takes the node-aware exchange for CUDA
+gradients, with the default process group, on a job of several nodes of
+equal size with several ranks each (else the flat choice above, without a
+warning): a GPU node sums over NVLink or PCIe, and then only the link that
+is slow carries the compressed shards, ~L times fewer bytes per node than
+the flat two stages. CPU gradients stay node-blind under ``"auto"`` (the
+in-node steps cost more than they save at 1 Gbit/s, above). Its speed on
+GPU nodes is the model's, not measured; its results on a GPU were measured
+bit-identical to the CPU's (``benchmarks/results/gpu/h200/``). The gradients'
+device type is part of the settings every rank checks at the first bucket.
+
 Error feedback is kept per parameter, not per bucket: DDP rebuilds its
 buckets after the first iteration (and after a restart), and a residual
 keyed by parameter goes wherever its parameter goes, so nothing is lost and
@@ -166,15 +177,19 @@ class _PayloadState:
                                      for index, o in state.get("shard_residuals", {}).items()}
 
     # -- per bucket -------------------------------------------------------------------------
-    def _handshake(self, group):
-        """At the first bucket, every rank checks every rank's settings (raises on all ranks)."""
+    def _handshake(self, group, device):
+        """At the first bucket, every rank checks every rank's settings and gradients' device type (raises on
+        all ranks), then finds the nodes where the exchange is node-aware."""
         if self._verified:
             return
         records = [None] * group.size()
-        dist.all_gather_object(records, settings_record(type(self).__name__, self.settings()), group=group)
+        mine = settings_record(type(self).__name__, dict(self.settings(), device=device.type))
+        dist.all_gather_object(records, mine, group=group)
         check_settings(records)
         if self.exchange == NODE_AWARE:
             self._nodes = _Nodes.of_this_job(group, self.process_group)
+        elif self.exchange == "auto" and self.process_group is None and device.type == "cuda":
+            self._nodes = _Nodes.of_this_job(group, None, quiet=True)
         self._verified = True
 
     def _split(self, bucket):
@@ -274,10 +289,10 @@ class _Nodes:
                 self.cross = group
 
     @classmethod
-    def of_this_job(cls, group, process_group):
+    def of_this_job(cls, group, process_group, quiet=False):
         """The layout from torchrun's ``GROUP_RANK`` (else the host name), alike on every rank; None (flat
-        exchange, with a warning on every rank) where nodes differ in size or there is one node or one rank
-        per node."""
+        exchange, with a warning on every rank unless ``quiet``: ``"auto"`` asked for no layout in
+        particular) where nodes differ in size or there is one node or one rank per node."""
         if process_group is not None:
             raise ValueError("horovod_qsgd: exchange='node_aware' needs the default process group "
                              "(process_group=None)")
@@ -289,6 +304,8 @@ class _Nodes:
         members = list(members.values())
         sizes = sorted({len(m) for m in members})
         if len(sizes) > 1 or len(members) == 1 or sizes[0] == 1:
+            if quiet:
+                return None
             warnings.warn(f"horovod_qsgd: exchange='node_aware' needs several nodes of equal size, more than one "
                           f"rank each; this job has {len(members)} node(s) of {sizes} rank(s): the exchange is "
                           "node-blind (as 'auto') instead")
@@ -394,8 +411,8 @@ class _Exchange:
 def payload_hook(state, bucket):
     """The DDP communication hook of :class:`QSGDState` and :class:`TopKState` (``qsgd_hook``, ``topk_hook``)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    state._handshake(group)
     buffer = bucket.buffer()
+    state._handshake(group, buffer.device)
     num_ranks = group.size()
     split = state._split(bucket)
     if buffer.dtype in _FLOATS and split.layout and state._nodes is not None:
@@ -573,7 +590,8 @@ def _with_small(future, small_future, split, bucket_flat):
     ``wait()`` (not ``value()``) makes this thread's stream wait for them, and the future returned carries the
     device, so DDP's stream waits for the copy of the small average as well. ``collect_all``'s own future
     carries no device: returned as such, DDP read the small parameters before their average landed (seen on an
-    H200 with Gloo: 700 values off by up to 2.07 in one run of six)."""
+    H200 with Gloo: whole small parameters off by up to 3.4 in 16 of 47 rank results,
+    ``benchmarks/results/gpu/h200/ddp_2ranks_before_fix.log``)."""
     if small_future is None:
         return future
     done = _new_future(bucket_flat.device)
