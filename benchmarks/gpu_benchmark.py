@@ -64,21 +64,27 @@ def kernel_name(name):
     return found[0] if found else name[:48]
 
 
-def profile(torch, qsgd, topk_codec, x, payload, total, device, reps):
+def codec_calls(torch, qsgd, topk_codec, x, payload, total, device, selectors):
+    """{operation: a call of it}: QSGD-4's encode and decode, and a top-k 1% encode per selector."""
+    from horovod_qsgd.torch_arrays import as_array
+    residual = torch.zeros_like(x)
+    calls = {"qsgd4_encode": lambda: qsgd.encode(as_array(x), as_array(payload), step=1, key=1),
+             "qsgd4_decode": lambda: qsgd.decode_accumulate(as_array(payload), as_array(total))}
+    for selector in selectors:
+        codec = topk_codec(ratio=0.01, selector=selector)
+        out = torch.zeros(codec.max_payload_nbytes(x.numel()), dtype=torch.uint8, device=device)
+        calls[f"{selector}_0.01_encode"] = (
+            lambda c=codec, o=out: c.encode(as_array(x), as_array(o), step=0, key=1, residual=as_array(residual)))
+    return calls
+
+
+def profile(torch, calls, device, reps):
     """{operation: [(kernel, share of the GPU time, ms per call)]} from torch.profiler over ``reps`` calls."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    from horovod_qsgd.torch_arrays import as_array, kernel_stream
-    residual = torch.zeros_like(x)
-    operations = {"qsgd4_encode": lambda: qsgd.encode(as_array(x), as_array(payload), step=1, key=1),
-                  "qsgd4_decode": lambda: qsgd.decode_accumulate(as_array(payload), as_array(total))}
-    for selector in ("exact", "gaussian", "sample"):
-        codec = topk_codec(ratio=0.01, selector=selector)
-        out = torch.zeros(codec.max_payload_nbytes(x.numel()), dtype=torch.uint8, device=device)
-        operations[f"{selector}_0.01_encode"] = (
-            lambda c=codec, o=out: c.encode(as_array(x), as_array(o), step=0, key=1, residual=as_array(residual)))
+    from horovod_qsgd.torch_arrays import kernel_stream
     shares = {}
-    for what, fn in operations.items():
+    for what, fn in calls.items():
         with kernel_stream(device):
             fn()
             torch.cuda.synchronize()
@@ -123,28 +129,22 @@ def launch_cost(torch, tensors, device, launches=500):
     return cost
 
 
-def host_profile(torch, qsgd, topk_codec, x, payload, total, device, calls=20):
+def host_profile(torch, calls, device, reps=20):
     """Where the host's time goes in a call (cProfile): the kernels are a fraction of the time measured."""
     import cProfile
     import pstats
-    from horovod_qsgd.torch_arrays import as_array, kernel_stream
-    residual = torch.zeros_like(x)
-    exact = topk_codec(ratio=0.01)
-    out = torch.zeros(exact.max_payload_nbytes(x.numel()), dtype=torch.uint8, device=device)
-    for what, fn in {"qsgd4_encode": lambda: qsgd.encode(as_array(x), as_array(payload), step=1, key=1),
-                     "qsgd4_decode": lambda: qsgd.decode_accumulate(as_array(payload), as_array(total)),
-                     "exact_0.01_encode": lambda: exact.encode(as_array(x), as_array(out), step=0, key=1,
-                                                               residual=as_array(residual))}.items():
+    from horovod_qsgd.torch_arrays import kernel_stream
+    for what, fn in calls.items():
         with kernel_stream(device):
             fn()
             torch.cuda.synchronize()
             profiler = cProfile.Profile()
             profiler.enable()
-            for _ in range(calls):
+            for _ in range(reps):
                 fn()
             torch.cuda.synchronize()
             profiler.disable()
-        print(f"-- host profile of {calls} calls of {what}, by own time:")
+        print(f"-- host profile of {reps} calls of {what}, by own time:")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
@@ -240,7 +240,8 @@ def main():
     # -- where the time goes: each kernel's share (CUPTI sees numba's launches too) ---------------
     if args.profile:
         try:
-            results["kernel_shares"] = profile(torch, qsgd, TopKCodec, x, payload, total, device, reps)
+            calls = codec_calls(torch, qsgd, TopKCodec, x, payload, total, device, ("exact", "gaussian", "sample"))
+            results["kernel_shares"] = profile(torch, calls, device, reps)
         except Exception as error:  # the profiler is a yardstick: its failure must not hide the race check
             results["kernel_shares_error"] = repr(error)
             print("profile failed:", repr(error))
@@ -251,7 +252,7 @@ def main():
           f"numba arrays made once, {results['launch_us_tensors']:.0f} us converting torch tensors per launch")
 
     if args.host_profile:
-        host_profile(torch, qsgd, TopKCodec, x, payload, total, device)
+        host_profile(torch, codec_calls(torch, qsgd, TopKCodec, x, payload, total, device, ("exact",)), device)
 
     # -- the stream race ---------------------------------------------------------------------------
     side = torch.cuda.Stream(device)
