@@ -60,3 +60,59 @@ def reference(first, second, name, grads, step, unit, residuals=None, owner_resi
                              residual=None if owner_residuals is None else owner_residuals[owner])
         second.decode_accumulate(buf[:used], result[begin:end])
     return result
+
+
+def node_aware_reference(first, second, name, grads, step, unit, per_node, residuals=None, owner_residuals=None):
+    """The summed result of the node-aware exchange (``horovod_qsgd.common.node_aware``), from the codecs alone.
+
+    Ranks r = node * per_node + j. Each gradient (plus, with error feedback,
+    its whole residual ``residuals[r]``, then zeroed) is padded to
+    ``per_node`` shards; node k's sum of shard j, in local-rank order, is
+    exchanged among the nodes as tensor ``<name>.shard<j>``: every node's
+    payload allgathered (2 nodes, or shards below the two stages' threshold)
+    or the two stages, with a zero shard residual whose update lands at shard
+    j of ``residuals[r]``, and ``owner_residuals[r]`` (rank r's chunk of its
+    shard) kept by the owners.
+    """
+    import zlib
+
+    from horovod_qsgd.common.two_stage import choose_exchange
+    num_ranks, numel = len(grads), grads[0].size
+    nodes = num_ranks // per_node
+    shard = -(-numel // (per_node * unit)) * unit
+    xs = []
+    for r in range(num_ranks):
+        x = np.zeros(per_node * shard, np.float32)
+        x[:numel] = grads[r] if residuals is None else grads[r] + residuals[r]
+        if residuals is not None:
+            residuals[r][:] = 0
+        xs.append(x)
+    result = np.zeros(per_node * shard, np.float32)
+    two_stage = choose_exchange("auto", first, second, shard, nodes) == "two_stage"
+    for j in range(per_node):
+        part = slice(j * shard, (j + 1) * shard)
+        holders = [k * per_node + j for k in range(nodes)]
+        sums = []
+        for k in range(nodes):
+            total = xs[k * per_node][part].copy()
+            for i in range(1, per_node):
+                total += xs[k * per_node + i][part]
+            sums.append(total)
+        shard_residuals = None if residuals is None else [np.zeros(shard, np.float32) for _ in holders]
+        shard_name = f"{name}.shard{j}"
+        if two_stage:
+            owners = None if owner_residuals is None else [owner_residuals[r] for r in holders]
+            total = reference(first, second, shard_name, sums, step, unit, shard_residuals, owners)
+        else:
+            total = np.zeros(shard, np.float32)
+            for k, x in enumerate(sums):
+                out = np.zeros(first.max_payload_nbytes(shard), np.uint8)
+                used = first.encode(x, out, step=step, key=zlib.crc32(f"{shard_name}@rank{k}".encode()),
+                                    residual=None if residuals is None else shard_residuals[k])
+                first.decode_accumulate(out[:used], total)
+        result[part] = total
+        if residuals is not None:
+            for k, r in enumerate(holders):
+                begin, end = min(numel, j * shard), min(numel, (j + 1) * shard)
+                residuals[r][begin:end] = shard_residuals[k][:end - begin]
+    return result[:numel]

@@ -32,6 +32,7 @@ adapter (they depend on where it waits).
 import warnings
 
 from horovod_qsgd.common.exchange import decode_sum
+from horovod_qsgd.common.node_aware import NODE_AWARE, NodeAwarePlan
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key
 from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, owner_layout_changed
 from horovod_qsgd.kernels import move_into_own_chunk
@@ -47,18 +48,24 @@ class PayloadEngine:
     def __init__(self, codec, second_codec, mode, stats):
         self.codec, self.second_codec, self.mode, self.stats = codec, second_codec, mode, stats
 
-    def plan(self, name, numel, num_ranks, rank, uncompressed_nbytes, placeholder_nbytes):
+    def plan(self, name, numel, num_ranks, rank, uncompressed_nbytes, placeholder_nbytes, note_as=None):
         """The plan of tensor ``name`` (``numel`` elements) on ``rank`` of ``num_ranks``, noted in the statistics.
 
         ``uncompressed_nbytes``: what a plain allreduce would have sent;
-        ``placeholder_nbytes``: what the adapter sends besides the payloads.
+        ``placeholder_nbytes``: what the adapter sends besides the payloads;
+        ``note_as``: the name the statistics note the exchange under (a node-aware plan's shard is its tensor's).
         """
+        mode = "auto" if self.mode == NODE_AWARE else self.mode  # between nodes: as for a tensor of the nodes
         exchange = "allgather" if self.second_codec is None else choose_exchange(
-            self.mode, self.codec, self.second_codec, numel, num_ranks)
-        self.stats.note_exchange(name, exchange)
+            mode, self.codec, self.second_codec, numel, num_ranks)
+        self.stats.note_exchange(note_as or name, exchange if note_as is None else NODE_AWARE)
         cls = TwoStagePlan if exchange == "two_stage" and num_ranks > 1 else AllgatherPlan
         return cls(self.codec, self.second_codec, name, numel, num_ranks, rank, self.stats, uncompressed_nbytes,
                    placeholder_nbytes)
+
+    def plan_node_aware(self, name, numel, layout, uncompressed_nbytes):
+        """The :class:`~horovod_qsgd.common.node_aware.NodeAwarePlan` of tensor ``name`` on ``layout``'s nodes."""
+        return NodeAwarePlan(self, name, numel, layout, uncompressed_nbytes)
 
 
 class _Counted:

@@ -8,7 +8,7 @@ class CompressionStats:
     FIELDS = ("tensors_compressed", "tensors_passed_through", "bytes_uncompressed", "bytes_sent",
               "encode_seconds", "wait_seconds", "decode_seconds",
               "tensors_two_stage", "bytes_sent_first_stage", "bytes_sent_second_stage", "tensors_nonfinite",
-              "collectives_started")
+              "collectives_started", "bytes_sent_in_node")
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -44,6 +44,11 @@ class CompressionStats:
         owners, ``bytes_sent_second_stage`` its re-encoded sums (both are in
         ``bytes_sent`` too). ``exchanges`` maps each compressed tensor's name
         to the exchange it used last.
+
+        Node-aware exchange: ``exchanges`` says ``"node_aware"``;
+        ``bytes_sent`` counts what this rank sent between nodes (its shard's
+        payloads), ``bytes_sent_in_node`` the full-precision shards it sent to
+        the other ranks of its node (the in-node reduce-scatter and allgather).
 
         ``collectives_started``: the allgathers and alltoalls this rank started
         for compressed tensors (one per tensor with the allgather, two with the

@@ -33,17 +33,24 @@ from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import decode_checked, refusal_notice
 from horovod_qsgd.kernels import store_bytes
 
-EXCHANGES = ("allgather", "two_stage", "auto")
+EXCHANGES = ("allgather", "two_stage", "auto", "node_aware")  # node_aware: PyTorch only, so far
 # Below this many elements a tensor stays on one collective under exchange="auto": an alltoall is not
 # fused by Horovod, so a second collective costs a round trip that small tensors cannot win back.
 AUTO_TWO_STAGE_MIN_NUMEL = 1 << 16
 
 
+def _describe_layout(layout):
+    if layout and len(layout) == 4:
+        return f"local rank {layout[3]} of node {layout[2]} ({layout[0]} nodes of {layout[1]} ranks)"
+    return f"rank {layout[1]} of {layout[0]}" if layout and len(layout) == 2 else f"layout {layout!r}"
+
+
 def owner_layout_changed(tensor_name, saved, layout):
-    """The warning when an owner-side residual saved as rank saved[1] of saved[0] meets rank layout[1] of layout[0]."""
-    return (f"horovod_qsgd: tensor {tensor_name!r}: the owner-side residual was saved as rank {saved[1]} of "
-            f"{saved[0]}, this is rank {layout[1]} of {layout[0]}; it is reset to zeros (its unsent mass is "
-            "lost once).")
+    """The warning when an owner-side residual saved for layout ``saved`` meets this rank's ``layout``
+    ([ranks, rank], or a node layout [nodes, ranks per node, node, local rank])."""
+    return (f"horovod_qsgd: tensor {tensor_name!r}: the owner-side residual was saved as "
+            f"{_describe_layout(saved)}, this is {_describe_layout(layout)}; it is reset to zeros (its unsent "
+            "mass is lost once).")
 
 
 def saved_owner_chunk(numel, unit, saved_layout, saved_numel):
@@ -53,7 +60,12 @@ def saved_owner_chunk(numel, unit, saved_layout, saved_numel):
     When the ranks change (an elastic reset, a checkpoint from another job
     size), the adapters add the residual there into the rank's sender
     residual: the rank sends it in its next steps, so no mass is lost.
+    A node layout (four values, :func:`horovod_qsgd.common.node_aware.node_owner_chunk`) gives a chunk
+    clipped to the tensor: add the residual's first end - begin values.
     """
+    if saved_layout and len(saved_layout) == 4:
+        from horovod_qsgd.common.node_aware import node_owner_chunk  # it builds on this module
+        return node_owner_chunk(numel, unit, saved_layout, saved_numel)
     if not saved_layout or len(saved_layout) != 2:
         return None
     num_ranks, rank = (int(v) for v in saved_layout)

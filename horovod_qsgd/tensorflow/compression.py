@@ -69,6 +69,9 @@ class PayloadCompressor(CompressorBase):
     """
 
     def __init__(self, codec, min_numel, exchange="allgather", second_codec=None):
+        if exchange == "node_aware":
+            raise ValueError("horovod_qsgd: exchange='node_aware' is built for PyTorch (horovod_qsgd.torch and "
+                             "horovod_qsgd.ddp), not yet for TensorFlow: use exchange='auto' here.")
         # set first: the base class records settings(), which include them
         self.exchange = exchange
         self.second_codec = second_codec
@@ -228,7 +231,7 @@ class PayloadCompressor(CompressorBase):
                     chunk = moved_owner_chunk(ctx.name, x.size, unit, list(owner_layout), owner_residual.size,
                                               [plan.num_ranks, plan.rank])
                     if chunk is not None:
-                        residual[chunk[0]:chunk[1]] += owner_residual
+                        residual[chunk[0]:chunk[1]] += owner_residual[:chunk[1] - chunk[0]]
                     owner_residual = owner_residual[:0]
             out = np.zeros(plan.capacity(), dtype=np.uint8)
             if plan.kind == "two_stage":

@@ -37,6 +37,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 
 import horovod.torch as hvd
 import torch
@@ -47,6 +48,7 @@ from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_m
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
+from horovod_qsgd.common.node_aware import NODE_AWARE, NodeLayout
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
@@ -55,6 +57,7 @@ from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
+from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareFlight
 from horovod_qsgd.torch.join import note_allreduce, refuse_if_a_rank_joined, take_over_hvd_join
 
 _PASS_THROUGH = object()
@@ -153,13 +156,15 @@ class _CompressorBase:
         return (not tensor.dtype.is_floating_point or tensor.is_sparse
                 or tensor.numel() < self.min_numel)
 
-    def _handshake(self, process_set):
-        """Once per process set: every rank checks every rank's settings (raises on all ranks)."""
+    def _handshake(self, process_set, tensor):
+        """Once per process set: every rank checks every rank's settings (raises on all ranks); True the first
+        time. ``tensor``: the first tensor compressed there."""
         key = process_set.process_set_id
         if key in self._verified_process_sets:
-            return
+            return False
         check_settings_across_ranks(type(self).__name__, self.settings(), HANDSHAKE_NAME, process_set)
         self._verified_process_sets.add(key)
+        return True
 
     def _state(self, name, numel, device, needs_residual):
         with self._lock:
@@ -178,18 +183,23 @@ class _CompressorBase:
                 state.residual = state.residual.to(device)
         return state
 
-    def _spill_moved_owner_residual(self, site, state, numel):
-        """Adds an owner-side residual kept for other ranks (an elastic reset, a checkpoint from another job
-        size) into this rank's residual at its old chunk: this rank sends that mass in its next steps."""
+    def _owner_layout(self, site, tensor):
+        """What an owner-side residual of ``tensor`` belongs to on this rank now: [ranks, rank]."""
+        return [site.process_set.size(), site.process_set.rank()]
+
+    def _spill_moved_owner_residual(self, site, state, numel, layout):
+        """Adds an owner-side residual kept for another ``layout`` (an elastic reset, a checkpoint from another
+        job size or node layout) into this rank's residual at its old chunk: this rank sends that mass in its
+        next steps."""
         if state.owner_residual is None:
             return
-        layout = [site.process_set.size(), site.process_set.rank()]
         if list(state.owner_layout or []) == layout:
             return
         chunk = moved_owner_chunk(site.name, numel, chunk_unit(self.codec), state.owner_layout,
                                   state.owner_residual.numel(), layout)
         if chunk is not None:
-            state.residual[chunk[0]:chunk[1]].add_(state.owner_residual.to(state.residual.device))
+            begin, end = chunk
+            state.residual[begin:end].add_(state.owner_residual[:end - begin].to(state.residual.device))
         state.owner_residual, state.owner_layout = None, None
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -277,7 +287,7 @@ class _CompressorBase:
         site = find_call_site(tensor)
         # On every rank at its first tensor, before the handshake's collective: no rank waits for another.
         refuse_adasum(site)
-        self._handshake(site.process_set)
+        self._handshake(site.process_set, tensor)
         if self._passes_through(tensor):
             sent, ctx = self._pass_through(tensor)
             note_allreduce(site, sent, 0.0)
@@ -286,7 +296,7 @@ class _CompressorBase:
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
         state = self._state(site.name, flat.numel(), tensor.device, self.error_feedback)
-        self._spill_moved_owner_residual(site, state, flat.numel())
+        self._spill_moved_owner_residual(site, state, flat.numel(), self._owner_layout(site, tensor))
         # The step updates a copy: the state changes only once the result shows the step counts (_settle).
         residual = None if state.residual is None else state.residual.clone()
         with kernel_stream(tensor.device):
@@ -444,6 +454,8 @@ class PayloadCompressor(_CompressorBase):
         # Group names count from 1 in each compressor; two compressors in one process (two optimizers) must not
         # start collectives under the same name. Scripts build their compressors in the same order on every rank.
         self._fusion_namespace = f"compressor{next(_payload_compressors_built)}."
+        self._nodes = None  # the NodeLayout, where this compressor's exchange is node-aware (global process set)
+        self._node_exchanges = NodeAwareExchanges(self._stats)
         self._forget_exchanges()
 
     # A placeholder's NaN tells a rank in a step that a rank is in hvd.join() (every rank in a step sends 1).
@@ -455,6 +467,39 @@ class PayloadCompressor(_CompressorBase):
     def _forget_exchanges(self):
         self._fuser = Fuser(self.fusion_threshold, self._fusion_namespace)
         self._first_stages = []  # groups whose alltoall started and whose second stage did not
+        self._node_exchanges.forget()
+
+    def _handshake(self, process_set, tensor):
+        """Also finds the nodes, once, where the exchange may be node-aware (see :meth:`_takes_node_aware`)."""
+        first = super()._handshake(process_set, tensor)
+        if first and process_set.process_set_id == 0 and (
+                self.exchange == NODE_AWARE or (self.exchange == "auto" and tensor.is_cuda)):
+            self._nodes = self._find_nodes()
+        return first
+
+    def _find_nodes(self):
+        """The job's NodeLayout from every rank's Horovod node ranks, alike on every rank; None (node-blind,
+        with a warning on every rank where exchange='node_aware' asked for it) where it has none to use."""
+        mine = torch.tensor([[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]])
+        records = hvd.allgather(mine, name=HANDSHAKE_NAME + ".nodes").tolist()
+        layout, why_not = NodeLayout.from_records(records, hvd.rank())
+        if layout is None and self.exchange == NODE_AWARE:
+            warnings.warn(f"horovod_qsgd: exchange='node_aware' needs several nodes of equal size, more than one "
+                          f"rank each, numbered node by node, but {why_not}: the exchange is node-blind (as "
+                          "'auto') instead.")
+        return layout
+
+    def _takes_node_aware(self, site, tensor):
+        """True for a tensor of the global process set on several nodes, under exchange='node_aware', or under
+        'auto' on a GPU (CPU tensors stay node-blind: the full-precision in-node steps over Gloo's TCP cost more
+        than they save, measured on 1 Gbit/s nodes; ``benchmarks/results/ddp-hooks/nodes*``)."""
+        return (self._nodes is not None and site.process_set.process_set_id == 0
+                and (self.exchange == NODE_AWARE or tensor.is_cuda))
+
+    def _owner_layout(self, site, tensor):
+        if self._takes_node_aware(site, tensor):
+            return self._nodes.as_list()
+        return super()._owner_layout(site, tensor)
 
     def settings(self):
         return dict(super().settings(), exchange=self.exchange, fusion_threshold=self.fusion_threshold)
@@ -462,6 +507,8 @@ class PayloadCompressor(_CompressorBase):
     def _encode(self, tensor, flat, site, step, residual):
         take_over_hvd_join()  # from the first payload on, which Horovod's join could not answer
         placeholder = self._placeholder(tensor)
+        if self._takes_node_aware(site, tensor):
+            return placeholder, self._start_node_aware(tensor, flat, site, step, residual)
         plan = self._engine.plan(site.name, flat.numel(), site.process_set.size(), site.process_set.rank(),
                                  tensor.numel() * tensor.element_size(), placeholder.element_size())
         residual = None if residual is None else as_array(residual)
@@ -475,7 +522,44 @@ class PayloadCompressor(_CompressorBase):
         self._stats.add(collectives_started=1)
         return placeholder, (handle, plan)
 
+    def _start_node_aware(self, tensor, flat, site, step, residual):
+        """Step 1 of the node-aware exchange (horovod_qsgd.torch.node_aware), started.
+
+        With error feedback, the whole residual joins the gradient here
+        (``residual`` is zeroed): this rank's own shard of it is what the
+        node's sum did not send last step, anything elsewhere was left by
+        another layout. The node's sum of the shard is then compressed with a
+        zero shard residual, which the result puts back at the shard.
+        """
+        plan = self._engine.plan_node_aware(site.name, flat.numel(), self._nodes,
+                                            tensor.numel() * tensor.element_size())
+        padded = torch.zeros(plan.padded_numel(), dtype=torch.float32, device=flat.device)
+        shard_residual = owner_residual = None
+        if residual is not None:
+            torch.add(flat, residual, out=padded[:flat.numel()])
+            residual.zero_()
+            shard_residual = torch.zeros(plan.shard, dtype=torch.float32, device=flat.device)
+            if plan.cross.kind == "two_stage":
+                owner_residual = self._node_owner_residual(site.name, plan)
+        else:
+            padded[:flat.numel()] = flat
+        return self._node_exchanges.start(plan, padded, step, shard_residual, owner_residual)
+
+    def _node_owner_residual(self, name, plan):
+        """This step's copy of the owner-side residual of the node-aware ``plan``'s chunk (top-k, from 3 nodes)."""
+        state = self._states[name]
+        if state.owner_residual is None:  # one of another layout was spilled by compress
+            state.owner_residual = torch.zeros(plan.cross.own_numel(), dtype=torch.float32,
+                                               device=state.residual.device)
+            state.owner_layout = plan.owner_layout()
+        return state.owner_residual.clone()
+
     def _make_context(self, handle, site, tensor, state, out, residual):
+        if isinstance(handle, NodeAwareFlight):
+            ctx = super()._make_context(handle, site, tensor, state, out, residual)
+            ctx.owner_residual = handle.owner_residual
+            self._node_exchanges.progress()
+            return ctx
         if not isinstance(handle, _FirstStage):
             ctx = super()._make_context(handle[0], site, tensor, state, out, residual)
             ctx.plan = handle[1]
@@ -527,7 +611,7 @@ class PayloadCompressor(_CompressorBase):
         for group in groups:
             members = group.members
             if refused is None:
-                received, _ = hvd.synchronize(group.handle)
+                received, _ = self._node_exchanges.synchronize(group.handle)
                 totals = [member.own for member in members]
                 outs = [torch.zeros(member.stage.owned_capacity(), dtype=torch.uint8, device=received.device)
                         for member in members]
@@ -566,16 +650,21 @@ class PayloadCompressor(_CompressorBase):
         return state.owner_residual.clone()
 
     def _receive(self, ctx):
+        if isinstance(ctx.handle, NodeAwareFlight):
+            self._start_second_stages()  # a round's first decompress starts them, whatever its exchange
+            return self._node_exchanges.wait(ctx.handle)
         if isinstance(ctx, _TwoStageInFlight):
             if ctx.group is None or ctx.group.second_handle is None:
                 self._start_second_stages()
             if ctx.group.results is None:
-                return hvd.synchronize(ctx.group.second_handle)
+                return self._node_exchanges.synchronize(ctx.group.second_handle)
             return None  # decoded with an earlier member of its group
-        return hvd.synchronize(ctx.handle)
+        return self._node_exchanges.synchronize(ctx.handle)
 
     def _decode(self, tensor, ctx, gathered):
-        if isinstance(ctx, _TwoStageInFlight):
+        if isinstance(ctx.handle, NodeAwareFlight):
+            total = self._node_aware_result(ctx, gathered)
+        elif isinstance(ctx, _TwoStageInFlight):
             total = self._group_result(ctx, gathered)
         else:
             total = ctx.zeroed_output(gathered.device)
@@ -587,6 +676,17 @@ class PayloadCompressor(_CompressorBase):
             if scale != 1.0:
                 total.mul_(scale)
         return total
+
+    @staticmethod
+    def _node_aware_result(ctx, result):
+        """The node-aware ``result`` in the gradient's memory where it may be, and the shard residual back in
+        this step's residual."""
+        flight = ctx.handle
+        if flight.shard_residual is not None:
+            begin, end = flight.plan.own_span()
+            ctx.residual[begin:end] = flight.shard_residual[:end - begin]
+        ctx.handle = None
+        return result if ctx.out is None else ctx.out.copy_(result)
 
     @staticmethod
     def _group_result(ctx, gathered):

@@ -1,0 +1,170 @@
+"""The node-aware exchange of one tensor: compress only what crosses between nodes.
+
+On M nodes of L ranks each (N = M·L; see ``docs/node-aware-design.md``), for a
+tensor of n elements padded to L shards of ``shard`` elements (a multiple of
+QSGD's bucket):
+
+1. **In-node reduce-scatter, full precision.** Every rank sends shard j to
+   local rank j; local rank j adds the L shards it receives in local-rank
+   order: the node's sum of shard j, the same bits on every node.
+2. **Between nodes**, the engine's exchange of that node sum among the M
+   ranks of local index j (one per node), as for a tensor named
+   ``<name>.shard<j>`` among M ranks: the allgather at M = 2, the two stages
+   from M = 3 (:class:`~horovod_qsgd.common.engine.PayloadEngine`).
+3. **Decode**: the sum of shard j over all N ranks.
+4. **In-node allgather** of the decoded shards, each followed by one float
+   that says whether its rank's steps 1-3 failed (a refusal, a mismatch):
+   every rank of the node then raises, none takes a failed shard for a result.
+
+Per node, the link between nodes carries about 2 (M-1)/M compressed shards
+of the node's L ranks, i.e. about two compressed gradients: not 2·L of them
+as the node-blind two stages do.
+
+Error feedback (top-k) lives where the compression happens: rank (node k,
+local j) keeps what node k's sum of shard j did not send, at shard j's
+positions of its tensor-long residual, which joins its gradient before step 1
+(a residual from any other layout, flat or other nodes, joins the same way:
+no mass is lost when the layout changes); from M = 3 also the owner residual
+of its chunk of that shard, kept with its :meth:`NodeAwarePlan.owner_layout`.
+
+The collectives are the adapters' (horovod_qsgd.torch: global alltoalls
+whose splits are zero outside the step's peers, so no process set has to be
+declared in ``hvd.init()``); everything between them is here or in the
+engine's plan of step 2.
+"""
+from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.two_stage import chunk_bounds, chunk_unit
+
+NODE_AWARE = "node_aware"
+
+
+class NodeLayout:
+    """M nodes of L ranks, ranks numbered node by node (rank = node · L + local rank), as Horovod numbers them."""
+
+    def __init__(self, num_nodes, local_size, node, local_rank):
+        self.num_nodes, self.local_size, self.node, self.local_rank = num_nodes, local_size, node, local_rank
+        self.num_ranks = num_nodes * local_size
+
+    @classmethod
+    def from_records(cls, records, rank):
+        """(layout, None) from every rank's (local rank, local size, cross rank, cross size), or (None, why not).
+
+        Every rank gets the same records, so every rank decides alike.
+        """
+        num_ranks = len(records)
+        local_sizes = sorted({int(r[1]) for r in records})
+        if len(local_sizes) > 1:
+            return None, f"its nodes differ in size ({local_sizes} ranks)"
+        local_size = local_sizes[0]
+        if local_size < 2 or local_size == num_ranks:
+            return None, f"it has {num_ranks // local_size} node(s) of {local_size} rank(s)"
+        expected = [(r % local_size, local_size, r // local_size, num_ranks // local_size) for r in range(num_ranks)]
+        if [tuple(int(v) for v in r) for r in records] != expected:
+            return None, "its ranks are not numbered node by node (rank = cross_rank * local_size + local_rank)"
+        return cls(num_ranks // local_size, local_size, rank // local_size, rank % local_size), None
+
+    def as_list(self):
+        """[nodes, ranks per node, node, local rank]: what an owner-side residual of this layout is saved with."""
+        return [self.num_nodes, self.local_size, self.node, self.local_rank]
+
+    def local_ranks(self):
+        """The global ranks of this rank's node, in local-rank order."""
+        first = self.node * self.local_size
+        return range(first, first + self.local_size)
+
+    def cross_ranks(self):
+        """The global ranks of this rank's local index on every node, in node order."""
+        return range(self.local_rank, self.num_ranks, self.local_size)
+
+    def in_node_splits(self, count):
+        """Splits of a global alltoall that sends ``count`` to each rank of this node and nothing elsewhere."""
+        splits = [0] * self.num_ranks
+        for r in self.local_ranks():
+            splits[r] = count
+        return splits
+
+    def cross_splits(self, counts):
+        """Splits of a global alltoall that sends ``counts[k]`` to this local index's rank on node k."""
+        splits = [0] * self.num_ranks
+        for r, count in zip(self.cross_ranks(), counts):
+            splits[r] = count
+        return splits
+
+
+def shard_numel(numel, local_size, unit):
+    """Elements of each of the L shards of a tensor of ``numel`` elements (a multiple of ``unit``)."""
+    return -(-numel // (local_size * unit)) * unit
+
+
+def node_owner_chunk(numel, unit, saved_layout, saved_numel):
+    """(begin, end) in the tensor of the owner residual saved with a node layout [M, L, node, local rank], or
+    None where it cannot be this tensor's; clipped to the tensor: add the residual's first end - begin values."""
+    num_nodes, local_size, node, local_rank = (int(v) for v in saved_layout)
+    if not (0 <= node < num_nodes and 0 <= local_rank < local_size):
+        return None
+    shard = shard_numel(numel, local_size, unit)
+    begin, end = chunk_bounds(shard, num_nodes, unit)[node]
+    if end - begin != saved_numel:
+        return None
+    base = local_rank * shard  # the chunk's tail may lie in the shard's padding, whose residual stays zero
+    return min(numel, base + begin), min(numel, base + end)
+
+
+class NodeAwarePlan:
+    """One tensor's node-aware exchange on one rank: layouts, splits and checks of steps 1 and 4, and step 2's
+    plan (``cross``, an engine plan among the nodes)."""
+    kind = NODE_AWARE
+
+    def __init__(self, engine, name, numel, layout, uncompressed_nbytes):
+        self.name, self.numel, self.layout, self.stats = name, numel, layout, engine.stats
+        self.shard = shard_numel(numel, layout.local_size, chunk_unit(engine.codec))
+        self.cross = engine.plan(f"{name}.shard{layout.local_rank}", self.shard, layout.num_nodes, layout.node,
+                                 uncompressed_nbytes, 0, note_as=name)
+        self.collective_names = [f"{name}.node_aware.{step}" for step in ("in_node", "cross", "cross_sums",
+                                                                          "gather")]
+
+    def padded_numel(self):
+        """Elements of step 1's buffer: the tensor, zero-padded to L shards (sent as it is, shard j to rank j)."""
+        return self.layout.local_size * self.shard
+
+    def own_span(self):
+        """(begin, end) of this rank's shard within the tensor (clipped to it)."""
+        begin = self.layout.local_rank * self.shard
+        return min(self.numel, begin), min(self.numel, begin + self.shard)
+
+    def in_node_splits(self):
+        """Step 1's splits (elements per global rank); counts the bytes that stay in the node."""
+        layout = self.layout
+        self.stats.add(bytes_sent_in_node=4 * self.shard * (layout.local_size - 1))
+        return layout.in_node_splits(self.shard)
+
+    def check_in_node(self, received_splits, gathered=False):
+        """None, or the CompressionMismatchError of step 1 (``gathered``: step 4) where a rank of the node sent
+        another number of elements than this rank's shard (and flag) has."""
+        count = self.shard + 1 if gathered else self.shard
+        expected = self.layout.in_node_splits(count)
+        if list(received_splits) == expected:
+            return None
+        wrong = [r for r, (got, want) in enumerate(zip(received_splits, expected)) if got != want]
+        return CompressionMismatchError(
+            f"horovod_qsgd: tensor {self.name!r}: rank(s) {wrong} of this node sent "
+            f"{[int(received_splits[r]) for r in wrong]} elements where this rank's shard has {count}: the ranks' "
+            "tensors or node layouts differ (another model, or a tensor reshaped on some ranks).")
+
+    def cross_splits(self, counts):
+        """Step 2's splits (bytes per global rank) from ``counts`` per node."""
+        return self.layout.cross_splits(counts)
+
+    def gather_splits(self):
+        """Step 4's splits: the decoded shard and its failure flag to every rank of the node."""
+        layout = self.layout
+        self.stats.add(bytes_sent_in_node=4 * (self.shard + 1) * (layout.local_size - 1))
+        return layout.in_node_splits(self.shard + 1)
+
+    def failed_ranks(self, flags):
+        """The global ranks of the node whose flag (step 4) says their shard failed."""
+        return [r for r, flag in zip(self.layout.local_ranks(), flags) if flag != 0]
+
+    def owner_layout(self):
+        """What an owner-side residual of step 2's two stages belongs to (saved with it in checkpoints)."""
+        return self.layout.as_list()
