@@ -165,6 +165,13 @@ class NodeAwarePlan:
         """The global ranks of the node whose flag (step 4) says their shard failed."""
         return [r for r, flag in zip(self.layout.local_ranks(), flags) if flag != 0]
 
+    def between_nodes(self, error):
+        """``error`` of step 2 (whose ranks are nodes) with a note that says so, as the same exception type."""
+        try:
+            return type(error)(f"{error} (between nodes: its rank k is local rank {self.layout.local_rank} of node k)")
+        except Exception:  # an exception type that takes other arguments: as it is
+            return error
+
     def owner_layout(self):
         """What an owner-side residual of step 2's two stages belongs to (saved with it in checkpoints)."""
         return self.layout.as_list()

@@ -134,7 +134,7 @@ class NodeAwareExchanges:
                 try:  # raises on another node's refusal notice, or a payload that does not match
                     plan.cross.decode(as_array(received), as_array(flight.node_sum))
                 except Exception as exc:  # raised once this rank's last step is sent: nobody waits for it
-                    flight.error = exc
+                    flight.error = plan.between_nodes(exc)
             self._start_gather(flight)
         else:
             self._finish(flight, received, received_splits)
@@ -170,9 +170,10 @@ class NodeAwareExchanges:
         plan, cross = flight.plan, flight.plan.cross
         if flight.error is None:
             owned = torch.zeros(cross.owned_capacity(), dtype=torch.uint8, device=flight.device)
-            used, flight.error = cross.sum_and_encode(as_array(received), as_array(flight.own), as_array(owned),
+            used, error = cross.sum_and_encode(as_array(received), as_array(flight.own), as_array(owned),
                                                       flight.step, _array(flight.owner_residual))
             payload = owned[:used]  # a refusal notice where a slice did not match: every peer raises on it
+            flight.error = None if error is None else plan.between_nodes(error)
         else:
             payload = _notice(flight.device)
         nodes = plan.layout.num_nodes
