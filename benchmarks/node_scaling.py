@@ -96,13 +96,18 @@ def tensor_bytes(name, exchange, n, nodes, per_node):
         return (nic + placeholder[0], inside + placeholder[1],
                 placeholder[2] + [(ranks - 1, latency, b1), (ranks - 1, latency, b2)])
     if exchange == "node_aware":
-        shards = [e - s for s, e in chunk_bounds(n, per_node, unit)]
-        nic = b1 = b2 = 0.0
-        for shard in shards:
+        # horovod_qsgd.common.node_aware: L equal shards; between nodes each shard as a tensor among M ranks,
+        # the allgather or the two stages as "auto" chooses (the engine's rule)
+        from horovod_qsgd.common.node_aware import shard_numel
+        from horovod_qsgd.common.two_stage import choose_exchange
+        shard = shard_numel(n, per_node, unit)
+        if choose_exchange("auto", first, second, shard, nodes) == "two_stage":
             chunks = [e - s for s, e in chunk_bounds(shard, nodes, unit)]
-            b1 = max(b1, sum(first.max_payload_nbytes(c) for c in chunks))
-            b2 = max(b2, sum(second.max_payload_nbytes(c) for c in chunks))
-            nic += (nodes - 1) / nodes * (b1 + b2)
+            b1, b2 = sum(first.max_payload_nbytes(c) for c in chunks), sum(second.max_payload_nbytes(c) for c in chunks)
+            nic = per_node * (nodes - 1) / nodes * (b1 + b2)
+        else:
+            b1, b2 = nodes * first.max_payload_nbytes(shard), 0.0
+            nic = per_node * (nodes - 1) * first.max_payload_nbytes(shard)
         inside = 2 * (per_node - 1) / per_node * 4 * n
         return nic, inside, [(per_node - 1, LATENCY_IN, 4 * n), (nodes - 1, LATENCY_INTER, b1),
                              (nodes - 1, LATENCY_INTER, b2), (per_node - 1, LATENCY_IN, 4 * n)]

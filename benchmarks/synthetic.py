@@ -32,7 +32,7 @@ def parse_args(description, argv=None):
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--selector", default="exact")
     parser.add_argument("--min-numel", type=int, default=10000)
-    parser.add_argument("--exchange", default="auto", choices=["auto", "allgather", "two_stage"],
+    parser.add_argument("--exchange", default="auto", choices=["auto", "allgather", "two_stage", "node_aware"],
                         help="QSGD's and TopK's exchange")
     parser.add_argument("--second-stage-bits", type=int, default=None, help="QSGD's second-stage bits")
     parser.add_argument("--fusion-threshold", type=int, default=None,

@@ -46,3 +46,17 @@ def test_ddp_states_take_the_horovod_compressors_arguments_and_need_no_horovod()
                "print(type(d.TopKState()).__name__)\n")
     proc = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "TopKState", proc.stderr[-2000:]
+
+
+def test_node_aware_exchange_is_offered_where_it_is_built_and_refused_by_name_elsewhere():
+    """PyTorch's compressors and DDP states take exchange='node_aware'; TensorFlow's refuse it, naming the fix."""
+    import horovod_qsgd.tensorflow as tf_adapter
+    import horovod_qsgd.torch as torch_adapter
+    from horovod_qsgd.ddp import QSGDState, TopKState
+    for make in (torch_adapter.QSGD, torch_adapter.TopK, QSGDState, TopKState):
+        assert make(exchange="node_aware").exchange == "node_aware"
+    for make in (tf_adapter.QSGD, tf_adapter.TopK):
+        with pytest.raises(ValueError, match="exchange='node_aware' is built for PyTorch.*use exchange='auto'"):
+            make(exchange="node_aware")
+    with pytest.raises(ValueError, match="allowed values: 'allgather', 'two_stage', 'auto', 'node_aware'"):
+        torch_adapter.QSGD(exchange="nodes")

@@ -7,16 +7,32 @@ and where the state lives differ, filled in by each adapter.
 from string import Template
 
 
-def qsgd(name, state="", fusion=False):
+def qsgd(name, state="", fusion=False, node_aware=False):
     """QSGD's docstring; ``name``: what names a gradient ("tensor", "variable"); ``state``: a closing paragraph;
-    ``fusion``: whether the adapter fuses two-stage tensors (takes ``fusion_threshold``)."""
-    return _QSGD.substitute(name=name, state=state, fusion=_FUSION_ARG if fusion else "")
+    ``fusion``: whether the adapter fuses two-stage tensors (takes ``fusion_threshold``); ``node_aware``: whether
+    it has ``exchange="node_aware"``."""
+    return _QSGD.substitute(name=name, state=state, fusion=_FUSION_ARG if fusion else "",
+                            exchange=_NODE_AWARE_EXCHANGE if node_aware else _FLAT_EXCHANGE)
 
 
-def topk(state, fusion=False):
-    """Top-k's docstring; ``state``: how its per-rank state is checkpointed (ends a sentence); ``fusion``: as
-    :func:`qsgd`."""
-    return _TOPK.substitute(state=state, fusion=_FUSION_ARG if fusion else "")
+def topk(state, fusion=False, node_aware=False):
+    """Top-k's docstring; ``state``: how its per-rank state is checkpointed (ends a sentence); ``fusion`` and
+    ``node_aware``: as :func:`qsgd`."""
+    return _TOPK.substitute(state=state, fusion=_FUSION_ARG if fusion else "",
+                            exchange=_NODE_AWARE_EXCHANGE if node_aware else _FLAT_EXCHANGE)
+
+
+_FLAT_EXCHANGE = """exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``."""
+_NODE_AWARE_EXCHANGE = """exchange: ``"auto"`` (default), ``"allgather"``, ``"two_stage"`` or
+            ``"node_aware"``: on nodes of several ranks, the node's ranks
+            first sum their gradients at full precision (each rank one
+            1/L shard of them), only those sums are compressed and cross
+            between nodes, and the node's ranks then share the decoded
+            shards: about 2 compressed gradients per node on the link
+            between nodes instead of 2·L. ``"auto"`` takes it for GPU
+            gradients on several nodes; on CPU nodes its full-precision
+            in-node steps cost more than they saved in our measurements
+            (``benchmarks/results/node-bytes``, ``ddp-hooks/nodes*``)."""
 
 
 _FUSION_ARG = """
@@ -94,7 +110,7 @@ _QSGD = Template(r"""QSGD: stochastic, unbiased quantization to a few bits per c
             allreduce unquantized (default 10000, as in the paper).
         seed: seed of the counter-based RNG (rounding depends on seed, step,
             ${name} name, rank and element index).
-        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.
+        ${exchange}
         second_stage_bits: bits of the owners' re-quantized sums (default:
             ``bits``).${fusion}
 
@@ -155,7 +171,7 @@ _TOPK = Template(r"""Top-k sparsification with error feedback (Shi et al., arXiv
         sample_ratio: fraction of coordinates the ``"sample"`` selector reads.
         min_numel: smaller tensors are allreduced unchanged (default 10000).
         seed: seed for the ``"sample"`` selector.
-        exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``.${fusion}
+        ${exchange}${fusion}
 
     Cost on the wire per rank and step: a fixed capacity of entries (k for
     exact, somewhat more for the approximate selectors) times 8 bytes (6 with

@@ -94,6 +94,7 @@ from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.common.node_aware import NODE_AWARE
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, qsgd_codecs
@@ -104,7 +105,6 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
 # the old name, and the hooks must not fail there
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-NODE_AWARE = "node_aware"
 
 
 class _PayloadState:
@@ -121,9 +121,7 @@ class _PayloadState:
         self.codec, self.second_codec, self.exchange, self.min_numel = codec, second_codec, exchange, int(min_numel)
         self.iteration = 0  # the RNG's step; advanced after each iteration's last bucket
         self._stats = CompressionStats()
-        # node-aware: the engine plans the exchange between nodes, which the mode "auto" chooses as for N ranks
-        self._engine = PayloadEngine(codec, second_codec, "auto" if exchange == NODE_AWARE else exchange,
-                                     self._stats)
+        self._engine = PayloadEngine(codec, second_codec, exchange, self._stats)
         self._nodes = None          # _Nodes, when the exchange is node-aware
         self._lock = threading.Lock()
         self._verified = False
@@ -673,7 +671,7 @@ def _array(tensor):
 
 
 class QSGDState(_PayloadState):
-    __doc__ = docs.qsgd("bucket", """
+    __doc__ = docs.qsgd("bucket", node_aware=True, state="""
 
     DDP: ``model.register_comm_hook(QSGDState(process_group=None, bits=4),
     qsgd_hook)``. A DDP bucket's parameters of at least ``min_numel``
@@ -686,9 +684,9 @@ class QSGDState(_PayloadState):
     def __init__(self, process_group=None, bits=4, bucket_size=512, norm="max", encoding="fixed",
                  scale_dtype="float32", rounding="stochastic", min_numel=10000, seed=0, exchange="auto",
                  second_stage_bits=None):
-        codec, second, checked = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
-                                             "auto" if exchange == NODE_AWARE else exchange, second_stage_bits)
-        super().__init__(codec, second, exchange if exchange == NODE_AWARE else checked, min_numel, process_group)
+        codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
+                                              exchange, second_stage_bits)
+        super().__init__(codec, second, exchange, min_numel, process_group)
 
     def settings(self):
         return dict(super().settings(), second_stage_bits=self.second_codec.bits)
@@ -697,14 +695,13 @@ class QSGDState(_PayloadState):
 class TopKState(_PayloadState):
     __doc__ = docs.topk("``state.state_dict()`` on every rank. DDP: ``model.register_comm_hook(TopKState(), "
                         "topk_hook)``; the residuals are kept per parameter, so DDP's bucket rebuild after the "
-                        "first iteration loses nothing.")
+                        "first iteration loses nothing.", node_aware=True)
 
     def __init__(self, process_group=None, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
-        super().__init__(codec, codec, exchange if exchange == NODE_AWARE else check_exchange(exchange), min_numel,
-                         process_group)
+        super().__init__(codec, codec, check_exchange(exchange), min_numel, process_group)
 
 
 qsgd_hook = topk_hook = payload_hook

@@ -1,0 +1,53 @@
+"""The node-aware exchange's layout and residual placement, one process (its exchange: tests/torch/test_nodes.py)."""
+import numpy as np
+
+from horovod_qsgd.common.node_aware import NodeLayout, node_owner_chunk, shard_numel
+from horovod_qsgd.common.two_stage import chunk_bounds, saved_owner_chunk
+
+
+def _records(nodes):
+    """Horovod's (local rank, local size, cross rank, cross size) of ranks numbered node by node."""
+    records = []
+    for node, size in enumerate(nodes):
+        for local in range(size):
+            cross = [k for k, s in enumerate(nodes) if s > local]
+            records.append((local, size, cross.index(node), len(cross)))
+    return records
+
+
+def test_layout_of_equal_nodes_names_every_rank_alike():
+    records = _records([3, 3])
+    for rank in range(6):
+        layout, why_not = NodeLayout.from_records(records, rank)
+        assert why_not is None
+        assert (layout.num_nodes, layout.local_size, layout.node, layout.local_rank) == (2, 3, rank // 3, rank % 3)
+        assert list(layout.local_ranks()) == [3 * (rank // 3) + j for j in range(3)]
+        assert list(layout.cross_ranks()) == [rank % 3, 3 + rank % 3]
+    layout = NodeLayout.from_records(records, 4)[0]
+    assert layout.in_node_splits(7) == [0, 0, 0, 7, 7, 7]
+    assert layout.cross_splits([5, 9]) == [0, 5, 0, 0, 9, 0]
+
+
+def test_layouts_without_a_node_aware_exchange_say_why():
+    assert "differ in size ([1, 2] ranks)" in NodeLayout.from_records(_records([2, 1]), 0)[1]
+    assert "1 node(s) of 4 rank(s)" in NodeLayout.from_records(_records([4]), 0)[1]
+    assert "4 node(s) of 1 rank(s)" in NodeLayout.from_records(_records([1, 1, 1, 1]), 0)[1]
+    shuffled = _records([2, 2])
+    shuffled[1], shuffled[2] = shuffled[2], shuffled[1]  # ranks 1 and 2 on each other's nodes
+    assert "not numbered node by node" in NodeLayout.from_records(shuffled, 0)[1]
+
+
+def test_an_owner_residual_of_a_node_layout_lands_at_its_chunk_of_its_shard():
+    numel, unit = 10_000, 512
+    shard = shard_numel(numel, 4, unit)
+    assert shard == 5 * 512  # 4 shards of whole buckets, 240 elements of padding
+    for node in range(3):
+        begin, end = chunk_bounds(shard, 3, unit)[node]
+        for local_rank in range(4):
+            chunk = node_owner_chunk(numel, unit, [3, 4, node, local_rank], end - begin)
+            assert chunk == (min(numel, local_rank * shard + begin), min(numel, local_rank * shard + end))
+            assert saved_owner_chunk(numel, unit, [3, 4, node, local_rank], end - begin) == chunk
+    assert node_owner_chunk(numel, unit, [3, 4, 0, 0], 7) is None  # not this tensor's chunk
+    assert node_owner_chunk(numel, unit, [3, 4, 3, 0], 512) is None  # no such node
+    assert node_owner_chunk(numel, unit, [3, 4, 2, 3], 1024) == (9216, 10_000)  # its tail is padding
+    assert np.diff(node_owner_chunk(9000, unit, [3, 4, 2, 3], 1024)) == 0  # wholly in the padding: nothing lands
