@@ -41,7 +41,11 @@ def _base_name(code_name):
 
 
 def _index_of(items, element):
-    for i, item in enumerate(items or ()):
+    # Only lists and tuples: in a frame autograph converted, a name not yet assigned holds its Undefined
+    # object, whose indexing returns itself, so iterating it never ends.
+    if not isinstance(items, (list, tuple)):
+        return None
+    for i, item in enumerate(items):
         if item is element:
             return i
     return None
