@@ -22,6 +22,10 @@ SPECS = {
     # PyTorch only: every two-stage tensor its own alltoall and allgather, as before fusion
     "qsgd-4bit-unfused": ("QSGD", {"bits": 4, "fusion_threshold": 0}),
     "topk-1%-unfused": ("TopK", {"ratio": 0.01, "fusion_threshold": 0}),
+    # only the nodes' sums cross between nodes (on one node: node-blind, with a warning)
+    "qsgd-8bit-node-aware": ("QSGD", {"bits": 8, "exchange": "node_aware"}),
+    "qsgd-4bit-node-aware": ("QSGD", {"bits": 4, "exchange": "node_aware"}),
+    "topk-1%-node-aware": ("TopK", {"ratio": 0.01, "exchange": "node_aware"}),
 }
 # What the studies compare unless told otherwise: one row per compressor, default exchange.
 STANDARD = list(SPECS)[:list(SPECS).index("qsgd-4bit-allgather")]

@@ -224,7 +224,8 @@ def run_study(args):
     corpus = Corpus()
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.optimizer == "adam" else f"_{args.optimizer}"
-    path = os.path.join(args.out, f"{args.framework}_{hvd.size()}ranks{suffix}.json")
+    ranks = f"{hvd.cross_size()}x{hvd.local_size()}nodes" if 1 < hvd.cross_size() < hvd.size() else f"{hvd.size()}ranks"
+    path = os.path.join(args.out, f"{args.framework}_{ranks}{suffix}.json")
     results, earlier_seconds = {}, 0.0
     if args.resume and os.path.exists(path):
         with open(path) as f:

@@ -48,15 +48,16 @@ def test_ddp_states_take_the_horovod_compressors_arguments_and_need_no_horovod()
     assert proc.returncode == 0 and proc.stdout.strip() == "TopKState", proc.stderr[-2000:]
 
 
-def test_node_aware_exchange_is_offered_where_it_is_built_and_refused_by_name_elsewhere():
-    """PyTorch's compressors and DDP states take exchange='node_aware'; TensorFlow's refuse it, naming the fix."""
+def test_node_aware_exchange_is_offered_by_every_payload_compressor_and_documented_with_what_auto_does():
+    """Both frameworks' compressors and the DDP states take exchange='node_aware'; their docstrings say whether
+    'auto' takes it by itself (PyTorch and DDP: for GPU gradients; TensorFlow, whose codecs run on the host: no)."""
     import horovod_qsgd.tensorflow as tf_adapter
     import horovod_qsgd.torch as torch_adapter
     from horovod_qsgd.ddp import QSGDState, TopKState
-    for make in (torch_adapter.QSGD, torch_adapter.TopK, QSGDState, TopKState):
+    for make in (torch_adapter.QSGD, torch_adapter.TopK, QSGDState, TopKState, tf_adapter.QSGD, tf_adapter.TopK):
         assert make(exchange="node_aware").exchange == "node_aware"
-    for make in (tf_adapter.QSGD, tf_adapter.TopK):
-        with pytest.raises(ValueError, match="exchange='node_aware' is built for PyTorch.*use exchange='auto'"):
-            make(exchange="node_aware")
+        doc = " ".join(make.__doc__.split())
+        auto = "takes it for GPU gradients" if make not in (tf_adapter.QSGD, tf_adapter.TopK) else "does not take it"
+        assert '``"node_aware"``: on nodes of several ranks' in doc and f'``"auto"`` {auto}' in doc, make
     with pytest.raises(ValueError, match="allowed values: 'allgather', 'two_stage', 'auto', 'node_aware'"):
         torch_adapter.QSGD(exchange="nodes")

@@ -7,32 +7,46 @@ and where the state lives differ, filled in by each adapter.
 from string import Template
 
 
-def qsgd(name, state="", fusion=False, node_aware=False):
+def qsgd(name, state="", fusion=False, node_aware=None):
     """QSGD's docstring; ``name``: what names a gradient ("tensor", "variable"); ``state``: a closing paragraph;
-    ``fusion``: whether the adapter fuses two-stage tensors (takes ``fusion_threshold``); ``node_aware``: whether
-    it has ``exchange="node_aware"``."""
+    ``fusion``: whether the adapter fuses two-stage tensors (takes ``fusion_threshold``); ``node_aware``: where
+    ``"auto"`` takes ``exchange="node_aware"`` (``"gpu"``: for GPU gradients, ``"asked"``: never by itself), None
+    where the adapter does not have it."""
     return _QSGD.substitute(name=name, state=state, fusion=_FUSION_ARG if fusion else "",
-                            exchange=_NODE_AWARE_EXCHANGE if node_aware else _FLAT_EXCHANGE)
+                            exchange=_exchange_arg(node_aware))
 
 
-def topk(state, fusion=False, node_aware=False):
+def topk(state, fusion=False, node_aware=None):
     """Top-k's docstring; ``state``: how its per-rank state is checkpointed (ends a sentence); ``fusion`` and
     ``node_aware``: as :func:`qsgd`."""
-    return _TOPK.substitute(state=state, fusion=_FUSION_ARG if fusion else "",
-                            exchange=_NODE_AWARE_EXCHANGE if node_aware else _FLAT_EXCHANGE)
+    return _TOPK.substitute(state=state, fusion=_FUSION_ARG if fusion else "", exchange=_exchange_arg(node_aware))
+
+
+def _exchange_arg(node_aware):
+    if node_aware is None:
+        return _FLAT_EXCHANGE
+    return _NODE_AWARE_EXCHANGE.substitute(auto=_NODE_AWARE_AUTO[node_aware])
 
 
 _FLAT_EXCHANGE = """exchange: ``"auto"`` (default), ``"allgather"`` or ``"two_stage"``."""
-_NODE_AWARE_EXCHANGE = """exchange: ``"auto"`` (default), ``"allgather"``, ``"two_stage"`` or
+_NODE_AWARE_EXCHANGE = Template("""exchange: ``"auto"`` (default), ``"allgather"``, ``"two_stage"`` or
             ``"node_aware"``: on nodes of several ranks, the node's ranks
             first sum their gradients at full precision (each rank one
             1/L shard of them), only those sums are compressed and cross
             between nodes, and the node's ranks then share the decoded
             shards: about 2 compressed gradients per node on the link
-            between nodes instead of 2·L. ``"auto"`` takes it for GPU
+            between nodes instead of 2·L. ${auto}""")
+_NODE_AWARE_AUTO = {
+    "gpu": """``"auto"`` takes it for GPU
             gradients on several nodes; on CPU nodes its full-precision
             in-node steps cost more than they saved in our measurements
-            (``benchmarks/results/node-bytes``, ``ddp-hooks/nodes*``)."""
+            (``benchmarks/results/node-bytes``, ``ddp-hooks/nodes*``).""",
+    "asked": """``"auto"`` does not take it
+            here: the codecs run on the host, where its full-precision
+            in-node steps cost more than they saved in our measurements
+            (``benchmarks/results/node-bytes``); ask for it where the link
+            between nodes is much slower than the one inside them.""",
+}
 
 
 _FUSION_ARG = """

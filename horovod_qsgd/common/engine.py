@@ -29,12 +29,11 @@ step counts the tensors and bytes it produces in the compressor's
 by whoever starts them (fusion decides how many there are), seconds by the
 adapter (they depend on where it waits).
 """
-import warnings
 
 from horovod_qsgd.common.exchange import decode_sum
 from horovod_qsgd.common.node_aware import NODE_AWARE, NodeAwarePlan
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key
-from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, owner_layout_changed
+from horovod_qsgd.common.two_stage import KeepsOwnerResidual, TwoStage, choose_exchange
 from horovod_qsgd.kernels import move_into_own_chunk
 
 
@@ -105,7 +104,7 @@ class AllgatherPlan(_Counted):
         decode_sum(self.codec, gathered, self.num_ranks, self.numel, self.name, out)
 
 
-class TwoStagePlan(TwoStage, _Counted):
+class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
     """Slices to their owners in one alltoall; the owners' re-encoded sums to every rank in one allgather."""
     kind = "two_stage"
 
@@ -127,14 +126,6 @@ class TwoStagePlan(TwoStage, _Counted):
     def owner_layout(self):
         """[ranks, rank]: what an owner-side residual belongs to (saved with it in checkpoints)."""
         return [self.num_ranks, self.rank]
-
-    def keeps_owner_residual(self, saved_layout, saved_numel):
-        """True if an owner-side residual saved for ``saved_layout`` with ``saved_numel`` elements is this
-        rank's chunk here; otherwise warns that it is reset to zeros (its unsent mass is lost once)."""
-        if list(saved_layout or []) == self.owner_layout() and saved_numel == self.own_numel():
-            return True
-        warnings.warn(owner_layout_changed(self.name, saved_layout, self.owner_layout()))
-        return False
 
     def encode(self, x, out, own, step, residual=None):
         """Step 1: the slices of ``x`` for the other owners into ``out``; returns the alltoall's splits.

@@ -32,8 +32,10 @@ whose splits are zero outside the step's peers, so no process set has to be
 declared in ``hvd.init()``); everything between them is here or in the
 engine's plan of step 2.
 """
+import warnings
+
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.two_stage import chunk_bounds, chunk_unit
+from horovod_qsgd.common.two_stage import KeepsOwnerResidual, chunk_bounds, chunk_unit
 
 NODE_AWARE = "node_aware"
 
@@ -91,6 +93,18 @@ class NodeLayout:
         return splits
 
 
+def job_nodes(records, rank, asked):
+    """The job's :class:`NodeLayout` from every rank's (local rank, local size, cross rank, cross size) as
+    Horovod gives them (allgathered: alike on every rank), or None where it has none to use; ``asked``
+    (exchange='node_aware' rather than 'auto') warns on every rank why not."""
+    layout, why_not = NodeLayout.from_records(records, rank)
+    if layout is None and asked:
+        warnings.warn(f"horovod_qsgd: exchange='node_aware' needs several nodes of equal size, more than one "
+                      f"rank each, numbered node by node, but {why_not}: the exchange is node-blind (as "
+                      "'auto') instead.")
+    return layout
+
+
 def shard_numel(numel, local_size, unit):
     """Elements of each of the L shards of a tensor of ``numel`` elements (a multiple of ``unit``)."""
     return -(-numel // (local_size * unit)) * unit
@@ -110,7 +124,7 @@ def node_owner_chunk(numel, unit, saved_layout, saved_numel):
     return min(numel, base + begin), min(numel, base + end)
 
 
-class NodeAwarePlan:
+class NodeAwarePlan(KeepsOwnerResidual):
     """One tensor's node-aware exchange on one rank: layouts, splits and checks of steps 1 and 4, and step 2's
     plan (``cross``, an engine plan among the nodes)."""
     kind = NODE_AWARE
@@ -175,3 +189,7 @@ class NodeAwarePlan:
     def owner_layout(self):
         """What an owner-side residual of step 2's two stages belongs to (saved with it in checkpoints)."""
         return self.layout.as_list()
+
+    def own_numel(self):
+        """Elements of this rank's owner-side residual (step 2's two stages: its chunk of the shard)."""
+        return self.cross.own_numel()

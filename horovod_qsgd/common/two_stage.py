@@ -53,6 +53,18 @@ def owner_layout_changed(tensor_name, saved, layout):
             "mass is lost once).")
 
 
+class KeepsOwnerResidual:
+    """A plan whose rank keeps an owner-side residual (``name``, ``owner_layout()``, ``own_numel()``)."""
+
+    def keeps_owner_residual(self, saved_layout, saved_numel):
+        """True if an owner-side residual saved for ``saved_layout`` with ``saved_numel`` elements is this
+        rank's chunk here; otherwise warns that it is reset to zeros (its unsent mass is lost once)."""
+        if list(saved_layout or []) == self.owner_layout() and saved_numel == self.own_numel():
+            return True
+        warnings.warn(owner_layout_changed(self.name, saved_layout, self.owner_layout()))
+        return False
+
+
 def saved_owner_chunk(numel, unit, saved_layout, saved_numel):
     """(begin, end) of the chunk an owner-side residual of ``saved_numel`` elements saved as rank
     ``saved_layout[1]`` of ``saved_layout[0]`` belongs to, or None if it cannot be this tensor's.

@@ -671,7 +671,7 @@ def _array(tensor):
 
 
 class QSGDState(_PayloadState):
-    __doc__ = docs.qsgd("bucket", node_aware=True, state="""
+    __doc__ = docs.qsgd("bucket", node_aware="gpu", state="""
 
     DDP: ``model.register_comm_hook(QSGDState(process_group=None, bits=4),
     qsgd_hook)``. A DDP bucket's parameters of at least ``min_numel``
@@ -695,7 +695,7 @@ class QSGDState(_PayloadState):
 class TopKState(_PayloadState):
     __doc__ = docs.topk("``state.state_dict()`` on every rank. DDP: ``model.register_comm_hook(TopKState(), "
                         "topk_hook)``; the residuals are kept per parameter, so DDP's bucket rebuild after the "
-                        "first iteration loses nothing.", node_aware=True)
+                        "first iteration loses nothing.", node_aware="gpu")
 
     def __init__(self, process_group=None, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):

@@ -23,6 +23,9 @@ chunk, allgathers it and decodes the owners' sums (TensorFlow's executor
 starts the collectives as their inputs are ready, so no order of calls can
 deadlock them).
 
+``exchange="node_aware"`` sums inside each node first and compresses only
+what crosses between nodes (:mod:`horovod_qsgd.tensorflow.node_aware`).
+
 :class:`RandomK` returns the k values every rank selects with a shared seed
 and lets Horovod's allreduce sum them.
 
@@ -43,9 +46,11 @@ and non-float tensors go through Horovod's allreduce unchanged; Horovod
 allgathers ``tf.IndexedSlices`` itself without calling the compressor.
 """
 import time
+import warnings
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
@@ -53,12 +58,14 @@ from horovod_qsgd.common import docs
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.errors import RankInJoinError
 from horovod_qsgd.common.exchange import reduction_scale
-from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
+from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
+from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, moved_owner_chunk, qsgd_codecs
 from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
                                                      ExchangeContext, adapter_method, op_name)
 from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.host_ops import payload_encoder, values_gatherer
+from horovod_qsgd.tensorflow.node_aware import NodeAwareOps
 
 
 class PayloadCompressor(CompressorBase):
@@ -69,14 +76,26 @@ class PayloadCompressor(CompressorBase):
     """
 
     def __init__(self, codec, min_numel, exchange="allgather", second_codec=None):
-        if exchange == "node_aware":
-            raise ValueError("horovod_qsgd: exchange='node_aware' is built for PyTorch (horovod_qsgd.torch and "
-                             "horovod_qsgd.ddp), not yet for TensorFlow: use exchange='auto' here.")
         # set first: the base class records settings(), which include them
         self.exchange = exchange
         self.second_codec = second_codec
         super().__init__(codec, min_numel)
         self._engine = PayloadEngine(codec, second_codec, exchange, self._runtime.stats)
+        if exchange == NODE_AWARE and self._in_elastic_job:
+            warnings.warn("horovod_qsgd: exchange='node_aware' is node-blind (as 'auto') in a Horovod Elastic job: "
+                          "its ranks, and so its nodes, change with the world.")
+
+    def _handshake(self, process_set):
+        """Also finds the nodes, once, where the exchange is node-aware (global process set, not elastic)."""
+        first = process_set.included() and process_set.process_set_id not in self._runtime.verified_process_sets
+        super()._handshake(process_set)
+        if (first and self.exchange == NODE_AWARE and not self._in_elastic_job
+                and process_set.process_set_id == hvd.global_process_set.process_set_id):
+            with context.eager_mode():
+                mine = tf.constant([[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]],
+                                   tf.int64)
+                records = hvd.allgather(mine, name=HANDSHAKE_NAME + ".nodes").numpy().tolist()
+            self._runtime.nodes = job_nodes(records, hvd.rank(), asked=True)
 
     def settings(self):
         return dict(super().settings(), exchange=self.exchange)
@@ -92,6 +111,8 @@ class PayloadCompressor(CompressorBase):
         if self._in_elastic_job:
             return self._first_stage_in_any_world(step, tensor, placeholder_dtype)
         placeholder = tf.ones([1], dtype=placeholder_dtype)
+        if self._runtime.nodes is not None and process_set.process_set_id == hvd.global_process_set.process_set_id:
+            return placeholder, self._start_node_aware(step, tensor)
         rank = process_set.rank() if process_set.included() else 0
         num_ranks = process_set.size()
         plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
@@ -143,6 +164,35 @@ class PayloadCompressor(CompressorBase):
         hvd_join.note_payload_collective("allgather", payload_name, process_set)
         return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
                                             step=step.value, step_variable=step.variable, plan=plan, pending=pending)
+
+    def _start_node_aware(self, step, tensor):
+        """Steps 1 and 2 of the node-aware exchange (:mod:`horovod_qsgd.tensorflow.node_aware`); the context."""
+        plan = self._engine.plan_node_aware(step.name, step.numel, self._runtime.nodes,
+                                            step.numel * tensor.dtype.size)
+        node_ops = NodeAwareOps(plan, self._runtime.stats, self._runtime.refusals, self._finite_flag,
+                                self.error_feedback)
+        residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
+        received = node_ops.start(step.flat, step.value, None if residual_var is None else residual_var.read_value())
+        hvd_join.note_unanswerable_collective()  # hvd.join() cannot answer a node's alltoalls by name
+        ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, plan.layout.num_ranks, gathered=received,
+                              step=step.value, step_variable=step.variable, plan=plan,
+                              process_set=step.site.process_set)
+        ctx.node_ops, ctx.residual_variable = node_ops, residual_var
+        return ctx
+
+    def _node_aware_result(self, tensor, ctx):
+        """Steps 3-4 of the node-aware exchange; the settled fp32 sum."""
+        plan, node_ops = ctx.plan, ctx.node_ops
+        owner_var = None
+        if self.error_feedback and plan.cross.kind == "two_stage":
+            owner_var = self._owner_residual_variable(plan)
+        total, finite, residual = node_ops.result(ctx.gathered, tensor, ctx.step,
+                                                  None if owner_var is None else owner_var.read_value())
+        if residual is not None:
+            ctx.pending.append((ctx.residual_variable, residual))
+        if owner_var is not None:
+            ctx.pending.append((owner_var, node_ops.new_owner_residual))
+        return self._settle(ctx, (total, finite))
 
     def _second_stage(self, ctx, plan_of, owner_var, owner_residual, collective_name):
         """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives).
@@ -272,6 +322,9 @@ class PayloadCompressor(CompressorBase):
     def decompress(self, tensor, ctx):
         if ctx is PASS_THROUGH:
             return tensor
+        if ctx.node_ops is not None:
+            result = tf.reshape(self._node_aware_result(tensor, ctx), ctx.shape)
+            return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
         stats, refusals = self._runtime.stats, self._runtime.refusals
         if ctx.live_plan is not None:
             gathered = self._second_stage(ctx, lambda: ctx.live_plan(ctx), ctx.owner_variable, ctx.owner_residual,
@@ -311,7 +364,7 @@ class PayloadCompressor(CompressorBase):
 
 
 class QSGD(PayloadCompressor):
-    __doc__ = docs.qsgd("variable", """
+    __doc__ = docs.qsgd("variable", node_aware="asked", state="""
 
     State: one int64 step counter per compressed gradient (a ``tf.Variable``;
     checkpoint the compressor with ``tf.train.Checkpoint`` to resume
@@ -330,7 +383,7 @@ class QSGD(PayloadCompressor):
 
 
 class TopK(PayloadCompressor):
-    __doc__ = docs.topk(r"""per compressed
+    __doc__ = docs.topk(node_aware="asked", state=r"""per compressed
     gradient an int64 step counter and the fp32 residuals are ``tf.Variable``\ s,
     saved by ``tf.train.Checkpoint``; every rank saves its own.""")
 

@@ -107,7 +107,7 @@ class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
     __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "plan", "own",
                  "process_set", "pending", "live_plan", "numel", "uncompressed_nbytes", "placeholder_nbytes",
-                 "owner_residual", "owner_variable")
+                 "owner_residual", "owner_variable", "node_ops", "residual_variable")
 
     def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, plan=None,
                  own=None, process_set=None, pending=(), live_plan=None):
@@ -124,6 +124,8 @@ class ExchangeContext:
         self.live_plan, self.numel = live_plan, None
         self.uncompressed_nbytes = self.placeholder_nbytes = None
         self.owner_residual = self.owner_variable = None
+        # the node-aware exchange (horovod_qsgd.tensorflow.node_aware): its ops, and the residual they update
+        self.node_ops = self.residual_variable = None
 
 
 class CompressorBase(tf.Module):
@@ -512,6 +514,7 @@ class _Runtime:
         self.pass_through_counters = []
         self.refusals = {}  # tensor name -> the mismatch this rank found in a first stage, raised when decoding
         self.live_plans = {}  # (tensor name, ranks, rank) -> its plan, in an elastic job
+        self.nodes = None  # the job's NodeLayout where the exchange is node-aware (global process set)
         self.shadowing = None  # horovod_qsgd.tensorflow.Join's flag: True while this rank has no data
         self.used = False  # compress has run (or been traced)
 

@@ -37,7 +37,6 @@ import itertools
 import os
 import threading
 import time
-import warnings
 
 import horovod.torch as hvd
 import torch
@@ -48,7 +47,7 @@ from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_m
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
-from horovod_qsgd.common.node_aware import NODE_AWARE, NodeLayout
+from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
@@ -478,16 +477,10 @@ class PayloadCompressor(_CompressorBase):
         return first
 
     def _find_nodes(self):
-        """The job's NodeLayout from every rank's Horovod node ranks, alike on every rank; None (node-blind,
-        with a warning on every rank where exchange='node_aware' asked for it) where it has none to use."""
+        """The job's NodeLayout, alike on every rank (see :func:`horovod_qsgd.common.node_aware.job_nodes`)."""
         mine = torch.tensor([[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]])
         records = hvd.allgather(mine, name=HANDSHAKE_NAME + ".nodes").tolist()
-        layout, why_not = NodeLayout.from_records(records, hvd.rank())
-        if layout is None and self.exchange == NODE_AWARE:
-            warnings.warn(f"horovod_qsgd: exchange='node_aware' needs several nodes of equal size, more than one "
-                          f"rank each, numbered node by node, but {why_not}: the exchange is node-blind (as "
-                          "'auto') instead.")
-        return layout
+        return job_nodes(records, hvd.rank(), asked=self.exchange == NODE_AWARE)
 
     def _takes_node_aware(self, site, tensor):
         """True for a tensor of the global process set on several nodes, under exchange='node_aware', or under
@@ -721,7 +714,7 @@ def device_reduction_scale(placeholder, num_ranks):
 
 
 class QSGD(PayloadCompressor):
-    __doc__ = docs.qsgd("tensor", fusion=True, node_aware=True)
+    __doc__ = docs.qsgd("tensor", fusion=True, node_aware="gpu")
 
     def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
                  rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None,
@@ -735,7 +728,7 @@ class QSGD(PayloadCompressor):
 
 
 class TopK(PayloadCompressor):
-    __doc__ = docs.topk("checkpoint it.", fusion=True, node_aware=True)
+    __doc__ = docs.topk("checkpoint it.", fusion=True, node_aware="gpu")
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto",

@@ -1,0 +1,212 @@
+"""The node-aware exchange as TensorFlow ops (the steps: :mod:`horovod_qsgd.common.node_aware`).
+
+Each step is a host op (numpy, the shared codecs) followed by a global
+``hvd.alltoall`` whose splits are zero outside the step's peers (the ranks of
+this node, or this local index's rank on every node), so no process set has to
+be declared in ``hvd.init()``. TensorFlow's executor starts each collective as
+soon as its input is ready, whatever order the gradients come in, as it does
+for the two stages.
+
+A host op never raises before this rank's last collective of the tensor has
+started: a failed step would leave the peers waiting for it. What goes wrong
+(a mismatch in the node, another node's refusal notice) is kept by tensor name
+and raised by :meth:`NodeAwareOps.result`, after step 4 has told every rank of
+the node, so every rank of every node raises and none hangs.
+"""
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from horovod_qsgd.common.exchange import reduction_scale, refusal_notice
+from horovod_qsgd.common.naming import PAYLOAD_PREFIX
+from horovod_qsgd.tensorflow.compressor_base import op_name
+
+
+def _notice():
+    return np.frombuffer(refusal_notice(), dtype=np.uint8)
+
+
+class NodeAwareOps:
+    """Builds one tensor's node-aware exchange: :meth:`start` in ``compress`` (steps 1 and 2), :meth:`result` in
+    ``decompress`` (step 2's second stage from 3 nodes, steps 3 and 4).
+
+    ``errors``: tensor name -> what this rank raises for it once its collectives are sent (shared by the
+    compressor's tensors); ``finite_flag(total)``: the compressor's verdict on a result; ``error_feedback``:
+    whether a residual goes in (top-k).
+    """
+
+    def __init__(self, plan, stats, errors, finite_flag, error_feedback):
+        self.plan, self.stats, self.errors, self.finite_flag = plan, stats, errors, finite_flag
+        self.error_feedback = error_feedback
+        self.names = [op_name(PAYLOAD_PREFIX + name) for name in plan.collective_names]
+        self.shard_residual = self.own = self.new_owner_residual = None
+
+    def _alltoall(self, sent, splits, stage):
+        received, received_splits = hvd.alltoall(sent, splits=splits, name=self.names[stage], ignore_name_scope=True)
+        return received, received_splits
+
+    def _fail(self, error):
+        """Keeps this rank's first error for the tensor (raised by :meth:`result`)."""
+        self.errors.setdefault(self.plan.name, error)
+
+    # -- compress -----------------------------------------------------------------------------
+    def start(self, flat, step, residual=None):
+        """Steps 1 and 2 started (``residual``: the tensor-long residual with error feedback); returns step 2's
+        received bytes."""
+        plan, stats = self.plan, self.stats
+        numel, padded_numel, shard = plan.numel, plan.padded_numel(), plan.shard
+
+        def pad(x, residual=None):
+            self.errors.pop(plan.name, None)  # a new step of this tensor
+            padded = np.zeros(padded_numel, np.float32)
+            padded[:numel] = x
+            if residual is not None:  # all of it joins the gradient: see common.node_aware
+                padded[:numel] += residual
+            stats.add(collectives_started=1)
+            return padded, np.asarray(plan.in_node_splits(), np.int32)
+
+        inputs = [flat] if residual is None else [flat, residual]
+        padded, splits = tf.numpy_function(pad, inputs, [tf.float32, tf.int32], stateful=False,
+                                           name="horovod_qsgd_node_pad")
+        padded.set_shape([padded_numel])
+        splits.set_shape([plan.layout.num_ranks])
+        received, received_splits = self._alltoall(padded, splits, 0)
+        outputs = tf.numpy_function(self._encode_node_sum, [received, received_splits, step],
+                                    [tf.uint8, tf.int32, tf.float32, tf.float32], stateful=False,
+                                    name="horovod_qsgd_node_encode")
+        sent, cross_splits, self.own, self.shard_residual = outputs
+        sent.set_shape([None])
+        cross_splits.set_shape([plan.layout.num_ranks])
+        self.own.set_shape([None])
+        self.shard_residual.set_shape([shard if self.error_feedback else 0])
+        return self._alltoall(sent, cross_splits, 1)[0]
+
+    def _encode_node_sum(self, received, received_splits, step):
+        """Step 2: the node's sum of this rank's shard, encoded for this local index's rank on every node."""
+        plan, cross = self.plan, self.plan.cross
+        start = time.perf_counter()
+        nodes, node = plan.layout.num_nodes, plan.layout.node
+        shard_residual = np.zeros(plan.shard if self.error_feedback else 0, np.float32)
+        error = plan.check_in_node(received_splits.tolist())
+        own = np.zeros(0, np.float32)
+        if error is not None:
+            self._fail(error)
+        else:
+            rows = received.reshape(plan.layout.local_size, plan.shard)
+            node_sum = rows[0].copy()
+            for row in rows[1:]:  # in local-rank order: the same bits on every node
+                node_sum += row
+        residual = shard_residual if self.error_feedback else None
+        out = np.zeros(cross.capacity(), np.uint8)
+        if cross.kind == "two_stage":
+            if error is None:
+                own = np.empty(cross.own_numel(), np.float32)
+                counts = cross.encode(node_sum, out, own, int(step), residual)
+                sent = out[:sum(counts)]
+            else:  # every owner refuses this rank's slice, and tells every rank in the next step
+                counts = [0 if k == node else _notice().size for k in range(nodes)]
+                sent = np.tile(_notice(), nodes - 1)
+        else:
+            payload = out[:cross.encode(node_sum, out, int(step), residual)] if error is None else _notice()
+            counts, sent = [payload.size] * nodes, np.tile(payload, nodes)
+        self.stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
+        return sent, np.asarray(plan.cross_splits(counts), np.int32), own, shard_residual
+
+    # -- decompress ---------------------------------------------------------------------------
+    def result(self, cross_received, placeholder, step, owner_residual=None):
+        """(the tensor's flat fp32 sum, scaled as the placeholder says, a finite flag, this step's residual or
+        None); raises what went wrong on this rank or on a rank of its node."""
+        plan = self.plan
+        if plan.cross.kind == "two_stage":
+            cross_received = self._cross_sums(cross_received, step, owner_residual)
+        sent, splits = tf.numpy_function(self._decode_shard, [cross_received], [tf.float32, tf.int32],
+                                         stateful=False, name="horovod_qsgd_node_decode")
+        sent.set_shape([(plan.shard + 1) * plan.layout.local_size])
+        splits.set_shape([plan.layout.num_ranks])
+        gathered, gathered_splits = self._alltoall(sent, splits, 3)
+        inputs = [gathered, gathered_splits, placeholder] + ([self.shard_residual] if self.error_feedback else [])
+        out_dtypes = [tf.float32, tf.bool] + ([tf.float32] if self.error_feedback else [])
+        outputs = tf.numpy_function(self._finish, inputs, out_dtypes, stateful=False, name="horovod_qsgd_node_finish")
+        outputs[0].set_shape([plan.numel])
+        if not self.error_feedback:
+            return outputs[0], outputs[1], None
+        outputs[2].set_shape([plan.numel])
+        return outputs
+
+    def _cross_sums(self, received, step, owner_residual):
+        """Step 2's second stage: the owner's sum of the slices it received, re-encoded, to every node."""
+        plan, cross = self.plan, self.plan.cross
+        nodes = plan.layout.num_nodes
+
+        def sum_and_encode(received, own, step, owner_residual=None):
+            start = time.perf_counter()
+            owner_residual = None if owner_residual is None else owner_residual.copy()
+            if plan.name in self.errors:
+                payload = _notice()
+            else:
+                out = np.zeros(cross.owned_capacity(), np.uint8)
+                used, error = cross.sum_and_encode(received, np.array(own, np.float32), out, int(step),
+                                                   owner_residual)
+                payload = out[:used]  # a refusal notice where a slice did not match: every peer raises on it
+                if error is not None:
+                    self._fail(plan.between_nodes(error))
+            self.stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
+            outputs = (np.tile(payload, nodes), np.asarray(plan.cross_splits([payload.size] * nodes), np.int32))
+            return outputs if owner_residual is None else outputs + (owner_residual,)
+
+        inputs = [received, self.own, step] + ([] if owner_residual is None else [owner_residual])
+        out_dtypes = [tf.uint8, tf.int32] + ([] if owner_residual is None else [tf.float32])
+        outputs = tf.numpy_function(sum_and_encode, inputs, out_dtypes, stateful=False,
+                                    name="horovod_qsgd_node_encode_sum")
+        outputs[0].set_shape([None])
+        outputs[1].set_shape([plan.layout.num_ranks])
+        if owner_residual is not None:
+            outputs[2].set_shape(owner_residual.shape)
+            self.new_owner_residual = outputs[2]
+        return self._alltoall(outputs[0], outputs[1], 2)[0]
+
+    def _decode_shard(self, received):
+        """Step 3, and step 4's input: the decoded shard and a flag that says whether it failed, for every rank
+        of the node."""
+        plan = self.plan
+        start = time.perf_counter()
+        shard = np.zeros(plan.shard + 1, np.float32)
+        if plan.name not in self.errors:
+            try:  # raises on another node's refusal notice, or a payload that does not match
+                plan.cross.decode(received, shard[:plan.shard])
+            except Exception as exc:  # kept: this rank's step 4 must still be sent
+                self._fail(plan.between_nodes(exc))
+        if plan.name in self.errors:
+            shard[:] = 0.0
+            shard[plan.shard] = 1.0
+        self.stats.add(collectives_started=1, decode_seconds=time.perf_counter() - start)
+        return np.tile(shard, plan.layout.local_size), np.asarray(plan.gather_splits(), np.int32)
+
+    def _finish(self, gathered, gathered_splits, placeholder, shard_residual=None):
+        plan = self.plan
+        mismatch = plan.check_in_node(gathered_splits.tolist(), gathered=True)
+        if mismatch is not None:
+            self._fail(mismatch)
+        else:
+            rows = gathered.reshape(plan.layout.local_size, plan.shard + 1)
+            failed = plan.failed_ranks(rows[:, plan.shard].tolist())
+            if failed:
+                self._fail(RuntimeError(
+                    f"horovod_qsgd: tensor {plan.name!r} failed between nodes on rank(s) {failed} of this node "
+                    "(their error says why); its result is not used here either."))
+        error = self.errors.pop(plan.name, None)
+        if error is not None:
+            raise error
+        total = np.ascontiguousarray(rows[:, :plan.shard].reshape(-1)[:plan.numel])
+        scale = reduction_scale(float(placeholder.reshape(-1)[0]), plan.layout.num_ranks)
+        if scale != 1.0:
+            total *= np.float32(scale)
+        finite = self.finite_flag(total)
+        if shard_residual is None:
+            return total, finite
+        residual = np.zeros(plan.numel, np.float32)
+        begin, end = plan.own_span()
+        residual[begin:end] = shard_residual[:end - begin]
+        return total, finite, residual
