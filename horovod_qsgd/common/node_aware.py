@@ -27,10 +27,11 @@ positions of its tensor-long residual, which joins its gradient before step 1
 no mass is lost when the layout changes); from M = 3 also the owner residual
 of its chunk of that shard, kept with its :meth:`NodeAwarePlan.owner_layout`.
 
-The collectives are the adapters' (horovod_qsgd.torch: global alltoalls
-whose splits are zero outside the step's peers, so no process set has to be
-declared in ``hvd.init()``); everything between them is here or in the
-engine's plan of step 2.
+The collectives are the adapters' (:mod:`horovod_qsgd.torch.node_aware`,
+:mod:`horovod_qsgd.tensorflow.node_aware`: global alltoalls whose splits are
+zero outside the step's peers, so no process set has to be declared in
+``hvd.init()``); everything between them is here or in the engine's plan of
+step 2.
 """
 import warnings
 
