@@ -44,8 +44,9 @@ class NodeAwareOps:
         self.shard_residual = self.own = self.new_owner_residual = None
 
     def _alltoall(self, sent, splits, stage):
-        received, received_splits = hvd.alltoall(sent, splits=splits, name=self.names[stage], ignore_name_scope=True)
-        return received, received_splits
+        """(received, received splits) of the tensor's collective number ``stage`` (global, zero splits off its
+        peers)."""
+        return hvd.alltoall(sent, splits=splits, name=self.names[stage], ignore_name_scope=True)
 
     def _fail(self, error):
         """Keeps this rank's first error for the tensor (raised by :meth:`result`)."""

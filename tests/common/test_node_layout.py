@@ -1,7 +1,10 @@
-"""The node-aware exchange's layout and residual placement, one process (its exchange: tests/torch/test_nodes.py)."""
-import numpy as np
+"""The node-aware exchange's layout and residual placement, one process (its exchange: tests/test_node_aware.py)."""
+import warnings
 
-from horovod_qsgd.common.node_aware import NodeLayout, node_owner_chunk, shard_numel
+import numpy as np
+import pytest
+
+from horovod_qsgd.common.node_aware import NodeLayout, job_nodes, node_owner_chunk, shard_numel
 from horovod_qsgd.common.two_stage import chunk_bounds, saved_owner_chunk
 
 
@@ -35,6 +38,16 @@ def test_layouts_without_a_node_aware_exchange_say_why():
     shuffled = _records([2, 2])
     shuffled[1], shuffled[2] = shuffled[2], shuffled[1]  # ranks 1 and 2 on each other's nodes
     assert "not numbered node by node" in NodeLayout.from_records(shuffled, 0)[1]
+
+
+def test_unequal_nodes_fall_back_node_blind_with_a_warning_only_where_node_aware_was_asked_for():
+    with pytest.warns(UserWarning, match=r"needs several nodes of equal size.*differ in size \(\[1, 2\] ranks\)"
+                      r".*node-blind \(as 'auto'\) instead"):
+        assert job_nodes(_records([2, 1]), 0, asked=True) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert job_nodes(_records([2, 1]), 0, asked=False) is None  # "auto": silently node-blind
+        assert job_nodes(_records([2, 2]), 3, asked=True).as_list() == [2, 2, 1, 1]
 
 
 def test_an_owner_residual_of_a_node_layout_lands_at_its_chunk_of_its_shard():

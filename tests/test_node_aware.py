@@ -1,0 +1,112 @@
+"""The node-aware exchange under Horovod, both frameworks on the same ranks, across network-namespace "nodes".
+
+Horovod sees M hosts of L ranks (``benchmarks/nodelab.py``). Every result is
+compared bitwise with the codecs-alone reference (``node_aware_reference``),
+PyTorch's and TensorFlow's adapters side by side (one launch serves both).
+"""
+import io
+
+import numpy as np
+import pytest
+
+from tests.two_stage_reference import bounds, gradient, node_aware_reference
+
+
+@pytest.mark.parametrize("nodes, per_node", [
+    pytest.param(2, 2, marks=pytest.mark.ranks(4, timeout=300, launcher="nodes:2x2")),
+    pytest.param(3, 2, marks=pytest.mark.ranks(6, timeout=400, launcher="nodes:3x2"))])
+def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(nodes, per_node, hvd_tf):
+    """exchange='node_aware': QSGD (three tensors in flight) and top-k over 4 steps with its residuals through a
+    checkpoint, bitwise the reference on every rank in both adapters (2 nodes: the nodes' allgather; 3 nodes:
+    their two stages); the same bytes in both; the bytes kept in the node and the collectives as the formula
+    says; 'auto' node-blind on CPU; a tensor whose length differs on one rank refused on every rank."""
+    import tensorflow as tf
+    import torch
+    import horovod.torch as hvd_torch
+    from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+    import horovod_qsgd.tensorflow as tf_adapter
+    import horovod_qsgd.torch as torch_adapter
+    hvd, ranks = hvd_tf, nodes * per_node
+    hvd_torch.init()
+    rank = hvd.rank()
+    assert (hvd.size(), hvd.local_size(), hvd.cross_size()) == (ranks, per_node, nodes)
+    assert (hvd.local_rank(), hvd.cross_rank()) == (rank % per_node, rank // per_node)
+    numel = 200_003  # shards above the two stages' threshold: 3 nodes take them
+    grads = [gradient(r, numel) for r in range(ranks)]
+
+    qsgd = tf_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
+    twin = torch_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
+
+    @tf.function
+    def grouped(x):  # three in one graph: their steps interleave as the executor finds them ready
+        # (inside tf.function the tensors are named by their ops: autograph hides grouped_allreduce's list)
+        return hvd.grouped_allreduce([tf.identity(x * (i + 1), name=f"w.{i}") for i in range(3)], name="w",
+                                     op=hvd.Sum, compression=qsgd)
+
+    got = grouped(tf.constant(grads[rank]))
+    # PyTorch: one grouped call compresses all three before it waits, so their steps interleave too
+    from_torch = hvd_torch.grouped_allreduce([torch.from_numpy(grads[rank] * (i + 1)) for i in range(3)], name="w",
+                                             op=hvd_torch.Sum, compression=twin)
+    for i in range(3):
+        want = node_aware_reference(QSGDCodec(bits=4), QSGDCodec(bits=4), f"w.{i}", [g * (i + 1) for g in grads], 0,
+                                    512, per_node)
+        assert np.array_equal(got[i].numpy(), want), i
+        assert np.array_equal(from_torch[i].numpy(), want), i
+    shard = -(-numel // (per_node * 512)) * 512
+    for stats in (qsgd.compression_stats(), twin.compression_stats()):
+        assert stats["exchanges"] == {f"w.{i}": "node_aware" for i in range(3)}
+        assert stats["bytes_sent_in_node"] == 3 * 4 * (2 * shard + 1) * (per_node - 1)
+        assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)  # in the node, between (1 or 2), back
+    assert qsgd.compression_stats()["bytes_sent"] == twin.compression_stats()["bytes_sent"]
+
+    codec = TopKCodec(ratio=0.01)
+    residuals = [np.zeros(numel, np.float32) for _ in range(ranks)]
+    owners = [np.zeros(np.subtract(*bounds(-(-numel // per_node), nodes, 1)[r // per_node][::-1]), np.float32)
+              for r in range(ranks)]
+
+    def traced(compressor):
+        return tf.function(lambda x: hvd.allreduce(x, name="t", op=hvd.Sum, compression=compressor))
+
+    tf_topk = tf_adapter.TopK(ratio=0.01, exchange="node_aware")
+    torch_topk = torch_adapter.TopK(ratio=0.01, exchange="node_aware")
+    tf_step = traced(tf_topk)
+    for step in range(4):
+        if step == 2:  # resumed from a checkpoint: the same bits go on
+            saved = tf_topk.state_dict()
+            tf_topk = tf_adapter.TopK(ratio=0.01, exchange="node_aware")
+            tf_topk.load_state_dict(saved)
+            tf_step = traced(tf_topk)
+            buffer = io.BytesIO()
+            torch.save(torch_topk.state_dict(), buffer)
+            buffer.seek(0)
+            torch_topk = torch_adapter.TopK(ratio=0.01, exchange="node_aware")
+            torch_topk.load_state_dict(torch.load(buffer, weights_only=False))
+        grads = [gradient(r, numel, step) for r in range(ranks)]
+        from_tf = tf_step(tf.constant(grads[rank])).numpy()
+        from_torch = hvd_torch.allreduce(torch.from_numpy(grads[rank]), name="t", op=hvd_torch.Sum,
+                                         compression=torch_topk).numpy()
+        want = node_aware_reference(codec, codec, "t", grads, step, 1, per_node, residuals,
+                                    owners if nodes > 2 else None)
+        assert np.array_equal(from_tf, want), step
+        assert np.array_equal(from_torch, want), step
+    assert np.abs(residuals[rank]).sum() > 0
+    for kept in (tf_topk.state_dict()["tensors"]["t"], torch_topk.state_dict()["tensors"]["t"]):
+        assert np.array_equal(np.asarray(kept["residual"]), residuals[rank])
+        if nodes > 2:
+            assert kept["owner_layout"] == [nodes, per_node, rank // per_node, rank % per_node]
+            assert np.array_equal(np.asarray(kept["owner_residual"]), owners[rank])
+    gathered = hvd.allgather(tf.constant(from_tf.reshape(1, -1)), name="check").numpy()
+    assert all(np.array_equal(gathered[0], gathered[r]) for r in range(ranks))
+
+    # "auto" keeps CPU tensors node-blind (measured slower node-aware here), in both frameworks
+    auto, torch_auto = tf_adapter.QSGD(bits=4, min_numel=0), torch_adapter.QSGD(bits=4, min_numel=0)
+    hvd.allreduce(tf.constant(grads[rank]), name="a", op=hvd.Sum, compression=auto)
+    hvd_torch.allreduce(torch.from_numpy(grads[rank]), name="a", op=hvd_torch.Sum, compression=torch_auto)
+    assert auto.compression_stats()["exchanges"] == torch_auto.compression_stats()["exchanges"] == {"a": "two_stage"}
+
+    length = numel + (4096 if rank == ranks - 1 else 0)  # the last rank's tensor is longer
+    with pytest.raises(Exception, match="horovod_qsgd: tensor 'odd"):
+        hvd.allreduce(tf.ones(length), name="odd", op=hvd.Sum, compression=tf_adapter.QSGD(exchange="node_aware"))
+    with pytest.raises(Exception, match="horovod_qsgd: tensor 'odd"):
+        hvd_torch.allreduce(torch.ones(length), name="odd", op=hvd_torch.Sum,
+                            compression=torch_adapter.QSGD(exchange="node_aware"))
