@@ -60,7 +60,9 @@ BETAS, EPS = (0.9, 0.999), 1e-8
 # 2.386 / 2.338 / 2.314 / 2.676 nats per byte at lr 0.03 / 0.05 / 0.1 / 0.3.
 SGD_MOMENTUM, SGD_LR = 0.9, 0.1
 # The goal: these end within GOAL_NATS of uncompressed validation cross-entropy.
-GOAL_CONFIGS, GOAL_NATS = ("qsgd-8bit", "qsgd-4bit", "topk-1%"), 0.02
+GOAL_CONFIGS = ("qsgd-8bit", "qsgd-4bit", "topk-1%", "qsgd-8bit-node-aware", "qsgd-4bit-node-aware",
+                "topk-1%-node-aware")
+GOAL_NATS = 0.02
 
 
 def learning_rate(step, s):
