@@ -1,15 +1,19 @@
-"""The node-aware exchange under Horovod, both frameworks on the same ranks, across network-namespace "nodes".
+"""The exchanges under Horovod across network-namespace "nodes" (``benchmarks/nodelab.py``), as on a cluster.
 
-Horovod sees M hosts of L ranks (``benchmarks/nodelab.py``). Every result is
+Horovod sees M hosts of L ranks. The node-aware exchange: every result
 compared bitwise with the codecs-alone reference (``node_aware_reference``),
-PyTorch's and TensorFlow's adapters side by side (one launch serves both).
+PyTorch's and TensorFlow's adapters side by side. The flat two stages, whose
+collectives now cross a NIC, give every rank the reference's bits as on one
+host. Tests of one layout share a launch.
 """
 import io
 
 import numpy as np
 import pytest
 
-from tests.two_stage_reference import bounds, gradient, node_aware_reference
+from tests.two_stage_reference import bounds, gradient, node_aware_reference, reference
+
+SHARED_LAUNCHES = True  # tests with the same layout run in one launch (tests/multirank.py)
 
 
 @pytest.mark.parametrize("nodes, per_node", [
@@ -110,3 +114,31 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     with pytest.raises(Exception, match="horovod_qsgd: tensor 'odd"):
         hvd_torch.allreduce(torch.ones(length), name="odd", op=hvd_torch.Sum,
                             compression=torch_adapter.QSGD(exchange="node_aware"))
+
+
+@pytest.mark.ranks(4, timeout=240, launcher="nodes:2x2")
+def test_two_stages_across_two_nodes_are_the_reference_on_every_rank(hvd_torch):
+    import torch
+    from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+    from horovod_qsgd.torch import QSGD, TopK
+    hvd = hvd_torch
+    rank = hvd.rank()
+    assert (hvd.size(), hvd.local_size(), hvd.cross_size()) == (4, 2, 2)
+    assert (hvd.local_rank(), hvd.cross_rank()) == (rank % 2, rank // 2)
+    numel = 100_003
+    grads = [gradient(r, numel) for r in range(4)]
+    qsgd = QSGD(bits=4, exchange="two_stage", min_numel=0)
+    result = hvd.allreduce(torch.from_numpy(grads[rank]), name="flat.w", op=hvd.Sum, compression=qsgd)
+    want = reference(QSGDCodec(bits=4), QSGDCodec(bits=4), "flat.w", grads, 0, 512)
+    assert np.array_equal(result.numpy(), want)
+
+    topk, codec = TopK(ratio=0.01, exchange="two_stage"), TopKCodec(ratio=0.01)
+    residuals = [np.zeros(numel, np.float32) for _ in range(4)]
+    owners = [np.zeros(e - b, np.float32) for b, e in bounds(numel, 4, 1)]
+    for step in range(3):
+        grads = [gradient(r, numel, step) for r in range(4)]
+        result = hvd.allreduce(torch.from_numpy(grads[rank]), name="flat.t", op=hvd.Sum, compression=topk)
+        want = reference(codec, codec, "flat.t", grads, step, 1, residuals, owners)
+        assert np.array_equal(result.numpy(), want), step
+    gathered = hvd.allgather(result.reshape(1, -1), name="flat.check")
+    assert all(torch.equal(gathered[0], gathered[r]) for r in range(4))
