@@ -25,6 +25,10 @@ installed, and its simulator is several times slower than numba's own).
 Takes about 1.5 minutes, mostly the simulator.
 
     .venv-gpu-compile/bin/python scripts/gpu_compile_check.py [--cc 8.0 9.0] [--table FILE]
+
+The tests split it: step 1 with the test environment's numba
+(``NUMBA_ENABLE_CUDASIM=1 python scripts/gpu_compile_check.py --record FILE``),
+steps 2-5 in the venv (``--launches FILE``).
 """
 import argparse
 import importlib
@@ -288,7 +292,10 @@ def main():
     parser.add_argument("--launches", help="compile the launches a --save-launches run kept (no simulator run)")
     parser.add_argument("--maxrregcount", type=int,
                         help="cap ptxas's registers per thread (to see which kernels would spill)")
-    parser.add_argument("--record", help=argparse.SUPPRESS)  # internal: the simulator subprocess
+    parser.add_argument("--record", metavar="FILE",
+                        help="only step 1: run the simulator checks here, recording launches to FILE for --launches "
+                             "(needs NUMBA_ENABLE_CUDASIM=1, not the gpu-compile extra; the tests run it with "
+                             "numba's own simulator, several times faster than numba-cuda's)")
     args = parser.parse_args()
     if args.record:
         record(args.record)

@@ -14,15 +14,15 @@ def hvd_torch():
 @pytest.fixture
 def dist_gloo():
     """torch.distributed with the Gloo backend, initialised (inside a ranks(..., launcher="torchrun") test: on
-    every rank), destroyed afterwards."""
+    every rank). Once per worker: the tests of a shared launch use the same default group (initialised again
+    after ``destroy_process_group``, the second test of a launch waited forever under torchrun)."""
     import torch.distributed as dist
     from tests.multirank import in_worker
     if not in_worker():  # the launching test: its body runs in the workers only
-        yield None
-        return
-    dist.init_process_group("gloo")
-    yield dist
-    dist.destroy_process_group()
+        return None
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ These check the installed Horovod build before anything of ours is trusted on to
 """
 import pytest
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 RANK_COUNTS = [pytest.param(2, marks=pytest.mark.ranks(2)), pytest.param(3, marks=pytest.mark.ranks(3))]
 
 

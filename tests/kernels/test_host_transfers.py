@@ -1,21 +1,15 @@
 """The CUDA path's synchronous host copies per call, counted in numba's simulator (issue #14's bounds)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transfers_check.py")
-
 
 @pytest.fixture(scope="module")
-def report():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    proc = subprocess.run([sys.executable, CHECK], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+def report(simulator_runs):
+    code, out, err = simulator_runs["transfers"].result()  # transfers_check.py in the simulator (conftest.py)
+    assert code == 0, out[-3000:] + err[-3000:]
+    counts = json.loads(out.strip().splitlines()[-1])
     for name, entry in counts.items():
         print(f"{name:>55}: {entry}")
     return counts

@@ -10,6 +10,8 @@ import pytest
 from tests.tensorflow.reference import make
 from tests.tensorflow.test_gradient_tape import batch, loss_fn, make_variables
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 STEPS, SAVE_AT = 6, 3
 
 

@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 
 def _tape_gradients(hvd, tf, compressor, shape, function):
     var = tf.Variable(tf.ones(shape), name="layer_weight")

@@ -6,6 +6,8 @@ import pytest
 from tests.tensorflow.reference import KERAS3, Reference, gathered_rows, make
 from tests.tensorflow.test_keras import STEPS, attach_records, flat_weights, functional_parts, keras_data
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 
 def build_keras3_model(tf, keras, seed=0):
     """Keras 3 twin of test_keras.build_recording_model (train_step records local gradients, the

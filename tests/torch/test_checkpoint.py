@@ -3,6 +3,8 @@ import copy
 
 import pytest
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 
 def _train(hvd, compressor_factory, steps, start_state=None, capture_at=None):
     import torch

@@ -1,6 +1,8 @@
 """Bad input and rank mismatches raise named errors on every rank, within the harness timeout."""
 import pytest
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 
 @pytest.mark.ranks(2, timeout=120)
 def test_different_bits_on_two_ranks_is_reported_on_every_rank(hvd_torch):

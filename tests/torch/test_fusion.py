@@ -16,6 +16,8 @@ from tests.two_stage_reference import bounds as _bounds
 from tests.two_stage_reference import gradient as _gradient
 from tests.two_stage_reference import reference as _reference
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 # 100_003 and 70_001: no multiple of the ranks or the bucket; 1_000: fewer buckets than 4 ranks (owners of nothing).
 SIZES = (100_003, 70_001, 1_000, 512 * 40)
 CASES = [pytest.param(n, kind, marks=pytest.mark.ranks(n, timeout=240)) for n, kind in

@@ -1,6 +1,8 @@
 """Uneven inputs: horovod_qsgd.torch.Join against a run where the ranks without data step on zero gradients."""
 import pytest
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 CASES = [("qsgd", "allgather"), ("qsgd", "two_stage"), ("topk", "allgather"), ("topk", "two_stage"),
          ("none", None)]
 

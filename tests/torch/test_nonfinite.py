@@ -4,6 +4,8 @@ import pytest
 from tests.nonfinite_cases import (assert_same_state, check_discarded_steps, check_training_through_overflows,
                                    make_compressor, residuals)
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 
 def _compressor(kind, exchange):
     import horovod_qsgd.torch as adapter

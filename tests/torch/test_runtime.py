@@ -4,6 +4,8 @@ import warnings
 
 import pytest
 
+SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+
 
 @pytest.mark.ranks(2, env={"NUMBA_NUM_THREADS": None})
 def test_ranks_on_one_machine_share_its_cores(hvd_torch):
