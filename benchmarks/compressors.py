@@ -26,6 +26,9 @@ SPECS = {
     "qsgd-8bit-node-aware": ("QSGD", {"bits": 8, "exchange": "node_aware"}),
     "qsgd-4bit-node-aware": ("QSGD", {"bits": 4, "exchange": "node_aware"}),
     "topk-1%-node-aware": ("TopK", {"ratio": 0.01, "exchange": "node_aware"}),
+    # PyTorch only: every node-aware tensor its own collectives, as before fusion (TensorFlow's wire)
+    "qsgd-4bit-node-aware-unfused": ("QSGD", {"bits": 4, "exchange": "node_aware", "fusion_threshold": 0}),
+    "topk-1%-node-aware-unfused": ("TopK", {"ratio": 0.01, "exchange": "node_aware", "fusion_threshold": 0}),
 }
 # What the studies compare unless told otherwise: one row per compressor, default exchange.
 STANDARD = list(SPECS)[:list(SPECS).index("qsgd-4bit-allgather")]

@@ -8,7 +8,8 @@ rank) on that many network namespaces joined by veth NICs, so every byte
 between nodes is counted on a NIC and every byte inside a node on its
 loopback. Configurations: uncompressed, QSGD-4 and Top-k 1% with the
 allgather and with the two stages (the flat, node-blind exchanges), and
-node-aware (``exchange="node_aware"``: only the node's sums cross).
+node-aware (``exchange="node_aware"``: only the node's sums cross), fused (the
+default) and unfused (``fusion_threshold=0``: every tensor its own collectives).
 
 The formula (:func:`formula`) is the node model's
 (``benchmarks/node_scaling.py``): each collective's route on the ring of
@@ -31,13 +32,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import nodelab  # noqa: E402
-from benchmarks.compressors import benchmark_flags  # noqa: E402
+from benchmarks.compressors import SPECS, benchmark_flags  # noqa: E402
 
 CONFIGS = [("none", "uncompressed"), ("qsgd-4bit-allgather", "QSGD-4, allgather"),
            ("qsgd-4bit-two-stage", "QSGD-4, two stages"), ("topk-1%-allgather", "Top-k 1%, allgather"),
            ("topk-1%-two-stage", "Top-k 1%, two stages"), ("qsgd-4bit-node-aware", "QSGD-4, node-aware"),
-           ("topk-1%-node-aware", "Top-k 1%, node-aware")]
-_EXCHANGES = {"-two-stage": "two_stage", "-node-aware": "node_aware"}
+           ("topk-1%-node-aware", "Top-k 1%, node-aware"),
+           ("qsgd-4bit-node-aware-unfused", "QSGD-4, node-aware unfused"),
+           ("topk-1%-node-aware-unfused", "Top-k 1%, node-aware unfused")]
+_EXCHANGES = {"-two-stage": "two_stage", "-node-aware": "node_aware", "-node-aware-unfused": "node_aware"}
 
 
 def _split_name(name):
@@ -50,7 +53,9 @@ def _split_name(name):
 
 def _flags(name):
     compressor, exchange = _split_name(name)
-    return benchmark_flags(name) if exchange == "allgather" else benchmark_flags(compressor) + ["--exchange", exchange]
+    if exchange == "allgather" or name in SPECS:
+        return benchmark_flags(name)
+    return benchmark_flags(compressor) + ["--exchange", exchange]
 
 
 def formula(model, name, nodes, per_node):

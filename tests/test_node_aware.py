@@ -39,7 +39,8 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     grads = [gradient(r, numel) for r in range(ranks)]
 
     qsgd = tf_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
-    twin = torch_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
+    # unfused, PyTorch's wire is TensorFlow's (which does not fuse)
+    twin = torch_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0, fusion_threshold=0)
 
     @tf.function
     def grouped(x):  # three in one graph: their steps interleave as the executor finds them ready
@@ -63,6 +64,24 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
         assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)  # in the node, between (1 or 2), back
     assert qsgd.compression_stats()["bytes_sent"] == twin.compression_stats()["bytes_sent"]
 
+    # fused (PyTorch's default): one collective per step for the three, the same bits, over two rounds (the
+    # second starts the group its first learned as soon as its last member is compressed)
+    fused = torch_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
+    for step in range(2):
+        grads = [gradient(r, numel, step) for r in range(ranks)]
+        from_torch = hvd_torch.grouped_allreduce([torch.from_numpy(grads[rank] * (i + 1)) for i in range(3)],
+                                                 name="w", op=hvd_torch.Sum, compression=fused)
+        for i in range(3):
+            want = node_aware_reference(QSGDCodec(bits=4), QSGDCodec(bits=4), f"w.{i}", [g * (i + 1) for g in grads],
+                                        step, 512, per_node)
+            assert np.array_equal(from_torch[i].numpy(), want), (step, i)
+    stats, alone = fused.compression_stats(), twin.compression_stats()
+    assert stats["collectives_started"] == 2 * (3 if nodes == 2 else 4)
+    tag, flag = 2, 1  # the group's digest in step 1, its failure flag in step 4
+    assert stats["bytes_sent_in_node"] == 2 * 4 * (2 * 3 * shard + tag + flag) * (per_node - 1)
+    manifests = 16 * nodes if nodes > 2 else 16  # one per owner and stage between 3 nodes; one part between 2
+    assert stats["bytes_sent"] == 2 * (alone["bytes_sent"] + manifests)  # QSGD's payload sizes are fixed
+
     codec = TopKCodec(ratio=0.01)
     residuals = [np.zeros(numel, np.float32) for _ in range(ranks)]
     owners = [np.zeros(np.subtract(*bounds(-(-numel // per_node), nodes, 1)[r // per_node][::-1]), np.float32)
@@ -72,7 +91,7 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
         return tf.function(lambda x: hvd.allreduce(x, name="t", op=hvd.Sum, compression=compressor))
 
     tf_topk = tf_adapter.TopK(ratio=0.01, exchange="node_aware")
-    torch_topk = torch_adapter.TopK(ratio=0.01, exchange="node_aware")
+    torch_topk = torch_adapter.TopK(ratio=0.01, exchange="node_aware")  # fused: a group of one
     tf_step = traced(tf_topk)
     for step in range(4):
         if step == 2:  # resumed from a checkpoint: the same bits go on
@@ -114,6 +133,13 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     with pytest.raises(Exception, match="horovod_qsgd: tensor 'odd"):
         hvd_torch.allreduce(torch.ones(length), name="odd", op=hvd_torch.Sum,
                             compression=torch_adapter.QSGD(exchange="node_aware"))
+    # fused: sizes that differ on the last rank while its row's length does not, refused by the group's
+    # digest in its node and by the refusal notices between nodes, on every rank
+    delta = 4096 if rank == ranks - 1 else 0
+    expected = "fused other tensors with them" if rank // per_node == nodes - 1 else "horovod_qsgd: tensor"
+    with pytest.raises(Exception, match=expected):
+        hvd_torch.grouped_allreduce([torch.ones(n) for n in (numel, numel + delta, numel - delta)], name="v",
+                                    op=hvd_torch.Sum, compression=torch_adapter.QSGD(exchange="node_aware"))
 
 
 @pytest.mark.ranks(4, timeout=240, launcher="nodes:2x2")

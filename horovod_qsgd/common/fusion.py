@@ -143,7 +143,49 @@ class _Manifest:
         return []
 
 
-class FusedTwoStage:
+class _FusedPayloads:
+    """What every fused group's wire shares: a manifest in front of each sender's part, each member's payload
+    after it, checked and decoded per sender."""
+
+    def __init__(self, plans):
+        self.names = [plan.name for plan in plans]
+        self._manifest = _Manifest(self.names)
+        self.label = ", ".join(self.names) if len(self.names) <= 3 else \
+            f"{', '.join(self.names[:3])} and {len(self.names) - 3} more fused with them"
+
+    def part_pieces(self, used):
+        """The pieces of one sender's part from each member's bytes used (member m's buffer, bytes 0 to used[m])."""
+        return [self._manifest.pack(HEADER_NBYTES + sum(used))] + [(m, 0, n) for m, n in enumerate(used)]
+
+    def _decode_parts(self, codec, buffer, senders, numels_from, outs_from, what):
+        """Decodes each sender's part of ``buffer`` (manifest, then a payload per member) into ``outs_from(sender)``.
+
+        The manifests are walked and checked like payload headers (:func:`check_payloads`), then each part's
+        payloads are decoded.
+        """
+        parts = check_payloads(buffer, senders, [len(self.names)] * len(senders), self._manifest, self.label,
+                               f"group of {what}s")
+        for sender, (start, end, _) in zip(senders, parts):
+            decode_checked(codec, buffer[start + HEADER_NBYTES:end], [sender] * len(self.names),
+                           numels_from(sender), outs_from(sender), self.names, what)
+
+
+class FusedAllgather(_FusedPayloads):
+    """The allgather exchange of several tensors (their :class:`~horovod_qsgd.common.engine.AllgatherPlan`
+    plans) in one collective: each rank's part is a manifest and its members' payloads (:meth:`part_pieces`)."""
+
+    def __init__(self, plans):
+        super().__init__(plans)
+        self.plans = list(plans)
+        self.codec, self.num_ranks = self.plans[0].codec, self.plans[0].num_ranks
+
+    def decode(self, gathered, outs):
+        """Adds every rank's payloads, in rank order, to ``outs[m]`` (float32, zeros on entry), checked."""
+        self._decode_parts(self.codec, gathered, range(self.num_ranks), lambda sender: [p.numel for p in self.plans],
+                           lambda sender: outs, "payload")
+
+
+class FusedTwoStage(_FusedPayloads):
     """The two-stage exchange of several tensors (their :class:`~horovod_qsgd.common.two_stage.TwoStage`
     plans, one process set) in one alltoall and one allgather, on one rank.
 
@@ -154,13 +196,10 @@ class FusedTwoStage:
     """
 
     def __init__(self, stages):
+        super().__init__(stages)
         self.stages = list(stages)
         self.first, self.second = self.stages[0].first, self.stages[0].second
         self.num_ranks, self.rank = self.stages[0].num_ranks, self.stages[0].rank
-        self.names = [stage.name for stage in self.stages]
-        self._manifest = _Manifest(self.names)
-        self.label = ", ".join(self.names) if len(self.names) <= 3 else \
-            f"{', '.join(self.names[:3])} and {len(self.names) - 3} more fused with them"
 
     def first_stage_pieces(self, member_splits):
         """(pieces, splits) of the alltoall from each member's ``encode_for_owners`` splits."""
@@ -197,7 +236,7 @@ class FusedTwoStage:
 
     def second_stage_pieces(self, used):
         """The pieces of this owner's part of the allgather, from ``sum_and_encode``'s bytes used."""
-        return [self._manifest.pack(HEADER_NBYTES + sum(used))] + [(m, 0, n) for m, n in enumerate(used)]
+        return self.part_pieces(used)
 
     def decode_gathered(self, gathered, outs):
         """Adds every owner's decoded sums into their chunks of ``outs[m]`` (float32, zeros on entry)."""
@@ -206,15 +245,3 @@ class FusedTwoStage:
                            lambda owner: [out[s.bounds[owner][0]:s.bounds[owner][1]] for s, out in
                                           zip(self.stages, outs)],
                            "second-stage sum")
-
-    def _decode_parts(self, codec, buffer, senders, numels_from, outs_from, what):
-        """Decodes each sender's part of ``buffer`` (manifest, then a payload per member) into ``outs_from(sender)``.
-
-        The manifests are walked and checked like payload headers (:func:`check_payloads`), then each part's
-        payloads are decoded.
-        """
-        parts = check_payloads(buffer, senders, [len(self.stages)] * len(senders), self._manifest, self.label,
-                               f"group of {what}s")
-        for sender, (start, end, _) in zip(senders, parts):
-            decode_checked(codec, buffer[start + HEADER_NBYTES:end], [sender] * len(self.stages),
-                           numels_from(sender), outs_from(sender), self.names, what)

@@ -56,7 +56,7 @@ from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
-from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareFlight
+from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
 from horovod_qsgd.torch.join import note_allreduce, refuse_if_a_rank_joined, take_over_hvd_join
 
 _PASS_THROUGH = object()
@@ -465,6 +465,7 @@ class PayloadCompressor(_CompressorBase):
 
     def _forget_exchanges(self):
         self._fuser = Fuser(self.fusion_threshold, self._fusion_namespace)
+        self._node_fuser = Fuser(self.fusion_threshold, self._fusion_namespace + "node_aware.")
         self._first_stages = []  # groups whose alltoall started and whose second stage did not
         self._node_exchanges.forget()
 
@@ -536,7 +537,7 @@ class PayloadCompressor(_CompressorBase):
                 owner_residual = self._node_owner_residual(site.name, plan)
         else:
             padded[:flat.numel()] = flat
-        return self._node_exchanges.start(plan, padded, step, shard_residual, owner_residual)
+        return NodeAwareMember(plan, step, padded, shard_residual, owner_residual)
 
     def _node_owner_residual(self, name, plan):
         """This step's copy of the owner-side residual of the node-aware ``plan``'s chunk (top-k, from 3 nodes)."""
@@ -548,9 +549,16 @@ class PayloadCompressor(_CompressorBase):
         return state.owner_residual.clone()
 
     def _make_context(self, handle, site, tensor, state, out, residual):
-        if isinstance(handle, NodeAwareFlight):
+        if isinstance(handle, NodeAwareMember):
             ctx = super()._make_context(handle, site, tensor, state, out, residual)
             ctx.owner_residual = handle.owner_residual
+            if self.fusion_threshold == 0:  # alone, under its own collectives' names (TensorFlow's wire)
+                self._node_exchanges.start([handle])
+            else:
+                with self._lock:
+                    ready = self._node_fuser.add((0, site.name), 4 * handle.plan.padded_numel(), handle)
+                for name, members in ready:
+                    self._node_exchanges.start(members, name)
             self._node_exchanges.progress()
             return ctx
         if not isinstance(handle, _FirstStage):
@@ -642,12 +650,23 @@ class PayloadCompressor(_CompressorBase):
             state.owner_layout = plan.owner_layout()
         return state.owner_residual.clone()
 
+    def _start_node_aware_groups(self):
+        """Starts the node-aware groups still waiting for a member (or never learned), at the round's first
+        decompress: as :meth:`_start_second_stages` does for the two stages, before waiting for anything."""
+        with self._lock:
+            remaining = self._node_fuser.end_round()
+        for name, members in remaining:
+            self._node_exchanges.start(members, name)
+
     def _receive(self, ctx):
-        if isinstance(ctx.handle, NodeAwareFlight):
+        if isinstance(ctx.handle, NodeAwareMember):
+            if ctx.handle.flight is None:
+                self._start_node_aware_groups()
             self._start_second_stages()  # a round's first decompress starts them, whatever its exchange
             return self._node_exchanges.wait(ctx.handle)
         if isinstance(ctx, _TwoStageInFlight):
             if ctx.group is None or ctx.group.second_handle is None:
+                self._start_node_aware_groups()
                 self._start_second_stages()
             if ctx.group.results is None:
                 return self._node_exchanges.synchronize(ctx.group.second_handle)
@@ -655,7 +674,7 @@ class PayloadCompressor(_CompressorBase):
         return self._node_exchanges.synchronize(ctx.handle)
 
     def _decode(self, tensor, ctx, gathered):
-        if isinstance(ctx.handle, NodeAwareFlight):
+        if isinstance(ctx.handle, NodeAwareMember):
             total = self._node_aware_result(ctx, gathered)
         elif isinstance(ctx, _TwoStageInFlight):
             total = self._group_result(ctx, gathered)
@@ -674,10 +693,10 @@ class PayloadCompressor(_CompressorBase):
     def _node_aware_result(ctx, result):
         """The node-aware ``result`` in the gradient's memory where it may be, and the shard residual back in
         this step's residual."""
-        flight = ctx.handle
-        if flight.shard_residual is not None:
-            begin, end = flight.plan.own_span()
-            ctx.residual[begin:end] = flight.shard_residual[:end - begin]
+        member = ctx.handle
+        if member.shard_residual is not None:
+            begin, end = member.plan.own_span()
+            ctx.residual[begin:end] = member.shard_residual[:end - begin]
         ctx.handle = None
         return result if ctx.out is None else ctx.out.copy_(result)
 

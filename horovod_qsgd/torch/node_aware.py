@@ -3,13 +3,15 @@
 Every step is a global ``hvd.alltoall_async`` whose splits are zero outside
 the step's peers (the ranks of this node, or this local index's rank on every
 node): no process set has to be declared in ``hvd.init()`` and no environment
-variable set. A tensor's four collectives (five with two stages between
+variable set. A flight is one tensor's exchange, or a fused group's
+(:class:`~horovod_qsgd.common.node_aware.NodeAwareGroup`: one collective per
+step for all its members). Its four collectives (five with two stages between
 nodes) each need the one before, and ranks decompress in different orders: a
-rank that waited for one tensor's step would hold back the steps its peers
+rank that waited for one flight's step would hold back the steps its peers
 wait for. So nothing here waits for a single step: :meth:`NodeAwareExchanges.wait`
-polls every exchange in flight and starts each one's next collective as soon
-as its input has arrived, and every compress does the same without waiting,
-which overlaps the exchange with the backward pass.
+polls every flight and starts each one's next collective as soon as its input
+has arrived, and every compress does the same without waiting, which overlaps
+the exchange with the backward pass.
 """
 import threading
 import time
@@ -19,9 +21,11 @@ import torch
 
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
+from horovod_qsgd.common.node_aware import NodeAwareGroup
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 
 _IN_NODE, _CROSS, _CROSS_SUMS, _GATHER, _DONE = range(5)
+_STEP_NAMES = ("in_node", "cross", "cross_sums", "gather")
 _POLL_SECONDS = 50e-6
 
 
@@ -33,35 +37,70 @@ def _notice(device):
     return torch.frombuffer(bytearray(refusal_notice()), dtype=torch.uint8).to(device)
 
 
-class NodeAwareFlight:
-    """One tensor's exchange between its compress and its result.
+def _concatenate(pieces, buffers, device):
+    """One uint8 tensor of ``pieces``: bytes, or (member, start, end) ranges of ``buffers[member]``."""
+    parts = [torch.frombuffer(bytearray(p), dtype=torch.uint8).to(device) if isinstance(p, (bytes, bytearray))
+             else buffers[p[0]][p[1]:p[2]] for p in pieces]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
-    ``shard_residual`` and ``owner_residual``: this step's error-feedback
-    state of the node's sum of this rank's shard (updated in place);
-    ``result``: the tensor's sum over all ranks once done; ``error``: what
-    this rank raises instead, once its part of every step is sent.
+
+class NodeAwareMember:
+    """One tensor's part of a flight, between its compress and its result.
+
+    ``padded``: the tensor (plus residual), zero-padded to L shards, until
+    step 1 is sent; ``shard_residual`` and ``owner_residual``: this step's
+    error-feedback state of the node's sum of this rank's shard (updated in
+    place); ``result``: the tensor's sum over all ranks once done;
+    ``flight``: None until its group starts.
     """
-    __slots__ = ("plan", "step", "device", "shard_residual", "owner_residual", "handle", "stage", "node_sum", "own",
-                 "error", "result")
+    __slots__ = ("plan", "step", "padded", "shard_residual", "owner_residual", "flight", "index", "result",
+                 "node_sum", "own")
 
-    def __init__(self, plan, step, device, shard_residual, owner_residual):
-        self.plan, self.step, self.device = plan, step, device
+    def __init__(self, plan, step, padded, shard_residual, owner_residual):
+        self.plan, self.step, self.padded = plan, step, padded
         self.shard_residual, self.owner_residual = shard_residual, owner_residual
-        self.handle, self.stage, self.node_sum, self.own, self.error, self.result = None, _IN_NODE, None, None, None, None
+        self.flight = self.index = self.result = self.node_sum = self.own = None
+
+
+class NodeAwareFlight:
+    """One group's exchange (a single tensor's, unfused): the members, the step in flight and its handle;
+    ``error``: what every member's rank raises instead, once its part of every step is sent."""
+    __slots__ = ("group", "members", "device", "names", "handle", "stage", "error")
+
+    def __init__(self, group, members, names):
+        self.group, self.members, self.names = group, members, names
+        self.device = members[0].padded.device
+        self.handle, self.stage, self.error = None, _IN_NODE, None
+        for index, member in enumerate(members):
+            member.flight, member.index = self, index
 
 
 class NodeAwareExchanges:
-    """The node-aware exchanges of one compressor in flight on this rank."""
+    """The node-aware flights of one compressor in flight on this rank."""
 
     def __init__(self, stats):
         self.stats = stats
         self._flights = []
         self._lock = threading.Lock()  # one thread advances the exchanges at a time (hooks run on several)
 
-    def start(self, plan, padded, step, shard_residual=None, owner_residual=None):
-        """Starts step 1 for ``padded`` (float32, :meth:`NodeAwarePlan.padded_numel`); returns the flight."""
-        flight = NodeAwareFlight(plan, step, padded.device, shard_residual, owner_residual)
-        self._start(flight, padded, plan.in_node_splits())
+    def start(self, members, group_name=None):
+        """Starts step 1 of ``members`` (:class:`NodeAwareMember`), one tensor alone (``group_name`` None: its
+        own collectives' names, the unfused wire) or a fused group named ``group_name``; returns the flight."""
+        plans = [member.plan for member in members]
+        if group_name is None:
+            group, names = NodeAwareGroup(plans, fused=False), plans[0].collective_names
+        else:
+            group, names = NodeAwareGroup(plans), [f"{group_name}.{step}" for step in _STEP_NAMES]
+        flight = NodeAwareFlight(group, members, names)
+        layout = group.layout
+        rows = [member.padded.view(layout.local_size, member.plan.shard) for member in members]
+        if group.fused:
+            rows.insert(0, torch.tensor(group.tag, dtype=torch.float32, device=flight.device)
+                        .expand(layout.local_size, group.tag_width))
+        sent = rows[0].reshape(-1) if len(rows) == 1 else torch.cat(rows, dim=1).reshape(-1)
+        for member in members:
+            member.padded = None
+        self._start(flight, sent, group.in_node_splits())
         with self._lock:
             self._flights.append(flight)
         return flight
@@ -74,8 +113,10 @@ class NodeAwareExchanges:
             finally:
                 self._lock.release()
 
-    def wait(self, flight):
-        """Advances every exchange until ``flight`` is done; returns its result (flat float32) or raises its error."""
+    def wait(self, member):
+        """Advances every exchange until ``member``'s flight is done; returns its result (flat float32) or raises
+        its flight's error."""
+        flight = member.flight
         while flight.stage != _DONE:
             with self._lock:
                 progressed = self._advance_finished()
@@ -83,7 +124,8 @@ class NodeAwareExchanges:
                 time.sleep(_POLL_SECONDS)
         if flight.error is not None:
             raise flight.error
-        return flight.result
+        result, member.result = member.result, None
+        return result
 
     def synchronize(self, handle):
         """``hvd.synchronize(handle)`` of another collective, advancing the exchanges while it runs: a peer
@@ -113,94 +155,144 @@ class NodeAwareExchanges:
 
     def _start(self, flight, sent, splits):
         flight.handle = hvd.alltoall_async(sent, splits=torch.tensor(splits, dtype=torch.int32),
-                                           name=PAYLOAD_PREFIX + flight.plan.collective_names[flight.stage])
+                                           name=PAYLOAD_PREFIX + flight.names[flight.stage])
         self.stats.add(collectives_started=1)
 
     def _advance(self, flight, received, received_splits):
-        plan = flight.plan
+        group = flight.group
         if flight.stage == _IN_NODE:
-            flight.error = plan.check_in_node(received_splits.tolist())
+            flight.error = group.check_in_node(received_splits.tolist())
             if flight.error is None:
-                rows = received.view(plan.layout.local_size, plan.shard)
-                flight.node_sum = rows[0].clone()
-                for row in rows[1:]:  # in local-rank order: the same bits on every node
-                    flight.node_sum += row
+                rows = received.view(group.layout.local_size, group.in_node_width())
+                flight.error = group.check_tags(rows[:, :group.tag_width].tolist())
+            if flight.error is None:
+                for member, offset in zip(flight.members, group.offsets):
+                    begin = group.tag_width + offset
+                    shards = rows[:, begin:begin + member.plan.shard]
+                    member.node_sum = shards[0].clone()
+                    for shard in shards[1:]:  # in local-rank order: the same bits on every node
+                        member.node_sum += shard
             self._start_cross(flight)
-        elif flight.stage == _CROSS and plan.cross.kind == "two_stage":
+        elif flight.stage == _CROSS and group.kind == "two_stage":
             self._start_cross_sums(flight, received)
         elif flight.stage in (_CROSS, _CROSS_SUMS):
             if flight.error is None:
-                flight.node_sum.zero_()
+                for member in flight.members:
+                    member.node_sum.zero_()
                 try:  # raises on another node's refusal notice, or a payload that does not match
-                    plan.cross.decode(as_array(received), as_array(flight.node_sum))
+                    self._decode_cross(flight, received)
                 except Exception as exc:  # raised once this rank's last step is sent: nobody waits for it
-                    flight.error = plan.between_nodes(exc)
+                    flight.error = group.between_nodes(exc)
             self._start_gather(flight)
         else:
             self._finish(flight, received, received_splits)
 
-    def _start_cross(self, flight):
-        """Step 2: the node's sum of this rank's shard, encoded, to this local index's rank on every node."""
-        plan, cross = flight.plan, flight.plan.cross
-        nodes = plan.layout.num_nodes
-        out = torch.zeros(cross.capacity(), dtype=torch.uint8, device=flight.device)
-        if cross.kind == "two_stage":
-            if flight.error is None:
-                flight.own = torch.empty(cross.own_numel(), dtype=torch.float32, device=flight.device)
-                counts = cross.encode(as_array(flight.node_sum), as_array(out), as_array(flight.own), flight.step,
-                                      _array(flight.shard_residual))
-                sent = out[:sum(counts)]
-            else:  # every owner refuses this rank's slice, and tells every rank in the next step
-                notice = _notice(flight.device)
-                counts = [0 if k == plan.layout.node else notice.numel() for k in range(nodes)]
-                sent = notice.repeat(nodes - 1)
+    @staticmethod
+    def _decode_cross(flight, received):
+        group, members = flight.group, flight.members
+        if not group.fused:
+            members[0].plan.cross.decode(as_array(received), as_array(members[0].node_sum))
+        elif group.kind == "two_stage":
+            group.cross.decode_gathered(as_array(received), [as_array(m.node_sum) for m in members])
         else:
-            if flight.error is None:
-                used = cross.encode(as_array(flight.node_sum), as_array(out), flight.step,
-                                    _array(flight.shard_residual))
-                payload = out[:used]
+            group.cross.decode(as_array(received), [as_array(m.node_sum) for m in members])
+
+    def _start_cross(self, flight):
+        """Step 2: the node's sum of each member's shard, encoded, to this local index's rank on every node."""
+        group, members = flight.group, flight.members
+        nodes = group.layout.num_nodes
+        if flight.error is not None:  # every peer gets a refusal notice, and tells every rank in the next step
+            notice = _notice(flight.device)
+            if group.kind == "two_stage":
+                counts = [0 if k == group.layout.node else notice.numel() for k in range(nodes)]
+                sent = notice.repeat(nodes - 1)
             else:
-                payload = _notice(flight.device)
+                counts, sent = [notice.numel()] * nodes, notice.repeat(nodes)
+            flight.stage = _CROSS
+            self._start(flight, sent, group.cross_splits(counts))
+            return
+        outs = [torch.zeros(m.plan.cross.capacity(), dtype=torch.uint8, device=flight.device) for m in members]
+        if group.kind == "two_stage":
+            member_counts = []
+            for member, out in zip(members, outs):
+                member.own = torch.empty(member.plan.cross.own_numel(), dtype=torch.float32, device=flight.device)
+                member_counts.append(member.plan.cross.encode(as_array(member.node_sum), as_array(out),
+                                                              as_array(member.own), member.step,
+                                                              _array(member.shard_residual)))
+            if group.fused:
+                pieces, counts = group.cross.first_stage_pieces(member_counts)
+                sent = _concatenate(pieces, outs, flight.device)
+                manifests = sent.numel() - sum(map(sum, member_counts))
+                self.stats.add(bytes_sent=manifests, bytes_sent_first_stage=manifests)
+            else:
+                counts, sent = member_counts[0], outs[0][:sum(member_counts[0])]
+        else:
+            used = [member.plan.cross.encode(as_array(member.node_sum), as_array(out), member.step,
+                                             _array(member.shard_residual)) for member, out in zip(members, outs)]
+            if group.fused:
+                payload = _concatenate(group.cross.part_pieces(used), outs, flight.device)
+                self.stats.add(bytes_sent=payload.numel() - sum(used))
+            else:
+                payload = outs[0][:used[0]]
             counts, sent = [payload.numel()] * nodes, payload.repeat(nodes)
         flight.stage = _CROSS
-        self._start(flight, sent, plan.cross_splits(counts))
+        self._start(flight, sent, group.cross_splits(counts))
 
     def _start_cross_sums(self, flight, received):
         """Step 2's second stage: the owner's sum of the slices it received, re-encoded, to every node."""
-        plan, cross = flight.plan, flight.plan.cross
+        group, members = flight.group, flight.members
+        payload = None
         if flight.error is None:
-            owned = torch.zeros(cross.owned_capacity(), dtype=torch.uint8, device=flight.device)
-            used, error = cross.sum_and_encode(as_array(received), as_array(flight.own), as_array(owned),
-                                                      flight.step, _array(flight.owner_residual))
-            payload = owned[:used]  # a refusal notice where a slice did not match: every peer raises on it
-            flight.error = None if error is None else plan.between_nodes(error)
-        else:
+            outs = [torch.zeros(m.plan.cross.owned_capacity(), dtype=torch.uint8, device=flight.device)
+                    for m in members]
+            if group.fused:
+                used, error = group.cross.sum_and_encode(
+                    as_array(received), [as_array(m.own) for m in members], [as_array(o) for o in outs],
+                    [m.step for m in members], [_array(m.owner_residual) for m in members])
+                if error is None:
+                    payload = _concatenate(group.cross.second_stage_pieces(used), outs, flight.device)
+                    self.stats.add(bytes_sent=payload.numel(), bytes_sent_second_stage=payload.numel())
+            else:  # counts its own bytes; a refusal notice where a slice did not match: every peer raises on it
+                member = members[0]
+                used, error = member.plan.cross.sum_and_encode(as_array(received), as_array(member.own),
+                                                               as_array(outs[0]), member.step,
+                                                               _array(member.owner_residual))
+                payload = outs[0][:used]
+            flight.error = None if error is None else group.between_nodes(error)
+        if payload is None or (group.fused and flight.error is not None):
             payload = _notice(flight.device)
-        nodes = plan.layout.num_nodes
+        for member in members:
+            member.own = None
+        nodes = group.layout.num_nodes
         flight.stage = _CROSS_SUMS
-        self._start(flight, payload.repeat(nodes), plan.cross_splits([payload.numel()] * nodes))
+        self._start(flight, payload.repeat(nodes), group.cross_splits([payload.numel()] * nodes))
 
     def _start_gather(self, flight):
-        """Step 4: the decoded shard and its failure flag to every rank of the node."""
-        plan = flight.plan
-        shard = flight.node_sum if flight.error is None else torch.zeros(plan.shard, device=flight.device)
+        """Step 4: the decoded shards and the group's failure flag to every rank of the node."""
+        group = flight.group
+        if flight.error is None:
+            shards = [member.node_sum for member in flight.members]
+        else:
+            shards = [torch.zeros(group.row, device=flight.device)]
         flag = torch.full((1,), 0.0 if flight.error is None else 1.0, device=flight.device)
-        flight.node_sum, flight.own = None, None
+        for member in flight.members:
+            member.node_sum = None
         flight.stage = _GATHER
-        self._start(flight, torch.cat([shard, flag]).repeat(plan.layout.local_size), plan.gather_splits())
+        self._start(flight, torch.cat([*shards, flag]).repeat(group.layout.local_size), group.gather_splits())
 
-    def _finish(self, flight, received, received_splits):
-        plan = flight.plan
-        mismatch = plan.check_in_node(received_splits.tolist(), gathered=True)
+    @staticmethod
+    def _finish(flight, received, received_splits):
+        group = flight.group
+        mismatch = group.check_in_node(received_splits.tolist(), gathered=True)
         if mismatch is not None:
             flight.error, flight.stage = flight.error or mismatch, _DONE
             return
-        rows = received.view(plan.layout.local_size, plan.shard + 1)
-        failed = plan.failed_ranks(rows[:, plan.shard].tolist())
+        rows = received.view(group.layout.local_size, group.gather_width())
+        failed = group.failed_ranks(rows[:, group.row].tolist())
         if flight.error is None and failed:
-            flight.error = RuntimeError(
-                f"horovod_qsgd: tensor {plan.name!r} failed between nodes on rank(s) {failed} of this node (their "
-                "error says why); its result is not used here either.")
+            flight.error = group.failed_between_nodes(failed)
         if flight.error is None:
-            flight.result = rows[:, :plan.shard].reshape(-1)[:plan.numel]
+            for member, offset in zip(flight.members, group.offsets):
+                shard = member.plan.shard
+                member.result = rows[:, offset:offset + shard].reshape(-1)[:member.plan.numel]
         flight.stage = _DONE

@@ -64,3 +64,30 @@ def test_an_owner_residual_of_a_node_layout_lands_at_its_chunk_of_its_shard():
     assert node_owner_chunk(numel, unit, [3, 4, 3, 0], 512) is None  # no such node
     assert node_owner_chunk(numel, unit, [3, 4, 2, 3], 1024) == (9216, 10_000)  # its tail is padding
     assert np.diff(node_owner_chunk(9000, unit, [3, 4, 2, 3], 1024)) == 0  # wholly in the padding: nothing lands
+
+
+def test_a_fused_node_aware_group_lays_out_its_rows_and_refuses_other_groups():
+    from horovod_qsgd.codecs import QSGDCodec
+    from horovod_qsgd.common.engine import PayloadEngine
+    from horovod_qsgd.common.node_aware import NodeAwareGroup
+    from horovod_qsgd.common.stats import CompressionStats
+    layout = NodeLayout(2, 2, 1, 0)  # rank 2 of 2 nodes x 2
+    engine = PayloadEngine(QSGDCodec(bits=4), QSGDCodec(bits=4), "node_aware", CompressionStats())
+    plans = [engine.plan_node_aware(name, numel, layout, 4 * numel) for name, numel in (("a", 5000), ("b", 700))]
+    group = NodeAwareGroup(plans)
+    assert group.shards == [2560, 512] and group.offsets == [0, 2560]
+    assert group.in_node_width() == 2 + 3072 and group.gather_width() == 3073
+    assert group.in_node_splits() == [0, 0, 3074, 3074]
+    assert engine.stats.snapshot()["bytes_sent_in_node"] == 4 * 3074
+    assert group.check_in_node([0, 0, 3074, 3074]) is None
+    assert "rank(s) [3] of this node sent [3073] elements where this rank's fused row has 3074" in str(
+        group.check_in_node([0, 0, 3074, 3073]))
+    assert group.check_tags([group.tag, group.tag]) is None
+    other = NodeAwareGroup([engine.plan_node_aware(name, numel, layout, 4 * numel)  # same shards, other sizes
+                            for name, numel in (("a", 5100), ("b", 600))])
+    assert other.shards == group.shards and other.tag != group.tag
+    assert "tensors a, b: rank(s) [3] of this node fused other tensors" in str(group.check_tags([group.tag,
+                                                                                                other.tag]))
+    alone = NodeAwareGroup(plans[:1], fused=False)  # the wire of one NodeAwarePlan
+    assert alone.in_node_width() == 2560 and alone.check_tags([[], []]) is None
+    assert "tensor 'a': rank(s) [3] of this node sent [2561]" in str(alone.check_in_node([0, 0, 2560, 2561]))
