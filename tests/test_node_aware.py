@@ -64,10 +64,10 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
         assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)  # in the node, between (1 or 2), back
     assert qsgd.compression_stats()["bytes_sent"] == twin.compression_stats()["bytes_sent"]
 
-    # fused (PyTorch's default): one collective per step for the three, the same bits, over two rounds (the
-    # second starts the group its first learned as soon as its last member is compressed)
+    # fused (PyTorch's default): one collective per step for the three, the same bits, over three rounds (the
+    # later ones start the group the first learned as soon as its last member is compressed)
     fused = torch_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
-    for step in range(2):
+    for step in range(3):
         grads = [gradient(r, numel, step) for r in range(ranks)]
         from_torch = hvd_torch.grouped_allreduce([torch.from_numpy(grads[rank] * (i + 1)) for i in range(3)],
                                                  name="w", op=hvd_torch.Sum, compression=fused)
@@ -76,11 +76,11 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
                                         step, 512, per_node)
             assert np.array_equal(from_torch[i].numpy(), want), (step, i)
     stats, alone = fused.compression_stats(), twin.compression_stats()
-    assert stats["collectives_started"] == 2 * (3 if nodes == 2 else 4)
+    assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)
     tag, flag = 2, 1  # the group's digest in step 1, its failure flag in step 4
-    assert stats["bytes_sent_in_node"] == 2 * 4 * (2 * 3 * shard + tag + flag) * (per_node - 1)
+    assert stats["bytes_sent_in_node"] == 3 * 4 * (2 * 3 * shard + tag + flag) * (per_node - 1)
     manifests = 16 * nodes if nodes > 2 else 16  # one per owner and stage between 3 nodes; one part between 2
-    assert stats["bytes_sent"] == 2 * (alone["bytes_sent"] + manifests)  # QSGD's payload sizes are fixed
+    assert stats["bytes_sent"] == 3 * (alone["bytes_sent"] + manifests)  # QSGD's payload sizes are fixed
 
     codec = TopKCodec(ratio=0.01)
     residuals = [np.zeros(numel, np.float32) for _ in range(ranks)]
@@ -120,6 +120,27 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
             assert np.array_equal(np.asarray(kept["owner_residual"]), owners[rank])
     gathered = hvd.allgather(tf.constant(from_tf.reshape(1, -1)), name="check").numpy()
     assert all(np.array_equal(gathered[0], gathered[r]) for r in range(ranks))
+
+    # PyTorch's optimizer (hooks in any order on each rank), three steps: fused and unfused train bitwise alike
+    def train(compressor):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 128, bias=False))
+        opt = hvd_torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(), compression=compressor)
+        for step in range(3):
+            data = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * rank + step))
+            opt.zero_grad()
+            model(data).square().mean().backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), compressor.compression_stats()
+
+    fused_params, fused_stats = train(torch_adapter.TopK(ratio=0.01, exchange="node_aware"))
+    params, unfused_stats = train(torch_adapter.TopK(ratio=0.01, exchange="node_aware", fusion_threshold=0))
+    assert torch.equal(fused_params, params)
+    # both weights in one group a step; shards this small take the nodes' allgather also between 3 nodes
+    assert fused_stats["collectives_started"] == 3 * 3
+    assert unfused_stats["collectives_started"] == 2 * fused_stats["collectives_started"]
 
     # "auto" keeps CPU tensors node-blind (measured slower node-aware here), in both frameworks
     auto, torch_auto = tf_adapter.QSGD(bits=4, min_numel=0), torch_adapter.QSGD(bits=4, min_numel=0)

@@ -651,8 +651,10 @@ class PayloadCompressor(_CompressorBase):
         return state.owner_residual.clone()
 
     def _start_node_aware_groups(self):
-        """Starts the node-aware groups still waiting for a member (or never learned), at the round's first
-        decompress: as :meth:`_start_second_stages` does for the two stages, before waiting for anything."""
+        """Ends the round of node-aware tensors: starts the groups still waiting for a member (or never
+        learned), at the round's first decompress, as :meth:`_start_second_stages` does for the two stages,
+        before waiting for anything. Every node-aware decompress calls it: once a round's groups all started
+        as their last members were compressed, nothing else would end it."""
         with self._lock:
             remaining = self._node_fuser.end_round()
         for name, members in remaining:
@@ -660,8 +662,7 @@ class PayloadCompressor(_CompressorBase):
 
     def _receive(self, ctx):
         if isinstance(ctx.handle, NodeAwareMember):
-            if ctx.handle.flight is None:
-                self._start_node_aware_groups()
+            self._start_node_aware_groups()  # ends the round at its first decompress (later ones find it ended)
             self._start_second_stages()  # a round's first decompress starts them, whatever its exchange
             return self._node_exchanges.wait(ctx.handle)
         if isinstance(ctx, _TwoStageInFlight):
