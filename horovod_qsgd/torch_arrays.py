@@ -43,3 +43,20 @@ def kernel_stream(device):
     with cuda.gpus[index]:
         with launch_stream(stream, allocate):
             yield
+
+
+def concatenate_pieces(pieces, buffers):
+    """One uint8 tensor of a fused buffer's pieces (:mod:`horovod_qsgd.common.fusion`): host bytes (copied to
+    the device in one copy) and (member, start, end) ranges of ``buffers``."""
+    device = buffers[0].device
+    host = b"".join(piece for piece in pieces if isinstance(piece, bytes))
+    staged = torch.frombuffer(bytearray(host), dtype=torch.uint8).to(device) if host else None
+    parts, offset = [], 0
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            parts.append(staged[offset:offset + len(piece)])
+            offset += len(piece)
+        else:
+            member, start, end = piece
+            parts.append(buffers[member][start:end])
+    return torch.cat(parts)

@@ -143,6 +143,11 @@ class _Manifest:
         return []
 
 
+def group_label(names):
+    """How errors name a fused group's tensors: all of them, or the first three and a count."""
+    return ", ".join(names) if len(names) <= 3 else f"{', '.join(names[:3])} and {len(names) - 3} more fused with them"
+
+
 class _FusedPayloads:
     """What every fused group's wire shares: a manifest in front of each sender's part, each member's payload
     after it, checked and decoded per sender."""
@@ -150,8 +155,7 @@ class _FusedPayloads:
     def __init__(self, plans):
         self.names = [plan.name for plan in plans]
         self._manifest = _Manifest(self.names)
-        self.label = ", ".join(self.names) if len(self.names) <= 3 else \
-            f"{', '.join(self.names[:3])} and {len(self.names) - 3} more fused with them"
+        self.label = group_label(self.names)
 
     def part_pieces(self, used):
         """The pieces of one sender's part from each member's bytes used (member m's buffer, bytes 0 to used[m])."""

@@ -43,7 +43,7 @@ import warnings
 import zlib
 
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.fusion import FusedAllgather, FusedTwoStage
+from horovod_qsgd.common.fusion import FusedAllgather, FusedTwoStage, group_label
 from horovod_qsgd.common.two_stage import KeepsOwnerResidual, chunk_bounds, chunk_unit
 
 NODE_AWARE = "node_aware"
@@ -243,9 +243,7 @@ class NodeAwareGroup:
         self.tag_width = self.TAG_WIDTH if fused else 0
         digest = zlib.crc32("\0".join(f"{plan.name}:{plan.numel}" for plan in self.plans).encode("utf-8"))
         self.tag = [float(digest >> 16), float(digest & 0xFFFF)]
-        self.label = f"tensor {self.names[0]!r}" if len(self.names) == 1 else "tensors " + (
-            ", ".join(self.names) if len(self.names) <= 3 else
-            f"{', '.join(self.names[:3])} and {len(self.names) - 3} more fused with them")
+        self.label = f"tensor {self.names[0]!r}" if len(self.names) == 1 else f"tensors {group_label(self.names)}"
         self.cross = None
         if fused:
             crosses = [plan.cross for plan in self.plans]
@@ -271,8 +269,10 @@ class NodeAwareGroup:
     def check_tags(self, tags):
         """None, or the CompressionMismatchError of step 1 where a rank of the node fused other tensors
         (``tags``: the first :attr:`tag_width` floats of each rank's row, in local-rank order)."""
+        if not self.fused:
+            return None
         wrong = [r for r, tag in zip(self.layout.local_ranks(), tags) if list(tag) != self.tag]
-        if not self.fused or not wrong:
+        if not wrong:
             return None
         return CompressionMismatchError(
             f"horovod_qsgd: {self.label}: rank(s) {wrong} of this node fused other tensors with them (their "

@@ -53,7 +53,7 @@ from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, moved_owner_chunk, qsgd_codecs
 from horovod_qsgd.kernels import all_finite
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
@@ -419,23 +419,6 @@ class _Group:
         self.handle, self.second_handle, self.results = handle, None, None
 
 
-def _concatenate(pieces, buffers):
-    """One uint8 tensor of a fused buffer's pieces: host bytes (copied to the device in one copy) and
-    (member, start, end) ranges of ``buffers``."""
-    device = buffers[0].device
-    host = b"".join(piece for piece in pieces if isinstance(piece, bytes))
-    staged = torch.frombuffer(bytearray(host), dtype=torch.uint8).to(device) if host else None
-    parts, offset = [], 0
-    for piece in pieces:
-        if isinstance(piece, bytes):
-            parts.append(staged[offset:offset + len(piece)])
-            offset += len(piece)
-        else:
-            member, start, end = piece
-            parts.append(buffers[member][start:end])
-    return torch.cat(parts)
-
-
 class PayloadCompressor(_CompressorBase):
     """Sends each gradient as compressed payloads; base of :class:`QSGD` and :class:`TopK`.
 
@@ -578,7 +561,7 @@ class PayloadCompressor(_CompressorBase):
         """Starts the alltoall of a fused group's slices to their owners."""
         fused = FusedTwoStage([member.stage for member in members])
         pieces, splits = fused.first_stage_pieces([member.splits for member in members])
-        sent = _concatenate(pieces, [member.sent for member in members])
+        sent = concatenate_pieces(pieces, [member.sent for member in members])
         manifests = sent.numel() - sum(sum(member.splits) for member in members)
         process_set = members[0].process_set
         handle = hvd.alltoall_async(sent, splits=torch.tensor(splits, dtype=torch.int32), name=PAYLOAD_PREFIX + name,
@@ -629,7 +612,7 @@ class PayloadCompressor(_CompressorBase):
                 outs, pieces = [torch.empty(0, dtype=torch.uint8, device=group.device)], [refusal_notice()]
             else:
                 pieces = group.fused.second_stage_pieces(used)
-            sent = _concatenate(pieces, outs)
+            sent = concatenate_pieces(pieces, outs)
             group.second_handle = hvd.allgather_async(sent, name=SECOND_STAGE_PREFIX + group.name,
                                                       process_set=group.process_set)
             self._stats.add(bytes_sent_second_stage=sent.numel(), bytes_sent=sent.numel(), collectives_started=1)

@@ -22,7 +22,7 @@ import torch
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
 from horovod_qsgd.common.node_aware import NodeAwareGroup
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
 
 _IN_NODE, _CROSS, _CROSS_SUMS, _GATHER, _DONE = range(5)
 _STEP_NAMES = ("in_node", "cross", "cross_sums", "gather")
@@ -37,13 +37,6 @@ def _notice(device):
     return torch.frombuffer(bytearray(refusal_notice()), dtype=torch.uint8).to(device)
 
 
-def _concatenate(pieces, buffers, device):
-    """One uint8 tensor of ``pieces``: bytes, or (member, start, end) ranges of ``buffers[member]``."""
-    parts = [torch.frombuffer(bytearray(p), dtype=torch.uint8).to(device) if isinstance(p, (bytes, bytearray))
-             else buffers[p[0]][p[1]:p[2]] for p in pieces]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-
-
 class NodeAwareMember:
     """One tensor's part of a flight, between its compress and its result.
 
@@ -53,13 +46,12 @@ class NodeAwareMember:
     place); ``result``: the tensor's sum over all ranks once done;
     ``flight``: None until its group starts.
     """
-    __slots__ = ("plan", "step", "padded", "shard_residual", "owner_residual", "flight", "index", "result",
-                 "node_sum", "own")
+    __slots__ = ("plan", "step", "padded", "shard_residual", "owner_residual", "flight", "result", "node_sum", "own")
 
     def __init__(self, plan, step, padded, shard_residual, owner_residual):
         self.plan, self.step, self.padded = plan, step, padded
         self.shard_residual, self.owner_residual = shard_residual, owner_residual
-        self.flight = self.index = self.result = self.node_sum = self.own = None
+        self.flight = self.result = self.node_sum = self.own = None
 
 
 class NodeAwareFlight:
@@ -71,8 +63,8 @@ class NodeAwareFlight:
         self.group, self.members, self.names = group, members, names
         self.device = members[0].padded.device
         self.handle, self.stage, self.error = None, _IN_NODE, None
-        for index, member in enumerate(members):
-            member.flight, member.index = self, index
+        for member in members:
+            member.flight = self
 
 
 class NodeAwareExchanges:
@@ -162,8 +154,8 @@ class NodeAwareExchanges:
         group = flight.group
         if flight.stage == _IN_NODE:
             flight.error = group.check_in_node(received_splits.tolist())
-            if flight.error is None:
-                rows = received.view(group.layout.local_size, group.in_node_width())
+            rows = None if flight.error is not None else received.view(group.layout.local_size, -1)
+            if rows is not None and group.fused:  # the tags: one small read from the device
                 flight.error = group.check_tags(rows[:, :group.tag_width].tolist())
             if flight.error is None:
                 for member, offset in zip(flight.members, group.offsets):
@@ -221,7 +213,7 @@ class NodeAwareExchanges:
                                                               _array(member.shard_residual)))
             if group.fused:
                 pieces, counts = group.cross.first_stage_pieces(member_counts)
-                sent = _concatenate(pieces, outs, flight.device)
+                sent = concatenate_pieces(pieces, outs)
                 manifests = sent.numel() - sum(map(sum, member_counts))
                 self.stats.add(bytes_sent=manifests, bytes_sent_first_stage=manifests)
             else:
@@ -230,7 +222,7 @@ class NodeAwareExchanges:
             used = [member.plan.cross.encode(as_array(member.node_sum), as_array(out), member.step,
                                              _array(member.shard_residual)) for member, out in zip(members, outs)]
             if group.fused:
-                payload = _concatenate(group.cross.part_pieces(used), outs, flight.device)
+                payload = concatenate_pieces(group.cross.part_pieces(used), outs)
                 self.stats.add(bytes_sent=payload.numel() - sum(used))
             else:
                 payload = outs[0][:used[0]]
@@ -250,7 +242,7 @@ class NodeAwareExchanges:
                     as_array(received), [as_array(m.own) for m in members], [as_array(o) for o in outs],
                     [m.step for m in members], [_array(m.owner_residual) for m in members])
                 if error is None:
-                    payload = _concatenate(group.cross.second_stage_pieces(used), outs, flight.device)
+                    payload = concatenate_pieces(group.cross.second_stage_pieces(used), outs)
                     self.stats.add(bytes_sent=payload.numel(), bytes_sent_second_stage=payload.numel())
             else:  # counts its own bytes; a refusal notice where a slice did not match: every peer raises on it
                 member = members[0]
