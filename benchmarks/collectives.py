@@ -1,13 +1,17 @@
 """Collectives per training step, fused and unfused, counted twice: by the compressor and by Horovod's timeline.
 
     python benchmarks/collectives.py --ranks 4,8 --out benchmarks/results/fusion
+    python benchmarks/collectives.py --ranks 4,8 --framework tensorflow --out benchmarks/results/fusion
 
 For each model (the 25M-parameter MLP of the synthetic benchmark, the byte-level
 language model of ``benchmarks/lm_convergence.py``), compressor (QSGD 4-bit,
 Top-k 1%, default ``exchange="auto"``) and fusion setting (the default, and
 ``fusion_threshold=0``: every two-stage tensor its own alltoall and allgather),
 one ``horovodrun`` job on N ranks trains 4 steps of PyTorch's
-``hvd.DistributedOptimizer`` with ``HOROVOD_TIMELINE`` set. Which collectives a
+``hvd.DistributedOptimizer`` (or, with ``--framework tensorflow``, of
+TensorFlow's ``hvd.DistributedGradientTape(..., groups=1)`` in a
+``tf.function``: TensorFlow fuses a grouped call's tensors) with
+``HOROVOD_TIMELINE`` set. Which collectives a
 step starts depends only on the parameters' names and shapes, so the gradient is
 that of a linear loss on random coefficients, not of the model's forward pass.
 
@@ -59,11 +63,44 @@ def worker(args):
         loss.backward()
         opt.step()
         per_step.append(compressor.compression_stats(reset=True))
-    if hvd.rank() == 0:
+    _write_worker_result(args, hvd.rank(), per_step)
+    hvd.shutdown()
+
+
+def _write_worker_result(args, rank, per_step):
+    """Rank 0's counts of each step, for the launching process."""
+    if rank == 0:
         with open(args.worker_out, "w") as f:
             json.dump({"collectives_started": [s["collectives_started"] for s in per_step],
                        "exchanges": per_step[-1]["exchanges"],
                        "tensors_compressed": per_step[-1]["tensors_compressed"]}, f)
+
+
+def tensorflow_worker(args):
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    import horovod_qsgd.tensorflow as adapter
+    from benchmarks.compressors import build
+    hvd.init()
+    compressor = build(args.compressor, adapter, **({} if args.fused else {"fusion_threshold": 0}))
+    shapes = parameter_shapes(args.model)
+    variables = [tf.Variable(tf.zeros(shape), name=name) for name, shape in shapes.items()]
+
+    @tf.function
+    def step(coefficients):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, coefficients)])
+        tape = hvd.DistributedGradientTape(tape, compression=compressor, groups=1)
+        return tape.gradient(loss, variables)
+
+    rng = np.random.default_rng(hvd.rank())
+    per_step = []
+    for _ in range(STEPS):
+        step([tf.constant(rng.standard_normal(shape, dtype=np.float32)) for shape in shapes.values()])
+        per_step.append(compressor.compression_stats(reset=True))
+    _write_worker_result(args, hvd.rank(), per_step)
     hvd.shutdown()
 
 
@@ -85,14 +122,15 @@ def timeline_counts(path):
     return counts
 
 
-def run_job(ranks, model, compressor, fused, timeout):
+def run_job(ranks, model, compressor, fused, timeout, framework="torch"):
     with tempfile.TemporaryDirectory(prefix="hq-collectives-") as tmp:
         out, timeline = os.path.join(tmp, "result.json"), os.path.join(tmp, "timeline.json")
         env = dict(os.environ, HOROVOD_TIMELINE=timeline, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+                   TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
                    PYTHONPATH=os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH")] if p))
         cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
                sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--compressor", compressor,
-               "--worker-out", out] + ([] if fused else ["--unfused"])
+               "--worker-out", out, "--framework", framework] + ([] if fused else ["--unfused"])
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -107,6 +145,7 @@ def main():
     parser.add_argument("--ranks", default="4,8")
     parser.add_argument("--out", default=None, help="directory for collectives.json (printed either way)")
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
@@ -114,7 +153,7 @@ def main():
     parser.add_argument("--unfused", dest="fused", action="store_false", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        (worker if args.framework == "torch" else tensorflow_worker)(args)
         return
     rows = []
     header = (f"{'model':<7} {'ranks':>5} {'compressor':<10} {'fusion':<8} {'compressed':>10} {'two-stage':>9} "
@@ -124,10 +163,10 @@ def main():
         for ranks in [int(n) for n in args.ranks.split(",")]:
             for compressor in COMPRESSORS:
                 for fused in (False, True):
-                    r = run_job(ranks, model, compressor, fused, args.timeout)
+                    r = run_job(ranks, model, compressor, fused, args.timeout, args.framework)
                     timeline = sum(r["timeline"].values()) / STEPS
                     two_stage = sum(1 for e in r["exchanges"].values() if e == "two_stage")
-                    row = dict(model=model, ranks=ranks, compressor=compressor, fused=fused, steps=STEPS,
+                    row = dict(framework=args.framework, model=model, ranks=ranks, compressor=compressor, fused=fused, steps=STEPS,
                                tensors_compressed=r["tensors_compressed"], tensors_two_stage=two_stage,
                                collectives_per_step=r["collectives_started"], timeline_per_step=timeline,
                                timeline_operations=r["timeline"])
@@ -137,7 +176,8 @@ def main():
                           f"{'/'.join(map(str, r['collectives_started'])):>17} {timeline:>20.1f}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "collectives.json"), "w") as f:
+        name = "collectives.json" if args.framework == "torch" else f"collectives-{args.framework}.json"
+        with open(os.path.join(args.out, name), "w") as f:
             json.dump(rows, f, indent=1)
 
 

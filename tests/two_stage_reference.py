@@ -116,3 +116,21 @@ def node_aware_reference(first, second, name, grads, step, unit, per_node, resid
                 begin, end = min(numel, j * shard), min(numel, (j + 1) * shard)
                 residuals[r][begin:end] = shard_residuals[k][:end - begin]
     return result[:numel]
+
+
+def averaged_training(kind, sizes, num_ranks, steps):
+    """What every rank must get at each step of a training whose tensor i ("layer{i}.weight", ``sizes[i]``
+    elements) has gradient ``gradient(rank, sizes[i], 10 * step + i)``, averaged: QSGD 4-bit or Top-k 2% with
+    its residuals, two stages."""
+    from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+    codec, unit = (QSGDCodec(bits=4), 512) if kind == "qsgd" else (TopKCodec(ratio=0.02), 1)
+    wanted = [[] for _ in range(steps)]
+    for i, numel in enumerate(sizes):
+        residuals = [np.zeros(numel, np.float32) for _ in range(num_ranks)] if kind == "topk" else None
+        owner_residuals = None if kind == "qsgd" else [np.zeros(e - b, np.float32) for b, e in
+                                                         bounds(numel, num_ranks, unit)]
+        for step in range(steps):
+            grads = [gradient(r, numel, 10 * step + i) for r in range(num_ranks)]
+            total = reference(codec, codec, f"layer{i}.weight", grads, step, unit, residuals, owner_residuals)
+            wanted[step].append(total * np.float32(1.0 / num_ranks))
+    return wanted

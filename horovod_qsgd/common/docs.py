@@ -7,19 +7,20 @@ and where the state lives differ, filled in by each adapter.
 from string import Template
 
 
-def qsgd(name, state="", fusion=False, node_aware=None):
+def qsgd(name, state="", fusion=None, node_aware=None):
     """QSGD's docstring; ``name``: what names a gradient ("tensor", "variable"); ``state``: a closing paragraph;
-    ``fusion``: whether the adapter fuses two-stage tensors (takes ``fusion_threshold``); ``node_aware``: where
+    ``fusion``: which two-stage tensors the adapter fuses (takes ``fusion_threshold``): ``"step"``, a step's,
+    ``"grouped"``, a grouped call's, None: none; ``node_aware``: where
     ``"auto"`` takes ``exchange="node_aware"`` (``"gpu"``: for GPU gradients, ``"asked"``: never by itself), None
     where the adapter does not have it."""
-    return _QSGD.substitute(name=name, state=state, fusion=_FUSION_ARG if fusion else "",
+    return _QSGD.substitute(name=name, state=state, fusion=_FUSION_ARGS.get(fusion, ""),
                             exchange=_exchange_arg(node_aware))
 
 
-def topk(state, fusion=False, node_aware=None):
+def topk(state, fusion=None, node_aware=None):
     """Top-k's docstring; ``state``: how its per-rank state is checkpointed (ends a sentence); ``fusion`` and
     ``node_aware``: as :func:`qsgd`."""
-    return _TOPK.substitute(state=state, fusion=_FUSION_ARG if fusion else "", exchange=_exchange_arg(node_aware))
+    return _TOPK.substitute(state=state, fusion=_FUSION_ARGS.get(fusion, ""), exchange=_exchange_arg(node_aware))
 
 
 def _exchange_arg(node_aware):
@@ -49,7 +50,7 @@ _NODE_AWARE_AUTO = {
 }
 
 
-_FUSION_ARG = """
+_FUSION_ARGS = {"step": """
         fusion_threshold: the two-stage tensors of a step share one alltoall
             and one allgather per group of at most this many bytes of
             first-stage payload (default 64 MiB, as Horovod's own fusion
@@ -60,7 +61,17 @@ _FUSION_ARG = """
             smaller groups overlap more of the backward pass, and each costs
             a collective's latency (N-1 messages): measured on 2 cores, 8 ranks
             7-14% faster fused, 4 ranks with three large tensors 13% slower
-            with QSGD (``benchmarks/results/fusion``)."""
+            with QSGD (``benchmarks/results/fusion``).""", "grouped": """
+        fusion_threshold: the two-stage tensors of one grouped call share
+            one alltoall and one allgather: ``hvd.grouped_allreduce``, and
+            the ``groups=`` (``num_groups=``) of ``DistributedGradientTape``
+            and both ``DistributedOptimizer``\ s, which compress a group's
+            tensors before the first result. Without them Horovod builds
+            every gradient's exchange alone, and so does this compressor.
+            The groups are the caller's, alike on every rank: the threshold
+            does not split them (default 64 MiB); 0 gives every tensor its
+            own collectives. Each group costs a collective's latency (N-1
+            messages) and its alltoall waits for its last tensor."""}
 
 
 def randomk(name, state=""):

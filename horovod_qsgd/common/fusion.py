@@ -30,6 +30,8 @@ slices into the group's buffer.
 import itertools
 import zlib
 
+import numpy as np
+
 from horovod_qsgd.codecs import HEADER_NBYTES, WIRE_VERSION, pack_header
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import GROUP_CODEC_ID, check_payloads, decode_checked
@@ -119,6 +121,13 @@ class Fuser:
     def _name(self, keys):
         self._groups_named += 1
         return f"{self.namespace}{keys[0][0]}.group{self._groups_named}"
+
+
+def join_host_pieces(pieces, buffers):
+    """One host uint8 array of a fused buffer's pieces: bytes (manifests) and (member, start, end) ranges of
+    the numpy ``buffers`` (:meth:`FusedTwoStage.first_stage_pieces`, :meth:`FusedTwoStage.second_stage_pieces`)."""
+    return np.concatenate([np.frombuffer(piece, np.uint8) if isinstance(piece, bytes)
+                           else buffers[piece[0]][piece[1]:piece[2]] for piece in pieces])
 
 
 class _Manifest:

@@ -45,27 +45,31 @@ feedback, an fp32 residual), so a compressor works eagerly and inside
 and non-float tensors go through Horovod's allreduce unchanged; Horovod
 allgathers ``tf.IndexedSlices`` itself without calling the compressor.
 """
+import itertools
 import time
 import warnings
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import RandomKCodec, TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.engine import PayloadEngine
-from horovod_qsgd.common.errors import RankInJoinError
-from horovod_qsgd.common.exchange import reduction_scale
+from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_threshold
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, moved_owner_chunk, qsgd_codecs
 from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
-                                                     ExchangeContext, adapter_method, op_name)
+                                                     ExchangeContext, adapter_method, decode_scaled, op_name)
 from horovod_qsgd.tensorflow import hvd_join
+from horovod_qsgd.tensorflow.fusion import FusedRound, group_name
 from horovod_qsgd.tensorflow.host_ops import payload_encoder, values_gatherer
 from horovod_qsgd.tensorflow.node_aware import NodeAwareOps
+
+_payload_compressors_built = itertools.count()
 
 
 class PayloadCompressor(CompressorBase):
@@ -75,11 +79,16 @@ class PayloadCompressor(CompressorBase):
     two-stage exchange (:mod:`horovod_qsgd.common.two_stage`).
     """
 
-    def __init__(self, codec, min_numel, exchange="allgather", second_codec=None):
+    def __init__(self, codec, min_numel, exchange="allgather", second_codec=None,
+                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
         # set first: the base class records settings(), which include them
         self.exchange = exchange
         self.second_codec = second_codec
+        self.fusion_threshold = check_fusion_threshold(fusion_threshold)
         super().__init__(codec, min_numel)
+        # Two compressors in one process must not fuse under the same collective names; scripts build their
+        # compressors in the same order on every rank.
+        self._fusion_namespace = f"tf_compressor{next(_payload_compressors_built)}."
         self._engine = PayloadEngine(codec, second_codec, exchange, self._runtime.stats)
         if exchange == NODE_AWARE and self._in_elastic_job:
             warnings.warn("horovod_qsgd: exchange='node_aware' is node-blind (as 'auto') in a Horovod Elastic job: "
@@ -98,7 +107,7 @@ class PayloadCompressor(CompressorBase):
             self._runtime.nodes = job_nodes(records, hvd.rank(), asked=True)
 
     def settings(self):
-        return dict(super().settings(), exchange=self.exchange)
+        return dict(super().settings(), exchange=self.exchange, fusion_threshold=self.fusion_threshold)
 
     @adapter_method
     def compress(self, tensor):
@@ -144,12 +153,17 @@ class PayloadCompressor(CompressorBase):
             if residual_var is not None:
                 outputs[3].set_shape(step.flat.shape)
                 pending.append((residual_var, outputs[3]))
-            received, _ = hvd.alltoall(slices, splits=splits, name=payload_name, ignore_name_scope=True,
-                                       process_set=process_set)
-            hvd_join.note_payload_collective("alltoall", payload_name, process_set)
-            return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=received,
-                                                step=step.value, step_variable=step.variable, plan=plan, own=own,
-                                                process_set=process_set, pending=pending)
+            ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, step=step.value,
+                                  step_variable=step.variable, plan=plan, own=own, process_set=process_set,
+                                  pending=pending)
+            ctx.slices, ctx.splits = slices, splits
+            if self.fusion_threshold == 0:
+                self._start_alone(ctx)
+            else:  # the alltoall waits for the round's end: the first decompress (see tensorflow/fusion.py)
+                ctx.graph = ops.get_default_graph()
+                with self._runtime.lock:
+                    self._runtime.fusion_round.append(ctx)
+            return placeholder, ctx
 
         def on_encoded(seconds):
             stats.add(encode_seconds=seconds, collectives_started=1)
@@ -164,6 +178,35 @@ class PayloadCompressor(CompressorBase):
         hvd_join.note_payload_collective("allgather", payload_name, process_set)
         return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
                                             step=step.value, step_variable=step.variable, plan=plan, pending=pending)
+
+    @staticmethod
+    def _start_alone(ctx):
+        """The alltoall of one two-stage tensor's slices, under the tensor's own name."""
+        payload_name = op_name(ctx.plan.payload_name)
+        ctx.gathered, _ = hvd.alltoall(ctx.slices, splits=ctx.splits, name=payload_name, ignore_name_scope=True,
+                                       process_set=ctx.process_set)
+        ctx.slices = ctx.splits = None
+        hvd_join.note_payload_collective("alltoall", payload_name, ctx.process_set)
+
+    def _end_round(self, ctx, placeholder):
+        """At a round's first decompress: its two-stage tensors of ctx's graph and process set start, fused
+        where there are several (a grouped call), else alone under their own names."""
+        with self._runtime.lock:
+            members = [m for m in self._runtime.fusion_round if m.graph is ctx.graph
+                       and m.process_set.process_set_id == ctx.process_set.process_set_id]
+            self._runtime.fusion_round = [m for m in self._runtime.fusion_round if m not in members]
+        if len(members) == 1:
+            self._start_alone(ctx)
+            return
+        names = [m.name for m in members]
+        if len(set(names)) < len(names):
+            raise RuntimeError(f"horovod_qsgd: a grouped call compressed {sorted(names)}: a tensor twice; give "
+                               "every tensor of the group its own name.")
+        owner_variables = [self._owner_residual_variable(m.plan) if self.error_feedback else None for m in members]
+        fused = FusedRound(group_name(self._fusion_namespace, ctx.process_set.process_set_id, names), members,
+                           placeholder, self._runtime, self._finite_flag, owner_variables)
+        for index, member in enumerate(members):
+            member.fused, member.index, member.slices, member.splits, member.own = fused, index, None, None, None
 
     def _start_node_aware(self, step, tensor):
         """Steps 1 and 2 of the node-aware exchange (:mod:`horovod_qsgd.tensorflow.node_aware`); the context."""
@@ -326,6 +369,13 @@ class PayloadCompressor(CompressorBase):
             result = tf.reshape(self._node_aware_result(tensor, ctx), ctx.shape)
             return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
         stats, refusals = self._runtime.stats, self._runtime.refusals
+        if ctx.live_plan is None and ctx.plan.kind == "two_stage" and ctx.gathered is None:
+            if ctx.fused is None:
+                self._end_round(ctx, tensor)
+            if ctx.fused is not None:
+                result = tf.reshape(self._settle(ctx, ctx.fused.result(ctx.index)), ctx.shape)
+                ctx.fused = None
+                return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
         if ctx.live_plan is not None:
             gathered = self._second_stage(ctx, lambda: ctx.live_plan(ctx), ctx.owner_variable, ctx.owner_residual,
                                           SECOND_STAGE_PREFIX + ctx.name)
@@ -342,18 +392,9 @@ class PayloadCompressor(CompressorBase):
             plan = ctx.plan if ctx.plan is not None else ctx.live_plan(ctx)
             num_ranks = plan.num_ranks
             start = time.perf_counter()
-            refusal = refusals.pop(plan.name, None)
             total = np.zeros(plan.numel, dtype=np.float32)
-            try:
-                if refusal is not None:
-                    raise refusal
-                plan.decode(gathered, total)
-            except RankInJoinError as exc:  # finish the step (see hvd_join), discarded as non-finite
-                hvd_join.note_refused(exc.joined)
-                total[:] = np.nan
-            scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
-            if scale != 1.0:
-                total *= np.float32(scale)
+            decode_scaled(lambda: plan.decode(gathered, total), [total], refusals.pop(plan.name, None), placeholder,
+                          num_ranks)
             stats.add(decode_seconds=time.perf_counter() - start)
             return total, self._finite_flag(total)
 
@@ -364,7 +405,7 @@ class PayloadCompressor(CompressorBase):
 
 
 class QSGD(PayloadCompressor):
-    __doc__ = docs.qsgd("variable", node_aware="asked", state="""
+    __doc__ = docs.qsgd("variable", fusion="grouped", node_aware="asked", state="""
 
     State: one int64 step counter per compressed gradient (a ``tf.Variable``;
     checkpoint the compressor with ``tf.train.Checkpoint`` to resume
@@ -373,25 +414,26 @@ class QSGD(PayloadCompressor):
     (``tf.numpy_function``).""")
 
     def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
-                 rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None):
+                 rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None,
+                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
         codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
                                               exchange, second_stage_bits)
-        super().__init__(codec, min_numel, exchange, second)
+        super().__init__(codec, min_numel, exchange, second, fusion_threshold)
 
     def settings(self):
         return dict(super().settings(), second_stage_bits=self.second_codec.bits)
 
 
 class TopK(PayloadCompressor):
-    __doc__ = docs.topk(node_aware="asked", state=r"""per compressed
+    __doc__ = docs.topk(fusion="grouped", node_aware="asked", state=r"""per compressed
     gradient an int64 step counter and the fp32 residuals are ``tf.Variable``\ s,
     saved by ``tf.train.Checkpoint``; every rank saves its own.""")
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
+                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto", fusion_threshold=DEFAULT_FUSION_THRESHOLD):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
-        super().__init__(codec, min_numel, check_exchange(exchange), codec)
+        super().__init__(codec, min_numel, check_exchange(exchange), codec, fusion_threshold)
 
 
 class RandomK(CompressorBase):

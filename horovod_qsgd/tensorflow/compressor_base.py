@@ -20,14 +20,16 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.common.call_site import check_compressible
-from horovod_qsgd.common.errors import (CompressionMismatchError, elastic_process_set_unsupported,
+from horovod_qsgd.common.errors import (CompressionMismatchError, RankInJoinError, elastic_process_set_unsupported,
                                          elastic_state_missing)
+from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
-from horovod_qsgd.common.state import STATE_FORMAT, check_loadable, state_header
+from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT, check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
 from horovod_qsgd.kernels import all_finite
+from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.host_ops import flat_fp32, host_op
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
@@ -41,6 +43,35 @@ PLACEHOLDER_DTYPES = (tf.float16, tf.float32, tf.float64)
 def op_name(name):
     """A TensorFlow op name made from a stable tensor name (graph mode scopes it further)."""
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
+
+
+def _meaning(settings_json):
+    """What a checkpoint's settings record says about its state: the settings that pack collectives (fusion)
+    left out, so that a checkpoint written with other ones, or before they existed, restores."""
+    record = json.loads(settings_json)
+    record["settings"] = {k: v for k, v in record["settings"].items() if k not in PACKING_SETTINGS}
+    return record
+
+
+def decode_scaled(decode, totals, refusal, placeholder, num_ranks):
+    """A decode host op's work: ``decode()`` adds the received payloads to ``totals`` (zeroed float32 arrays),
+    which are then scaled as the allreduced ``placeholder`` says (sum or average).
+
+    ``refusal``: the mismatch this rank found in the step's first stage, raised instead. hvd.join()'s
+    notices make the totals NaN: the step finishes (see hvd_join) and is discarded as non-finite.
+    """
+    try:
+        if refusal is not None:
+            raise refusal
+        decode()
+    except RankInJoinError as exc:
+        hvd_join.note_refused(exc.joined)
+        for total in totals:
+            total[:] = np.nan
+    scale = np.float32(reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks))
+    if scale != 1.0:
+        for total in totals:
+            total *= scale
 
 
 def _new_variable(initial_value, name, dtype):
@@ -107,7 +138,8 @@ class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
     __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "plan", "own",
                  "process_set", "pending", "live_plan", "numel", "uncompressed_nbytes", "placeholder_nbytes",
-                 "owner_residual", "owner_variable", "node_ops", "residual_variable")
+                 "owner_residual", "owner_variable", "node_ops", "residual_variable", "slices", "splits", "graph",
+                 "fused", "index")
 
     def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, plan=None,
                  own=None, process_set=None, pending=(), live_plan=None):
@@ -126,6 +158,9 @@ class ExchangeContext:
         self.owner_residual = self.owner_variable = None
         # the node-aware exchange (horovod_qsgd.tensorflow.node_aware): its ops, and the residual they update
         self.node_ops = self.residual_variable = None
+        # fusion (horovod_qsgd.tensorflow.fusion): a two-stage tensor's encoded slices and splits until its
+        # alltoall is built, the graph they are in, and its fused group and place there
+        self.slices = self.splits = self.graph = self.fused = self.index = None
 
 
 class CompressorBase(tf.Module):
@@ -213,7 +248,7 @@ class CompressorBase(tf.Module):
         if restored is None:  # a tf.compat.v1 graph's variable: a Session restores it after this check
             return
         restored = restored.decode("utf-8")
-        if restored != self._settings_json():
+        if _meaning(restored) != _meaning(self._settings_json()):
             raise ValueError(f"horovod_qsgd: the checkpoint was written by {restored}, this compressor is "
                              f"{self._settings_json()}; build it with the same arguments.")
 
@@ -514,6 +549,7 @@ class _Runtime:
         self.pass_through_counters = []
         self.refusals = {}  # tensor name -> the mismatch this rank found in a first stage, raised when decoding
         self.live_plans = {}  # (tensor name, ranks, rank) -> its plan, in an elastic job
+        self.fusion_round = []  # two-stage contexts compressed since the last decompress, alltoall not built
         self.nodes = None  # the job's NodeLayout where the exchange is node-aware (global process set)
         self.shadowing = None  # horovod_qsgd.tensorflow.Join's flag: True while this rank has no data
         self.used = False  # compress has run (or been traced)

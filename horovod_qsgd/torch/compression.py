@@ -717,7 +717,7 @@ def device_reduction_scale(placeholder, num_ranks):
 
 
 class QSGD(PayloadCompressor):
-    __doc__ = docs.qsgd("tensor", fusion=True, node_aware="gpu")
+    __doc__ = docs.qsgd("tensor", fusion="step", node_aware="gpu")
 
     def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
                  rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None,
@@ -731,7 +731,7 @@ class QSGD(PayloadCompressor):
 
 
 class TopK(PayloadCompressor):
-    __doc__ = docs.topk("checkpoint it.", fusion=True, node_aware="gpu")
+    __doc__ = docs.topk("checkpoint it.", fusion="step", node_aware="gpu")
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto",

@@ -95,3 +95,8 @@ def test_state_dict_round_trip_and_settings_check(hvd_tf, tmp_path_factory):
     tf.train.Checkpoint(compressor=other).restore(path).expect_partial()
     with pytest.raises(ValueError, match="checkpoint was written by"):
         hvd.allreduce(tf.ones([20000]), name="w", compression=other)
+    # ... but another fusion_threshold packs the collectives otherwise and means the same state: it restores.
+    unfused = TopK(ratio=0.01, fusion_threshold=0)
+    tf.train.Checkpoint(compressor=unfused).restore(path).expect_partial()
+    hvd.allreduce(tf.ones([20000]), name="w", compression=unfused)
+    assert unfused.state_dict()["tensors"]["w"]["step"] == 3

@@ -6,7 +6,7 @@ alone) and with horovod_qsgd.torch run on the same ranks in the same process.
 import numpy as np
 import pytest
 
-from tests.two_stage_reference import gradient, reference
+from tests.two_stage_reference import averaged_training, gradient, reference
 
 SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
 RANKS_3_AND_4 = [pytest.param(3, marks=pytest.mark.ranks(3, timeout=240)),
@@ -112,3 +112,88 @@ def test_top_k_two_stage_in_a_function_equals_the_reference_and_the_torch_adapte
     assert np.array_equal(state["residual"], residuals[me])
     assert np.array_equal(state["owner_residual"], owner_residuals[me]) and state["owner_layout"] == [3, me]
     assert compressor.compression_stats()["exchanges"] == {"t": "two_stage"}
+
+
+FUSED_SIZES = (100_003, 70_001, 1_000, 512 * 40)  # no multiple of the ranks or the bucket; fewer buckets than ranks
+FUSED_CASES = [pytest.param(n, kind, marks=pytest.mark.ranks(n, timeout=300)) for n, kind in
+               ((3, "qsgd"), (4, "qsgd"), (3, "topk"), (4, "topk"))]
+
+
+def _grouped_tape_training(hvd, compressor, steps):
+    """Each step's averaged gradients, state and statistics, from DistributedGradientTape(groups=1) in a function."""
+    import tensorflow as tf
+    variables = [tf.Variable(tf.zeros(n), name=f"layer{i}.weight") for i, n in enumerate(FUSED_SIZES)]
+
+    @tf.function
+    def step(coefficients):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, coefficients)])
+        tape = hvd.DistributedGradientTape(tape, compression=compressor, groups=1)
+        return tape.gradient(loss, variables)
+
+    history = []
+    for s in range(steps):
+        grads = step([tf.constant(gradient(hvd.rank(), n, 10 * s + i)) for i, n in enumerate(FUSED_SIZES)])
+        history.append(([g.numpy() for g in grads], compressor.state_dict(), compressor.compression_stats(reset=True)))
+    return history
+
+
+@pytest.mark.parametrize("num_ranks, kind", FUSED_CASES)
+def test_a_grouped_tape_fuses_its_two_stages_with_the_bits_of_one_tensor_at_a_time(hvd_tf, num_ranks, kind):
+    from horovod_qsgd.tensorflow import QSGD, TopK
+    hvd, steps = hvd_tf, 3
+
+    def compressor(**kwargs):
+        if kind == "qsgd":
+            return QSGD(bits=4, exchange="two_stage", min_numel=0, **kwargs)
+        return TopK(ratio=0.02, exchange="two_stage", min_numel=0, **kwargs)
+
+    fused = _grouped_tape_training(hvd, compressor(), steps)
+    alone = _grouped_tape_training(hvd, compressor(fusion_threshold=0), steps)
+    wanted = averaged_training(kind, FUSED_SIZES, num_ranks, steps)
+    for s, ((g_fused, s_fused, st_fused), (g_alone, s_alone, st_alone)) in enumerate(zip(fused, alone)):
+        for i, (a, b) in enumerate(zip(g_fused, g_alone)):
+            assert np.array_equal(a, b) and np.array_equal(a, wanted[s][i]), (s, i)
+        for name, state in s_alone["tensors"].items():
+            for field in ("residual", "owner_residual"):
+                if state.get(field) is None:
+                    assert s_fused["tensors"][name].get(field) is None
+                else:
+                    assert np.array_equal(s_fused["tensors"][name][field], state[field]), (s, name, field)
+            assert s_fused["tensors"][name]["step"] == state["step"] == s + 1
+        if kind == "topk":
+            assert any(np.abs(t["owner_residual"]).sum() > 0 for t in s_fused["tensors"].values())
+        # One alltoall and one allgather a step for the four tensors, against two per tensor; the same payloads
+        # behind one 16-byte manifest per peer in the first stage and one per owner in the second.
+        assert st_fused["collectives_started"] == 2 and st_alone["collectives_started"] == 2 * len(FUSED_SIZES), s
+        assert st_fused["tensors_two_stage"] == st_alone["tensors_two_stage"] == len(FUSED_SIZES)
+        assert st_fused["bytes_sent_first_stage"] - st_alone["bytes_sent_first_stage"] == 16 * (num_ranks - 1)
+        assert st_fused["bytes_sent_second_stage"] - st_alone["bytes_sent_second_stage"] == 16
+
+
+@pytest.mark.ranks(3, timeout=240)
+def test_an_eager_grouped_allreduce_fuses_and_a_rank_of_other_shapes_is_refused_on_every_rank(hvd_tf):
+    import tensorflow as tf
+    from horovod_qsgd.tensorflow import QSGD
+    hvd = hvd_tf
+    tensors = [tf.constant(gradient(hvd.rank(), 20_000, i)) for i in range(3)]
+    fused = QSGD(bits=4, exchange="two_stage", min_numel=0)
+    results = hvd.grouped_allreduce(tensors, name="three", op=hvd.Sum, compression=fused)
+    alone = QSGD(bits=4, exchange="two_stage", min_numel=0, fusion_threshold=0)
+    expected = hvd.grouped_allreduce(tensors, name="three", op=hvd.Sum, compression=alone)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(results, expected))
+    assert fused.compression_stats()["collectives_started"] == 2
+    assert alone.compression_stats()["collectives_started"] == 2 * 3
+    # Rank 2's second tensor is longer: its chunks differ, the group's collectives still meet (they are named
+    # after the members' names) and every rank raises instead of waiting.
+    sizes = [20_000, 20_000 + (512 if hvd.rank() == 2 else 0), 20_000]
+    tensors = [tf.constant(gradient(hvd.rank(), n, i)) for i, n in enumerate(sizes)]
+    with pytest.raises((tf.errors.OpError, Exception)) as info:
+        hvd.grouped_allreduce(tensors, name="three", op=hvd.Sum, compression=fused)
+    message = str(info.value)
+    # The owners that received rank 2's slices name it and the difference; the others meet their notices.
+    if "found a mismatch in what it received" in message:
+        assert "'three.0, three.1, three.2'" in message, message
+    else:
+        assert "'three.1'" in message and "first-stage slice does not match this rank's" in message, message
+        assert "elements (here" in message, message

@@ -12,9 +12,8 @@ import gc
 import numpy as np
 import pytest
 
-from tests.two_stage_reference import bounds as _bounds
+from tests.two_stage_reference import averaged_training
 from tests.two_stage_reference import gradient as _gradient
-from tests.two_stage_reference import reference as _reference
 
 SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
 
@@ -45,22 +44,6 @@ def _train(hvd, compressor, steps):
     return history
 
 
-def _references(kind, num_ranks, steps):
-    """What every rank must get at each step, from the codecs alone (tests/two_stage_reference.py)."""
-    from horovod_qsgd.codecs import QSGDCodec, TopKCodec
-    codec, unit = (QSGDCodec(bits=4), 512) if kind == "qsgd" else (TopKCodec(ratio=0.02), 1)
-    wanted = [[] for _ in range(steps)]
-    for i, numel in enumerate(SIZES):
-        residuals = [np.zeros(numel, np.float32) for _ in range(num_ranks)] if kind == "topk" else None
-        owner_residuals = None if kind == "qsgd" else [np.zeros(e - b, np.float32) for b, e in
-                                                         _bounds(numel, num_ranks, unit)]
-        for step in range(steps):
-            grads = [_gradient(r, numel, 10 * step + i) for r in range(num_ranks)]
-            total = _reference(codec, codec, f"layer{i}.weight", grads, step, unit, residuals, owner_residuals)
-            wanted[step].append(total * np.float32(1.0 / num_ranks))
-    return wanted
-
-
 def _compressor(kind, **kwargs):
     from horovod_qsgd.torch import QSGD, TopK
     if kind == "qsgd":
@@ -75,7 +58,7 @@ def test_fused_training_is_bitwise_the_unfused_one_with_two_collectives_a_step(h
     steps = 3
     fused = _train(hvd, _compressor(kind), steps)
     alone = _train(hvd, _compressor(kind, fusion_threshold=0), steps)
-    wanted = _references(kind, num_ranks, steps)
+    wanted = averaged_training(kind, SIZES, num_ranks, steps)
     for step, ((g_fused, s_fused, st_fused), (g_alone, s_alone, st_alone)) in enumerate(zip(fused, alone)):
         for i, (a, b) in enumerate(zip(g_fused, g_alone)):
             assert torch.equal(a, b), (step, i)
