@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from horovod_qsgd.common.errors import UnsupportedCollectiveError
 
 _HVD_TF = "horovod.tensorflow"
+# Functions whose locals pair gradients with their variables: Horovod's gradient path, and our Keras 3
+# optimizer's grouped calls (horovod_qsgd.tensorflow.keras3), by module: (function, gradients, variables).
+_GRADIENT_FRAMES = {_HVD_TF: ("allreduce_grads", "grads", "vars"),
+                    "horovod_qsgd.tensorflow.keras3": ("_allreduce_group", "grads", "variables")}
 _REFUSED = ("reducescatter", "grouped_reducescatter")
 
 
@@ -89,13 +93,14 @@ def find_call_site(tensor, default_op, default_process_set):
                 if base == "grouped_allreduce" and name is not None:
                     index = _index_of(local_vars.get("tensor_list") or local_vars.get("tensors"), tensor)
                     name = None if index is None else f"{name}.{index}"
-            if base == "allreduce_grads" and "grads" in frame.f_locals and "vars" in frame.f_locals:
-                local_vars = frame.f_locals
-                index = _index_of(local_vars["grads"], tensor)
-                variables = local_vars["vars"]
-                if index is not None and variables is not None and index < len(variables):
-                    return CallSite(variable_name(variables[index]), op if found_collective else default_op,
-                                    process_set or default_process_set, variables[index], "variable")
+        function, grads_name, vars_name = _GRADIENT_FRAMES.get(module, (None, None, None))
+        if function is not None and _base_name(frame.f_code.co_name) == function:
+            local_vars = frame.f_locals
+            index = _index_of(local_vars.get(grads_name), tensor)
+            variables = local_vars.get(vars_name)
+            if index is not None and variables is not None and index < len(variables):
+                return CallSite(variable_name(variables[index]), op if found_collective else default_op,
+                                process_set or default_process_set, variables[index], "variable")
         frame = frame.f_back
     if op is None:
         op = default_op

@@ -86,33 +86,60 @@ def DistributedGradientTape(gradtape, **kwargs):
 
 def allreduce_gradients(grads, variables, compression=hvd.Compression.none, op=hvd.Average,
                         gradient_predivide_factor=1.0, sparse_as_dense=False,
-                        process_set=hvd.global_process_set, device_dense="", device_sparse=""):
+                        process_set=hvd.global_process_set, device_dense="", device_sparse="", groups=None):
     """Allreduces each gradient under its variable's path (``None`` stays ``None``, on every rank alike).
 
     Prescale and postscale split the average as Horovod's own optimizers do
-    for ``gradient_predivide_factor``.
+    for ``gradient_predivide_factor``. ``groups`` as Horovod's: a number of
+    groups of consecutive gradients, or lists of variables (the others alone);
+    each group is one ``hvd.grouped_allreduce``, whose two-stage tensors a
+    compressor fuses (:mod:`horovod_qsgd.tensorflow.fusion`).
     """
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError("horovod_qsgd: gradient_predivide_factor needs op=hvd.Average")
     prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor) if op == hvd.Average
                            else (1.0, 1.0))
-    reduced = []
-    for grad, var in zip(grads, variables):
-        if grad is None:
-            reduced.append(None)
-            continue
-        if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
-            grad = tf.convert_to_tensor(grad)
-        reduced.append(hvd.allreduce(grad, op=op, compression=compression, name=variable_name(var),
-                                     prescale_factor=prescale, postscale_factor=postscale,
-                                     process_set=process_set, device_dense=device_dense,
-                                     device_sparse=device_sparse))
+    options = dict(op=op, compression=compression, prescale_factor=prescale, postscale_factor=postscale,
+                   process_set=process_set, device_dense=device_dense, device_sparse=device_sparse)
+    reduced = [None] * len(grads)
+    present = [i for i, grad in enumerate(grads) if grad is not None]
+    for i in present:
+        if sparse_as_dense and isinstance(grads[i], tf.IndexedSlices):
+            grads[i] = tf.convert_to_tensor(grads[i])
+    if groups is None:
+        for i in present:
+            reduced[i] = hvd.allreduce(grads[i], name=variable_name(variables[i]), **options)
+        return reduced
+    for group in _split_into_groups(present, variables, groups):
+        for i, result in zip(group, _allreduce_group([grads[i] for i in group], [variables[i] for i in group],
+                                                     options)):
+            reduced[i] = result
     return reduced
+
+
+def _split_into_groups(indices, variables, groups):
+    """Horovod's grouping of the gradients at ``indices``: ``groups`` consecutive runs as even as possible,
+    or one group per list of variables and one for each gradient in none."""
+    if isinstance(groups, list):
+        paths = {variable_name(variables[i]): i for i in indices}
+        split = [[paths.pop(variable_name(v)) for v in group if variable_name(v) in paths] for group in groups]
+        return [g for g in split if g] + [[i] for i in indices if i in paths.values()]
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"horovod_qsgd: groups={groups!r} must be a positive int or a list of lists of variables")
+    size, extra = divmod(len(indices), groups)
+    bounds = [k * size + min(k, extra) for k in range(groups + 1)]
+    return [indices[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _allreduce_group(grads, variables, options):
+    """One hvd.grouped_allreduce; a compressor names each gradient by its variable (``call_site`` reads this
+    frame's ``grads`` and ``variables``)."""
+    return hvd.grouped_allreduce(grads, **options)
 
 
 def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Average,
                          gradient_predivide_factor=1.0, sparse_as_dense=False,
-                         process_set=hvd.global_process_set, device_dense="", device_sparse=""):
+                         process_set=hvd.global_process_set, device_dense="", device_sparse="", groups=None):
     """A Keras 3 optimizer that allreduces the gradients (with ``compression``) before applying them.
 
     Returns a new optimizer of a subclass of ``type(optimizer)``, built from
@@ -122,6 +149,10 @@ def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Ave
     variable's path, so names are equal on every rank; compressor state (a
     ``tf.Module``) is checkpointed separately:
     ``tf.train.Checkpoint(model=model, optimizer=opt, compressor=compression)``.
+
+    ``groups`` (as Horovod's: a number, or lists of variables) exchanges each
+    group in one ``hvd.grouped_allreduce``: our compressors then send a
+    group's two-stage tensors in one alltoall and one allgather.
 
     With ``gradient_accumulation_steps`` the allreduce runs on every
     micro-batch's gradients (correct, but no traffic is saved by accumulating).
@@ -133,7 +164,7 @@ def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Ave
             "(TF_USE_LEGACY_KERAS=1) use horovod.tensorflow.keras.DistributedOptimizer(..., compression=...).")
     options = dict(compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
                    sparse_as_dense=sparse_as_dense, process_set=process_set, device_dense=device_dense,
-                   device_sparse=device_sparse)
+                   device_sparse=device_sparse, groups=groups)
     base = type(optimizer)
 
     def apply(self, grads, trainable_variables=None):

@@ -128,3 +128,19 @@ def test_keras3_variables_through_distributed_gradient_tape(hvd_tf):
         with tf.GradientTape() as tape:
             loss = loss_fn(y[:32], model(x[:32]))
         hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+
+
+def test_keras3_groups_are_split_as_horovods_and_bad_ones_are_refused():
+    from types import SimpleNamespace
+
+    from horovod_qsgd.tensorflow.keras3 import _split_into_groups
+    variables = [SimpleNamespace(name=f"v{i}:0", path=f"model/v{i}") for i in range(5)]
+    present = [0, 1, 2, 4]  # v3 has no gradient
+    assert _split_into_groups(present, variables, 1) == [[0, 1, 2, 4]]
+    assert _split_into_groups(present, variables, 3) == [[0, 1], [2], [4]]
+    assert _split_into_groups(present, variables, 9) == [[0], [1], [2], [4]]
+    # Lists of variables: a group each (in the list's order), the gradients in none alone.
+    assert _split_into_groups(present, variables, [[variables[4], variables[0]], [variables[3]]]) == [[4, 0], [1], [2]]
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="must be a positive int or a list of lists of variables"):
+            _split_into_groups(present, variables, bad)

@@ -197,3 +197,37 @@ def test_an_eager_grouped_allreduce_fuses_and_a_rank_of_other_shapes_is_refused_
     else:
         assert "'three.1'" in message and "first-stage slice does not match this rank's" in message, message
         assert "elements (here" in message, message
+
+
+@pytest.mark.ranks(3, timeout=240)
+def test_keras3_optimizer_groups_fuse_with_the_bits_of_one_tensor_at_a_time(hvd_tf):
+    import keras
+    from horovod_qsgd.tensorflow import QSGD, keras3
+    hvd = hvd_tf
+    rng = np.random.default_rng(hvd.rank())
+    x, y = rng.standard_normal((96, 64)).astype(np.float32), rng.integers(0, 40, 96)
+
+    def fit(**kwargs):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(300, activation="relu", name="hidden"),
+                                  keras.layers.Dense(40, name="out")], name="mlp")  # names: the RNG keys
+        # every tensor compressed: Horovod's own sums of passed-through ones may differ in their last bit
+        # between runs, as its fusion buffer's layout follows the timing
+        compression = QSGD(bits=4, exchange="two_stage", min_numel=0, **kwargs)
+        model.compile(optimizer=keras3.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression,
+                                                            groups=1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        return [w.numpy() for w in model.weights], compression
+
+    fused_weights, fused = fit()
+    alone_weights, alone = fit(fusion_threshold=0)
+    assert all(np.array_equal(a, b) for a, b in zip(fused_weights, alone_weights))
+    everyone = hvd.allgather(np.concatenate([w.ravel() for w in fused_weights])[None], name="keras3.fused.weights")
+    assert all(np.array_equal(everyone[0], row) for row in everyone.numpy())
+    # State is named by the variables' paths, as without groups; 3 steps of 4 two-stage tensors.
+    assert sorted(fused._steps) == sorted(alone._steps) == ["mlp/hidden/bias", "mlp/hidden/kernel", "mlp/out/bias",
+                                                           "mlp/out/kernel"]
+    stats, alone_stats = fused.compression_stats(), alone.compression_stats()
+    assert stats["tensors_two_stage"] == alone_stats["tensors_two_stage"] == 4 * 3
+    assert stats["collectives_started"] == 2 * 3 and alone_stats["collectives_started"] == 8 * 3
