@@ -103,17 +103,24 @@ def run_horovod_job(job, rate, *, shaped, env, timeout, what):
     return proc
 
 
-def control_bytes_per_second(barrier, seconds=1.0):
+def control_bytes_per_second(barrier, seconds=1.0, counters=None):
     """Loopback bytes per second while the job is idle between two barriers.
 
     Horovod's background loop coordinates the ranks every cycle even when no
     tensor is pending (about 0.5 MB/s for two ranks with Gloo here). That
     traffic is Horovod's, not the compressors'; benchmarks measure it so the
-    payload bytes can be told apart from it.
+    payload bytes can be told apart from it. ``counters``: a function giving
+    other byte counters (a list) to take the idle rate of too; then the rates
+    come back as (loopback, [others]).
     """
     import time
     barrier()
     start_bytes, start = loopback_bytes(), time.perf_counter()
+    start_others = counters() if counters else None
     time.sleep(seconds)
     barrier()
-    return (loopback_bytes() - start_bytes) / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    rate = (loopback_bytes() - start_bytes) / elapsed
+    if counters is None:
+        return rate
+    return rate, [(now - then) / elapsed for now, then in zip(counters(), start_others)]

@@ -18,7 +18,13 @@ ranks (nodes hold consecutive ranks): a ring allreduce crosses each of the
 sends, on each boundary link, every payload but one; an alltoall sends each
 slice straight to its owner, so a node's ranks send their slices for the
 N-L ranks off the node across. Measured bytes include Horovod's own
-coordination (a few kB per step).
+coordination: every cycle (``HOROVOD_CYCLE_TIME``, 1 ms by default;
+``--cycle-time-ms`` sets it) its background loop exchanges the ranks' state,
+whether or not a tensor is pending. Each run also measures that traffic on
+the NICs while the job idles for a second and reports it at the step's
+length: an upper bound on what the step's own coordination added (during a
+step the loop runs collectives instead of cycling), so measured minus it is
+a lower bound on the payloads.
 
 Writes ``results.json`` and ``README.md`` to ``--out``.
 """
@@ -91,8 +97,12 @@ def main():
     ap.add_argument("--configs", default=",".join(name for name, _ in CONFIGS),
                     help="comma-separated configurations, the first one the baseline")
     ap.add_argument("--rate", default=None, help="shape every NIC (tc rate, e.g. 1gbit): step times on that link")
+    ap.add_argument("--cycle-time-ms", type=float, default=None,
+                    help="HOROVOD_CYCLE_TIME of every job (Horovod's default: 1 ms)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "node-bytes"))
     args = ap.parse_args()
+    if args.cycle_time_ms is not None:
+        os.environ["HOROVOD_CYCLE_TIME"] = str(args.cycle_time_ms)  # the jobs inherit this environment
     tmp = tempfile.mkdtemp(prefix="hq-nodes-")
     rows = []
     for layout in args.layouts.split(","):
@@ -105,15 +115,18 @@ def main():
             expected = formula(args.model, name, nodes, per_node)
             row = dict(layout=layout, config=label, inter_mb=inter / 1e6, per_node_mb=inter / nodes / 1e6,
                        in_node_mb=result["in_node_bytes_per_step"] / 1e6, reduction=base / inter,
-                       formula_mb=expected / 1e6, step_seconds=result["step_seconds"])
+                       formula_mb=expected / 1e6, step_seconds=result["step_seconds"],
+                       idle_mb=result["inter_node_idle_bytes_per_step"] / 1e6)
             rows.append(row)
             print(f"{layout}  {label:22s} between nodes {row['inter_mb']:8.2f} MB/step ({row['per_node_mb']:.2f} "
                   f"per node, {row['reduction']:5.1f}x fewer)  formula {row['formula_mb']:8.2f} MB "
-                  f"({100 * (inter / expected - 1):+.1f}%)  inside nodes {row['in_node_mb']:.2f} MB  "
+                  f"({100 * (inter / expected - 1):+.1f}%)  idle coordination {row['idle_mb']:.3f} MB  "
+                  f"inside nodes {row['in_node_mb']:.2f} MB  "
                   f"{row['step_seconds']:.3f} s/step", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"model": args.model, "rate": args.rate, "rows": rows}, f, indent=1)
+        json.dump({"model": args.model, "rate": args.rate, "cycle_time_ms": args.cycle_time_ms, "rows": rows}, f,
+                  indent=1)
     lines = ["# Bytes between nodes per step: node-blind and node-aware exchanges", "",
              f"PyTorch, `{args.model}` (9.9M parameters, 39.6 MB of fp32 gradient), batch 8 per rank, Horovod over "
              "Gloo on `benchmarks/nodelab.py`'s namespaces (one per node; NICs unshaped here). MB per step sent by "
@@ -121,15 +134,21 @@ def main():
              "the codecs and each collective's route (`formula` in `benchmarks/node_bytes.py`). Machine: the "
              "project's 2-core VM (more than 2 ranks oversubscribe it; bytes do not depend on that, step times "
              "do). NICs: " + (f"every NIC shaped to {args.rate} (both directions share it)." if args.rate else
-                              "unshaped (step times not meaningful)."), "",
+                              "unshaped (step times not meaningful).") + " Horovod's cycle time: "
+             + (f"{args.cycle_time_ms:g} ms." if args.cycle_time_ms is not None else "its default, 1 ms."), "",
              "```bash", f"python benchmarks/node_bytes.py --layouts {args.layouts}"
              + (f" --configs {args.configs}" if args.configs != ",".join(n for n, _ in CONFIGS) else "")
-             + (f" --rate {args.rate} --out {os.path.relpath(args.out, ROOT)}" if args.rate else ""), "```", "",
+             + (f" --rate {args.rate}" if args.rate else "")
+             + (f" --cycle-time-ms {args.cycle_time_ms:g}" if args.cycle_time_ms is not None else "")
+             + (f" --out {os.path.relpath(args.out, ROOT)}" if args.rate or args.cycle_time_ms is not None else ""),
+             "```", "",
              "| nodes x ranks | exchange | MB/step between nodes | per node | fewer than uncompressed | formula MB "
-             "| measured/formula | MB/step inside nodes | s/step |", "|---|---|---|---|---|---|---|---|---|"]
+             "| measured/formula | idle coordination MB | (measured - idle)/formula | MB/step inside nodes | s/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['layout']} | {r['config']} | {r['inter_mb']:.2f} | {r['per_node_mb']:.2f} | "
                      f"{r['reduction']:.1f}x | {r['formula_mb']:.2f} | {r['inter_mb'] / r['formula_mb']:.3f} | "
+                     f"{r['idle_mb']:.3f} | {(r['inter_mb'] - r['idle_mb']) / r['formula_mb']:.3f} | "
                      f"{r['in_node_mb']:.2f} | {r['step_seconds']:.3f} |")
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

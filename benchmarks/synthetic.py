@@ -36,7 +36,9 @@ def parse_args(description, argv=None):
                         help="QSGD's and TopK's exchange")
     parser.add_argument("--second-stage-bits", type=int, default=None, help="QSGD's second-stage bits")
     parser.add_argument("--fusion-threshold", type=int, default=None,
-                        help="PyTorch QSGD's and TopK's fusion_threshold (0: every two-stage tensor alone)")
+                        help="QSGD's and TopK's fusion_threshold (0: every two-stage tensor alone)")
+    parser.add_argument("--groups", type=int, default=None,
+                        help="TensorFlow: DistributedGradientTape's groups= (a grouped call's two-stage tensors fuse)")
     parser.add_argument("--local-only", action="store_true",
                         help="train without exchanging gradients: each rank's compute while N ranks share the machine")
     parser.add_argument("--json-out", help="write the measurements here (rank 0)")
@@ -45,7 +47,6 @@ def parse_args(description, argv=None):
 
 def make_compression(args, adapter):
     """The compressor the flags ask for, from ``horovod_qsgd.torch`` or ``horovod_qsgd.tensorflow``."""
-    # Only the PyTorch adapter fuses two-stage tensors so far: the flag is passed where it is given.
     fusion = {} if args.fusion_threshold is None else {"fusion_threshold": args.fusion_threshold}
     kinds = {
         "none": lambda: adapter.NoCompression,
@@ -89,11 +90,14 @@ def run(args, job):
     if stats_of:
         stats_of(reset=True)
 
-    control_rate = control_bytes_per_second(job.barrier)
+    on_node = nodelab.on_a_node()
+    control_rate = control_bytes_per_second(job.barrier, counters=nodelab.link_bytes if on_node else None)
+    if on_node:  # under nodelab: Horovod's idle coordination on this node's NIC and loopback too
+        control_rate, idle_links = control_rate
     log("Running benchmark...")
     job.barrier()
     wire_start = loopback_bytes()
-    links_start = nodelab.link_bytes() if nodelab.on_a_node() else None
+    links_start = nodelab.link_bytes() if on_node else None
     img_secs, step_times = [], []
     for x in range(args.num_iters):
         elapsed = timeit.timeit(job.step, number=args.num_batches_per_iter)
@@ -109,6 +113,8 @@ def run(args, job):
         share = 1.0 / nodelab.ranks_on_this_node()
         links = [job.sum_over_ranks(f"benchmark.links.{i}", share * (now - then))
                  for i, (now, then) in enumerate(zip(nodelab.link_bytes(), links_start))]
+        idle_links = [job.sum_over_ranks(f"benchmark.idle_links.{i}", share * rate)
+                      for i, rate in enumerate(idle_links)]
 
     img_sec_mean, img_sec_conf = np.mean(img_secs), 1.96 * np.std(img_secs)
     log(f"Img/sec per CPU: {img_sec_mean:.1f} +-{img_sec_conf:.1f}")
@@ -143,6 +149,9 @@ def run(args, job):
         f"of which Horovod's idle coordination about {result['control_bytes_per_step'] / 1e6:.2f} MB")
     if links is not None:
         result["inter_node_bytes_per_step"], result["in_node_bytes_per_step"] = links[0] / steps, links[1] / steps
+        # Horovod's coordination between nodes when idle, at this step's length: more than it sends during a
+        # step, when its background thread runs the collectives instead of cycling
+        result["inter_node_idle_bytes_per_step"] = idle_links[0] * step_seconds
         log(f"Bytes per step between nodes (all NICs): {links[0] / steps / 1e6:.2f} MB, inside nodes (all "
             f"loopbacks): {links[1] / steps / 1e6:.2f} MB")
     if args.json_out:

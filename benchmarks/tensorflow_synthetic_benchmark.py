@@ -7,7 +7,8 @@ The flags and the ``--json-out`` record are those of
 benchmarks/pytorch_synthetic_benchmark.py (``framework: "tensorflow"``), so
 benchmarks/compare.py runs either with ``--frameworks``. A step is
 ``hvd.DistributedGradientTape`` with ``compression=`` inside ``tf.function``
-plus an SGD update; the models (benchmarks/models_tf.py) have the PyTorch
+plus an SGD update (``--groups``: its ``groups=``, under which a grouped
+call's two-stage tensors share their collectives); the models (benchmarks/models_tf.py) have the PyTorch
 models' layers and parameter counts.
 """
 import os
@@ -40,7 +41,7 @@ def main(argv=None):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(target, model(data)))
         if not args.local_only:
-            tape = hvd.DistributedGradientTape(tape, compression=compression)
+            tape = hvd.DistributedGradientTape(tape, compression=compression, groups=args.groups)
         for v, g in zip(variables, tape.gradient(loss, variables)):
             v.assign_sub(0.01 * g)
 
