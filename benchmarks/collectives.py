@@ -110,9 +110,13 @@ def timeline_counts(path):
     with open(path) as f:
         text = f.read().strip().rstrip(",")
     events = json.loads(text if text.endswith("]") else text + "]")
-    # A row per submitted name, "<operation>.<name>", e.g. "alltoall.horovod_qsgd.payload.0.group2"
-    names = {e["pid"]: e["args"].get("name", "").partition(".")[2] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    # A row per submitted name: PyTorch's "<operation>.<name>", e.g. "alltoall.horovod_qsgd.payload.0.group2";
+    # TensorFlow's the op's name alone, e.g. "horovod_qsgd.payload.tf_compressor0.0.group3.15a20ffc"
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            name = e["args"].get("name", "")
+            names[e["pid"]] = name.partition(".")[2] if name.startswith(("allgather.", "alltoall.")) else name
     counts = {}
     for e in events:
         name = names.get(e.get("pid"), "")
