@@ -115,8 +115,9 @@ def test_top_k_two_stage_in_a_function_equals_the_reference_and_the_torch_adapte
 
 
 FUSED_SIZES = (100_003, 70_001, 1_000, 512 * 40)  # no multiple of the ranks or the bucket; fewer buckets than ranks
+# Each case ~45 s: the rank counts and codecs in two (PyTorch's tests/torch/test_fusion.py runs all four)
 FUSED_CASES = [pytest.param(n, kind, marks=pytest.mark.ranks(n, timeout=300)) for n, kind in
-               ((3, "qsgd"), (4, "qsgd"), (3, "topk"), (4, "topk"))]
+               ((3, "qsgd"), (4, "topk"))]
 
 
 def _grouped_tape_training(hvd, compressor, steps):
