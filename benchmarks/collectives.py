@@ -170,7 +170,8 @@ def main():
                     r = run_job(ranks, model, compressor, fused, args.timeout, args.framework)
                     timeline = sum(r["timeline"].values()) / STEPS
                     two_stage = sum(1 for e in r["exchanges"].values() if e == "two_stage")
-                    row = dict(framework=args.framework, model=model, ranks=ranks, compressor=compressor, fused=fused, steps=STEPS,
+                    row = dict(framework=args.framework, model=model, ranks=ranks, compressor=compressor,
+                               fused=fused, steps=STEPS,
                                tensors_compressed=r["tensors_compressed"], tensors_two_stage=two_stage,
                                collectives_per_step=r["collectives_started"], timeline_per_step=timeline,
                                timeline_operations=r["timeline"])

@@ -4,7 +4,8 @@
     python benchmarks/fusion_ab.py --ranks 4 --repeats 3 --framework tensorflow --out benchmarks/results/fusion
 
 For each rank count and compressor (QSGD 4-bit, Top-k 1%, ``exchange="two_stage"``), the synthetic
-benchmark (PyTorch, or TensorFlow with ``DistributedGradientTape(groups=1)``; ``--model mlp10m``, batch 32) runs in a network namespace shaped to 1 Gbit/s,
+benchmark (PyTorch, or TensorFlow with ``DistributedGradientTape(groups=1)``; ``--model mlp10m``, batch
+32) runs in a network namespace shaped to 1 Gbit/s,
 alternating ``fusion_threshold`` default and 0, ``--repeats`` times; the VM's speed drifts between
 hours, so only the ratio of neighbouring runs is read. Prints each pair's ratio and the median.
 """
@@ -66,7 +67,8 @@ def main():
             ratio = statistics.median(a / f for f, a in pairs)
             print(f"{ranks} ranks {name:<10} median unfused/fused step time {ratio:.2f} over {len(pairs)} pairs "
                   f"(range {min(a / f for f, a in pairs):.2f}-{max(a / f for f, a in pairs):.2f})", flush=True)
-            rows.append(dict(framework=args.framework, ranks=ranks, compressor=name, rate=args.rate, fused_seconds=[f for f, _ in pairs],
+            rows.append(dict(framework=args.framework, ranks=ranks, compressor=name, rate=args.rate,
+                             fused_seconds=[f for f, _ in pairs],
                              unfused_seconds=[a for _, a in pairs], median_unfused_over_fused=ratio))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

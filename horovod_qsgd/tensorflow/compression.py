@@ -430,7 +430,8 @@ class TopK(PayloadCompressor):
     saved by ``tf.train.Checkpoint``; every rank saves its own.""")
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto", fusion_threshold=DEFAULT_FUSION_THRESHOLD):
+                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto",
+                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
         super().__init__(codec, min_numel, check_exchange(exchange), codec, fusion_threshold)

@@ -31,13 +31,12 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
+import horovod.tensorflow as hvd
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.fusion import FusedTwoStage, join_host_pieces
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX
 from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.compressor_base import decode_scaled, op_name
-
-import horovod.tensorflow as hvd
 
 
 def group_name(namespace, process_set_id, names):
@@ -138,7 +137,8 @@ class FusedRound:
             stats.add(decode_seconds=time.perf_counter() - start)
             return totals + [finite_flag(total) for total in totals]
 
-        outputs = tf.numpy_function(decode, [gathered, placeholder], [tf.float32] * len(numels) + [tf.bool] * len(numels),
+        outputs = tf.numpy_function(decode, [gathered, placeholder],
+                                    [tf.float32] * len(numels) + [tf.bool] * len(numels),
                                     stateful=False, name="horovod_qsgd_fused_decode")
         for total, numel in zip(outputs, numels):
             total.set_shape([numel])
