@@ -101,6 +101,7 @@ def allreduce_gradients(grads, variables, compression=hvd.Compression.none, op=h
                            else (1.0, 1.0))
     options = dict(op=op, compression=compression, prescale_factor=prescale, postscale_factor=postscale,
                    process_set=process_set, device_dense=device_dense, device_sparse=device_sparse)
+    grads = list(grads)
     reduced = [None] * len(grads)
     present = [i for i, grad in enumerate(grads) if grad is not None]
     for i in present:
@@ -165,6 +166,8 @@ def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Ave
     options = dict(compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
                    sparse_as_dense=sparse_as_dense, process_set=process_set, device_dense=device_dense,
                    device_sparse=device_sparse, groups=groups)
+    if groups is not None:
+        _split_into_groups([], [], groups)  # a bad value is refused here, not at the first step
     base = type(optimizer)
 
     def apply(self, grads, trainable_variables=None):

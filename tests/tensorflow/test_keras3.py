@@ -144,3 +144,7 @@ def test_keras3_groups_are_split_as_horovods_and_bad_ones_are_refused():
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="must be a positive int or a list of lists of variables"):
             _split_into_groups(present, variables, bad)
+    import keras
+    from horovod_qsgd.tensorflow import keras3
+    with pytest.raises(ValueError, match="groups=0 must be a positive int"):
+        keras3.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=0)  # refused when built, not at step 1
