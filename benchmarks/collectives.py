@@ -76,6 +76,22 @@ def _write_worker_result(args, rank, per_step):
                        "tensors_compressed": per_step[-1]["tensors_compressed"]}, f)
 
 
+def grouped_tape_step(hvd, compressor, variables):
+    """A ``tf.function`` of one coefficient tensor per variable: the averaged gradients of the linear loss
+    sum(v * c) through ``DistributedGradientTape(groups=1)``, a grouped call whose two-stage tensors fuse
+    (also what tests/tensorflow/test_two_stage.py trains)."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(coefficients):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, coefficients)])
+        tape = hvd.DistributedGradientTape(tape, compression=compressor, groups=1)
+        return tape.gradient(loss, variables)
+
+    return step
+
+
 def tensorflow_worker(args):
     import horovod.tensorflow as hvd
     import numpy as np
@@ -87,14 +103,7 @@ def tensorflow_worker(args):
     compressor = build(args.compressor, adapter, **({} if args.fused else {"fusion_threshold": 0}))
     shapes = parameter_shapes(args.model)
     variables = [tf.Variable(tf.zeros(shape), name=name) for name, shape in shapes.items()]
-
-    @tf.function
-    def step(coefficients):
-        with tf.GradientTape() as tape:
-            loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, coefficients)])
-        tape = hvd.DistributedGradientTape(tape, compression=compressor, groups=1)
-        return tape.gradient(loss, variables)
-
+    step = grouped_tape_step(hvd, compressor, variables)
     rng = np.random.default_rng(hvd.rank())
     per_step = []
     for _ in range(STEPS):

@@ -124,7 +124,7 @@ def _split_into_groups(indices, variables, groups):
     if isinstance(groups, list):
         paths = {variable_name(variables[i]): i for i in indices}
         split = [[paths.pop(variable_name(v)) for v in group if variable_name(v) in paths] for group in groups]
-        return [g for g in split if g] + [[i] for i in indices if i in paths.values()]
+        return [g for g in split if g] + [[i] for i in paths.values()]  # paths kept the indices' order
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"horovod_qsgd: groups={groups!r} must be a positive int or a list of lists of variables")
     size, extra = divmod(len(indices), groups)

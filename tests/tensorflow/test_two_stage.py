@@ -123,14 +123,9 @@ FUSED_CASES = [pytest.param(n, kind, marks=pytest.mark.ranks(n, timeout=300)) fo
 def _grouped_tape_training(hvd, compressor, steps):
     """Each step's averaged gradients, state and statistics, from DistributedGradientTape(groups=1) in a function."""
     import tensorflow as tf
+    from benchmarks.collectives import grouped_tape_step
     variables = [tf.Variable(tf.zeros(n), name=f"layer{i}.weight") for i, n in enumerate(FUSED_SIZES)]
-
-    @tf.function
-    def step(coefficients):
-        with tf.GradientTape() as tape:
-            loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, coefficients)])
-        tape = hvd.DistributedGradientTape(tape, compression=compressor, groups=1)
-        return tape.gradient(loss, variables)
+    step = grouped_tape_step(hvd, compressor, variables)
 
     history = []
     for s in range(steps):
