@@ -55,13 +55,14 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 
 import horovod.tensorflow as hvd
-from horovod_qsgd.codecs import RandomKCodec, TopKCodec
+from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_threshold
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
-from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, moved_owner_chunk, qsgd_codecs
+from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
+from horovod_qsgd.common.two_stage import chunk_unit, moved_owner_chunk
 from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
                                                      ExchangeContext, adapter_method, decode_scaled, op_name)
 from horovod_qsgd.tensorflow import hvd_join
@@ -404,7 +405,7 @@ class PayloadCompressor(CompressorBase):
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
 
 
-class QSGD(PayloadCompressor):
+class QSGD(QSGDArguments, PayloadCompressor):
     __doc__ = docs.qsgd("variable", fusion="grouped", node_aware="asked", state="""
 
     State: one int64 step counter per compressed gradient (a ``tf.Variable``;
@@ -413,28 +414,11 @@ class QSGD(PayloadCompressor):
     for the same input, step and name. Encoding and decoding run on the host
     (``tf.numpy_function``).""")
 
-    def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
-                 rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None,
-                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
-        codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
-                                              exchange, second_stage_bits)
-        super().__init__(codec, min_numel, exchange, second, fusion_threshold)
 
-    def settings(self):
-        return dict(super().settings(), second_stage_bits=self.second_codec.bits)
-
-
-class TopK(PayloadCompressor):
+class TopK(TopKArguments, PayloadCompressor):
     __doc__ = docs.topk(fusion="grouped", node_aware="asked", state=r"""per compressed
     gradient an int64 step counter and the fp32 residuals are ``tf.Variable``\ s,
     saved by ``tf.train.Checkpoint``; every rank saves its own.""")
-
-    def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto",
-                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
-        codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
-                          seed=seed, sample_ratio=sample_ratio)
-        super().__init__(codec, min_numel, check_exchange(exchange), codec, fusion_threshold)
 
 
 class RandomK(CompressorBase):

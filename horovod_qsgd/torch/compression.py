@@ -41,17 +41,18 @@ import time
 import horovod.torch as hvd
 import torch
 
-from horovod_qsgd.codecs import RandomKCodec, TopKCodec
+from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_missing
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
+from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, moved_owner_chunk, qsgd_codecs
+from horovod_qsgd.common.two_stage import chunk_unit, moved_owner_chunk
 from horovod_qsgd.kernels import all_finite
 from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
@@ -716,29 +717,12 @@ def device_reduction_scale(placeholder, num_ranks):
     return (scaled / num_ranks).float()
 
 
-class QSGD(PayloadCompressor):
+class QSGD(QSGDArguments, PayloadCompressor):
     __doc__ = docs.qsgd("tensor", fusion="step", node_aware="gpu")
 
-    def __init__(self, bits=4, bucket_size=512, norm="max", encoding="fixed", scale_dtype="float32",
-                 rounding="stochastic", min_numel=10000, seed=0, exchange="auto", second_stage_bits=None,
-                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
-        codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
-                                              exchange, second_stage_bits)
-        super().__init__(codec, min_numel, exchange, second, fusion_threshold)
 
-    def settings(self):
-        return dict(super().settings(), second_stage_bits=self.second_codec.bits)
-
-
-class TopK(PayloadCompressor):
+class TopK(TopKArguments, PayloadCompressor):
     __doc__ = docs.topk("checkpoint it.", fusion="step", node_aware="gpu")
-
-    def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto",
-                 fusion_threshold=DEFAULT_FUSION_THRESHOLD):
-        codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
-                          seed=seed, sample_ratio=sample_ratio)
-        super().__init__(codec, min_numel, check_exchange(exchange), codec, fusion_threshold)
 
 
 class RandomK(_CompressorBase):
