@@ -130,8 +130,10 @@ class Codec:
 
     codec_id = 0
     payload_nbytes_is_fixed = True
-    # int64 check counters per payload of decode_accumulate_chained; 0: the codec has no chained decode
-    chained_check_width = 0
+    # int64 counters per payload in which a decode counts what it finds wrong (0: it has nothing to check)
+    fault_width = 0
+    # whether decode_sum takes device records: variable-size payloads on a CUDA device that the device found
+    decodes_chained = False
     MAX_NUMEL = 2 ** 32 - 1
 
     def config(self):
@@ -157,50 +159,60 @@ class Codec:
     def max_payload_nbytes(self, numel):
         raise NotImplementedError
 
-    def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
-        """Adds the payloads at ``spans`` ([(start, end, header)]) of ``buffer`` to ``outs``, in order.
+    def decode_accumulate(self, payload, out, *, header=None):
+        """out += decode(payload) (float32, in place); PayloadError if the payload is damaged or not this codec's.
 
-        What an exchange decodes per tensor; codecs whose decode has checks
-        to read back (top-k) read them once for all payloads. With
-        ``defer_checks`` they return those checks as a uint8 array on the
-        payloads' device instead (None: nothing to check), for the caller to
-        read with the headers and pass to :meth:`raise_for_checks`.
+        ``header``: the payload's header, already read (None: read here).
         """
-        for (start, end, header), out in zip(spans, outs):
-            self.decode_accumulate(buffer[start:end], out, header=header)
+        self.decode_sum(payload, [(0, payload.size, header)], [out])
+
+    def decode_sum(self, buffer, payloads, outs, faults=None):
+        """Adds the payloads of ``buffer`` to ``outs`` in order (float32; one array given twice sums both).
+
+        The one decode of every exchange. ``payloads``: [(start, end, header)]
+        (a header None is read here), or, where :attr:`decodes_chained`, the
+        device records (len(outs), 2) of each payload's (start, length) or
+        (-1, 0) from :func:`~.header.follow_header_chain`, for payloads whose
+        starts only a CUDA device knows. What a decode finds wrong (a
+        corrupt stream, an index out of range) raises PayloadError here, read
+        back once for all payloads; or, given ``faults`` (zeroed int64
+        counters, :attr:`fault_width` per payload, on the payloads' device), it
+        is counted there for the caller to read with the payloads' headers in
+        one copy and pass to :meth:`raise_for_faults`. Meanwhile garbage may go
+        into ``outs``, never outside them. Device records need ``faults``.
+        """
+        width = self.fault_width
+        if not isinstance(payloads, list):
+            if faults is None or not self.decodes_chained:
+                raise ValueError(f"{self!r}: device records need decodes_chained and fault counters")
+            return self._decode_chained(buffer, payloads, outs, faults)
+        counters, headers = faults, []
+        for slot, ((start, end, header), out) in enumerate(zip(payloads, outs)):
+            h, payload, out, gpu = self._open_payload(buffer[start:end], out, header)
+            if counters is None and width:
+                counters = error_counters(width * len(payloads), gpu)
+            self._decode_one(h, payload, out, counters[width * slot:width * (slot + 1)] if width else None)
+            headers.append(h)
+        if faults is None and counters is not None:
+            checks = counters.view(np.uint8)
+            self.raise_for_faults(checks if isinstance(checks, np.ndarray) else host_copy(checks), headers)
         return None
 
-    def decode_accumulate_chained(self, buffer, records, outs, counters):
-        """Adds the variable-size payloads of a CUDA ``buffer`` to ``outs`` where only the device knows
-        their starts: ``records`` (device int64 (len(outs), 2), each payload's (start, length) or (-1, 0),
-        from :func:`~.header.follow_header_chain`). Faults go to ``counters`` (device int64,
-        ``chained_check_width`` zeroed values per payload) for :meth:`raise_for_checks` once the headers
-        have been read and checked; garbage may go into ``outs`` meanwhile, never outside them."""
+    def raise_for_faults(self, fault_bytes, headers):
+        """Raises PayloadError where the host bytes of :meth:`decode_sum`'s ``faults`` show one (``headers``: the
+        payloads', in order)."""
+
+    def _decode_one(self, header, payload, out, counters):
+        """out += the payload checked against ``header``; faults counted in ``counters`` (None: no fault_width)."""
+        raise NotImplementedError(f"{type(self).__name__} has no gradient decode")
+
+    def _decode_chained(self, buffer, records, outs, faults):
         raise NotImplementedError(f"{type(self).__name__} has no chained decode")
 
-    def raise_for_checks(self, checks, spans):
-        """Raises PayloadError if the host bytes of ``decode_accumulate_all``'s deferred checks show a fault."""
-
-    def _decode_all_counting(self, buffer, spans, outs, defer_checks, width, decode_one):
-        """``decode_accumulate_all`` for a decode that counts its faults on the payloads' device.
-
-        ``decode_one(header, payload, out, counters)`` adds to ``counters``,
-        ``width`` zeroed int64 values of the payload's own; they are read
-        back once for all payloads (or returned as bytes with ``defer_checks``).
-        """
-        counters = None
-        for slot, ((start, end, header), out) in enumerate(zip(spans, outs)):
-            h, payload, out, gpu = self._open_payload(buffer[start:end], out, header)
-            if counters is None:
-                counters = error_counters(width * len(spans), gpu)
-            decode_one(h, payload, out, counters[width * slot:width * (slot + 1)])
-        if counters is None:
-            return None
-        checks = counters.view(np.uint8)
-        if defer_checks:
-            return checks
-        self.raise_for_checks(checks if isinstance(checks, np.ndarray) else host_copy(checks), spans)
-        return None
+    @staticmethod
+    def _numbered(message, slot, count):
+        """``message`` naming the payload among several."""
+        return message if count == 1 else f"{message} (payload number {slot} of {count})"
 
     # -- helpers for subclasses -------------------------------------------
 

@@ -82,7 +82,8 @@ class QSGDCodec(Codec):
         self.seed = check_int("seed", seed, 0, 2 ** 64 - 1)
         self.levels = (1 << (self.bits - 1)) - 1
         self.payload_nbytes_is_fixed = self.encoding == "fixed"
-        self.chained_check_width = 0 if self.payload_nbytes_is_fixed else 3
+        self.decodes_chained = not self.payload_nbytes_is_fixed
+        self.fault_width = 3 if self.decodes_chained else 0  # see kernels.elias_error
 
     def config(self):
         return {"bits": self.bits, "bucket_size": self.bucket_size, "norm": self.norm,
@@ -145,19 +146,13 @@ class QSGDCodec(Codec):
             used = s0 + K.elias_encode(x, scales, ends, out[s0:s0 + self._max_stream_bytes(n)], **kw)
         return self._finish(out, n, used)
 
-    def decode_accumulate(self, payload, out, *, header=None):
-        """out += decode(payload) (float32, in place)."""
-        h, payload, out, gpu = self._open_payload(payload, out, header)
+    def _decode_one(self, h, payload, out, counters):
         n = h.numel
+        if self.encoding != "fixed":
+            return self._decode_elias(h, payload, out, counters)
         scales, off = self._sections(payload, n)
-        kw = dict(bucket_size=self.bucket_size, bits=self.bits, half=self.scale_dtype == "float16")
-        if self.encoding == "fixed":
-            K.qsgd_decode_accumulate(scales, payload[off:off + (n * self.bits + 7) // 8], out, **kw)
-            return
-        try:
-            self._decode_elias(h, payload, out)
-        except ValueError as e:
-            raise PayloadError(str(e)) from None
+        K.qsgd_decode_accumulate(scales, payload[off:off + (n * self.bits + 7) // 8], out, bucket_size=self.bucket_size,
+                                 bits=self.bits, half=self.scale_dtype == "float16")
 
     def _elias_layout(self, n):
         """Byte offsets of the scales, the bucket ends and the streams inside an Elias payload of n elements."""
@@ -170,12 +165,9 @@ class QSGDCodec(Codec):
             return f"truncated Elias payload: {h.nbytes} bytes, the offsets alone end at {stream_at}"
         return None
 
-    def _decode_elias(self, h, payload, out, counters=None):
-        error = self._elias_truncation(h)
-        if error:
-            if counters is not None:
-                return  # raise_for_checks reports it with the payload's number
-            raise PayloadError(error)
+    def _decode_elias(self, h, payload, out, counters):
+        if self._elias_truncation(h):
+            return  # raise_for_faults reports it
         n = h.numel
         scales, _ = self._sections(payload, n)
         _, ends_at, stream_at = self._elias_layout(n)
@@ -183,28 +175,18 @@ class QSGDCodec(Codec):
                                   payload[stream_at:h.nbytes], out, bucket_size=self.bucket_size, bits=self.bits,
                                   half=self.scale_dtype == "float16", counters=counters)
 
-    def decode_accumulate_chained(self, buffer, records, outs, counters):
-        """As :meth:`Codec.decode_accumulate_chained`: every Elias payload's buckets decode in parallel at
-        the payload's start as the device found it."""
-        if self.payload_nbytes_is_fixed:
-            return super().decode_accumulate_chained(buffer, records, outs, counters)
-        width = self.chained_check_width
+    def _decode_chained(self, buffer, records, outs, faults):
+        """Every Elias payload's buckets decode in parallel at the payload's start as the device found it."""
+        width = self.fault_width
         for slot, out in enumerate(outs):
             out = _check_array("out", out, np.float32, gpu=True)
-            K.elias_decode_chained(buffer, records, slot, out, counters[width * slot:width * (slot + 1)],
+            K.elias_decode_chained(buffer, records, slot, out, faults[width * slot:width * (slot + 1)],
                                    layout=self._elias_layout(out.size), bucket_size=self.bucket_size,
                                    bits=self.bits, half=self.scale_dtype == "float16")
 
-    def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
-        """As :meth:`Codec.decode_accumulate_all`; Elias payloads check their streams on their device and
-        the checks of all payloads are read back once."""
-        if self.encoding == "fixed":
-            return super().decode_accumulate_all(buffer, spans, outs, defer_checks=defer_checks)
-        return self._decode_all_counting(buffer, spans, outs, defer_checks, 3, self._decode_elias)
-
-    def raise_for_checks(self, checks, spans):
-        counters = np.ascontiguousarray(checks).view(np.int64).reshape(-1, 3)
-        for slot, ((_, _, header), row) in enumerate(zip(spans, counters)):
+    def raise_for_faults(self, fault_bytes, headers):
+        counters = np.ascontiguousarray(fault_bytes).view(np.int64).reshape(-1, 3)
+        for slot, (header, row) in enumerate(zip(headers, counters)):
             error = self._elias_truncation(header) or K.elias_error(row, self._nbuckets(header.numel))
             if error:
-                raise PayloadError(f"{error} (payload number {slot} of {len(spans)})")
+                raise PayloadError(self._numbered(error, slot, len(headers)))

@@ -83,6 +83,7 @@ class TopKCodec(Codec):
 
     codec_id = 2
     MAX_NUMEL = 2 ** 31 - 1
+    fault_width = 1  # entries whose index is out of range
 
     def __init__(self, ratio=0.01, selector="exact", value_dtype="float32", error_feedback=True,
                  seed=0, sample_ratio=0.01):
@@ -147,31 +148,18 @@ class TopKCodec(Codec):
                           sample_size=self.sample_size(n))
         return self._finish(out, n, HEADER_NBYTES + cap * (4 + _value_bytes(self.value_dtype)))
 
-    def decode_accumulate(self, payload, out, *, header=None):
-        """out[index] += value for every entry of the payload."""
-        h, payload, out, gpu = self._open_payload(payload, out, header)
+    def _decode_one(self, h, payload, out, bad_count):
+        """out[index] += value for every entry of the payload; entries with an index out of range counted."""
         idx, vals = self._sections(payload, h.numel)
-        bad = K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16")
-        if bad:
-            raise _index_error(bad, h.numel)
+        K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16", bad_counts=bad_count, slot=0)
 
-    def decode_accumulate_all(self, buffer, spans, outs, *, defer_checks=False):
-        """As :meth:`Codec.decode_accumulate_all`; the index checks of all payloads are read back once."""
-        def decode_one(h, payload, out, bad_count):
-            idx, vals = self._sections(payload, h.numel)
-            K.sparse_accumulate(idx, vals, out, half=self.value_dtype == "float16", bad_counts=bad_count, slot=0)
-        return self._decode_all_counting(buffer, spans, outs, defer_checks, 1, decode_one)
-
-    def raise_for_checks(self, checks, spans):
-        bad = np.ascontiguousarray(checks).view(np.int64)  # one out-of-range count per payload
+    def raise_for_faults(self, fault_bytes, headers):
+        bad = np.ascontiguousarray(fault_bytes).view(np.int64)  # one out-of-range count per payload
         if bad.any():
             slot = int(np.flatnonzero(bad)[0])
-            raise _index_error(int(bad[slot]), spans[slot][2].numel, f" (number {slot} of {len(spans)})")
-
-
-def _index_error(count, numel, which=""):
-    return PayloadError(f"corrupt top-k payload{which}: {count} entries have an index outside [0, {numel}) "
-                        "that is not the padding value -1")
+            raise PayloadError(self._numbered(
+                f"corrupt top-k payload: {int(bad[slot])} entries have an index outside [0, {headers[slot].numel}) "
+                "that is not the padding value -1", slot, len(headers)))
 
 
 class RandomKCodec(Codec):
@@ -292,8 +280,7 @@ class RandomKCodec(Codec):
                 view(out, off, k, np.float32)[:] = vals
         return self._finish(out, n, off + k * _value_bytes(self.value_dtype))
 
-    def decode_accumulate(self, payload, out, *, header=None):
-        h, payload, out, gpu = self._open_payload(payload, out, header)
+    def _decode_one(self, h, payload, out, counters):
         n = h.numel
         k = self.k(n)
         off = HEADER_NBYTES + 16

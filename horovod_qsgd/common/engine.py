@@ -30,7 +30,7 @@ by whoever starts them (fusion decides how many there are), seconds by the
 adapter (they depend on where it waits).
 """
 
-from horovod_qsgd.common.exchange import decode_sum
+from horovod_qsgd.common.exchange import decode_gathered
 from horovod_qsgd.common.node_aware import NODE_AWARE, NodeAwarePlan
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key
 from horovod_qsgd.common.two_stage import KeepsOwnerResidual, TwoStage, choose_exchange
@@ -101,7 +101,7 @@ class AllgatherPlan(_Counted):
 
     def decode(self, gathered, out):
         """Step 2: adds every rank's payload in the allgather's result, checked, in rank order, to ``out``."""
-        decode_sum(self.codec, gathered, self.num_ranks, self.numel, self.name, out)
+        decode_gathered(self.codec, gathered, self.num_ranks, self.numel, self.name, out)
 
 
 class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):

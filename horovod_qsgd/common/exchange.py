@@ -6,6 +6,7 @@ import numpy as np
 from horovod_qsgd.codecs import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, follow_header_chain, pack_header,
                                  parse_header, read_header_bytes, read_header_chain)
 from horovod_qsgd.common.errors import CompressionMismatchError, RankInJoinError
+from horovod_qsgd.kernels import error_counters
 
 # Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
 # place of its payload, so that every rank waiting for it raises too instead of hanging.
@@ -124,36 +125,43 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
     header chain, and the chain's headers come back with the codec's checks in
     one read.
     """
+    names = _per_payload(tensor_name, len(senders))
     if codec.payload_nbytes_is_fixed:
         sizes = [codec.max_payload_nbytes(numel) for numel in numels]
         if sum(sizes) == buffer.size:
             starts = list(itertools.accumulate(sizes, initial=0))[:-1]
-            spans = [(start, start + size, Header(WIRE_VERSION, codec.codec_id, numel, codec.digest, size))
-                     for start, size, numel in zip(starts, sizes, numels)]
-            checks = codec.decode_accumulate_all(buffer, spans, outs, defer_checks=True)
-            if checks is None:
-                heads = read_header_bytes(buffer, starts)
+            headers = [Header(WIRE_VERSION, codec.codec_id, numel, codec.digest, size)
+                       for size, numel in zip(sizes, numels)]
+            faults = _fault_counters(codec, len(outs), buffer)
+            codec.decode_sum(buffer, [(start, start + h.nbytes, h) for start, h in zip(starts, headers)], outs, faults)
+            if faults is None:
+                heads, fault_bytes = read_header_bytes(buffer, starts), None
             else:
-                heads, check_bytes = read_header_bytes(buffer, starts, tail=checks)
-            for head, sender, numel, name in zip(heads, senders, numels, _per_payload(tensor_name, len(senders))):
+                heads, fault_bytes = read_header_bytes(buffer, starts, tail=faults.view(np.uint8))
+            for head, sender, numel, name in zip(heads, senders, numels, names):
                 _checked_header(head, sender, numel, codec, name, what)
-            if checks is not None:
-                codec.raise_for_checks(check_bytes, spans)
+            if faults is not None:
+                codec.raise_for_faults(fault_bytes, headers)
             return
-    elif codec.chained_check_width and not isinstance(buffer, np.ndarray):
-        width = codec.chained_check_width
-        chain = follow_header_chain(buffer, len(senders), 8 * width * len(senders))
-        codec.decode_accumulate_chained(buffer, chain.records, outs, chain.tail.view(np.int64))
-        heads, check_bytes = chain.read()
+    elif codec.decodes_chained and not isinstance(buffer, np.ndarray):
+        chain = follow_header_chain(buffer, len(senders), 8 * codec.fault_width * len(senders))
+        codec.decode_sum(buffer, chain.records, outs, chain.tail.view(np.int64))
+        heads, fault_bytes = chain.read()
         spans = _checked_spans([row.tobytes() for row in heads], buffer.size, senders, numels, codec,
                                tensor_name, what)
-        codec.raise_for_checks(check_bytes, spans)
+        codec.raise_for_faults(fault_bytes, [header for _, _, header in spans])
         return
-    spans = check_payloads(buffer, senders, numels, codec, tensor_name, what)
-    codec.decode_accumulate_all(buffer, spans, outs)
+    codec.decode_sum(buffer, check_payloads(buffer, senders, numels, codec, tensor_name, what), outs)
 
 
-def decode_sum(codec, gathered, num_ranks, numel, tensor_name, total):
+def _fault_counters(codec, count, buffer):
+    """Zeroed int64 counters for ``count`` payloads' faults on ``buffer``'s device, or None (nothing to count)."""
+    if not codec.fault_width:
+        return None
+    return error_counters(codec.fault_width * count, not isinstance(buffer, np.ndarray))
+
+
+def decode_gathered(codec, gathered, num_ranks, numel, tensor_name, total):
     """Adds every rank's payload in an allgather's result, checked and decoded in rank order, to ``total``."""
     decode_checked(codec, gathered, range(num_ranks), [numel] * num_ranks, [total] * num_ranks, tensor_name)
 

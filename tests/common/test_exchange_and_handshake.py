@@ -7,7 +7,7 @@ import pytest
 from horovod_qsgd.codecs import PayloadError, QSGDCodec, TopKCodec
 from horovod_qsgd.codecs.header import HEADER_NBYTES
 from horovod_qsgd.common.errors import CompressionMismatchError, RankInJoinError
-from horovod_qsgd.common.exchange import check_payloads, decode_sum, join_notice, reduction_scale
+from horovod_qsgd.common.exchange import check_payloads, decode_gathered, join_notice, reduction_scale
 from horovod_qsgd.common.handshake import check_settings, settings_record, verify_settings
 
 
@@ -34,12 +34,12 @@ def _payloads(codec, rows, **encode_args):
     return parts
 
 
-def test_decode_sum_adds_every_rank_in_rank_order():
+def test_decode_gathered_adds_every_rank_in_rank_order():
     codec = QSGDCodec(bits=8, rounding="deterministic")
     rows = [np.full(300, value, np.float32) for value in (1.0, -2.0, 0.5)]  # constants quantize exactly
     gathered = np.concatenate(_payloads(codec, rows, step=0, key=7))
     total = np.zeros(300, np.float32)
-    decode_sum(codec, gathered, 3, 300, "w", total)
+    decode_gathered(codec, gathered, 3, 300, "w", total)
     assert np.array_equal(total, np.full(300, -0.5, np.float32))
 
 
@@ -50,11 +50,11 @@ def test_hvd_join_notices_are_counted_over_the_whole_buffer_and_raised_after_the
     for parts, joined in [([notice, payload, notice], 2), ([payload, notice, payload], 1)]:
         total = np.zeros(300, np.float32)
         with pytest.raises(RankInJoinError) as info:
-            decode_sum(codec, np.concatenate(parts), 3, 300, "w", total)
+            decode_gathered(codec, np.concatenate(parts), 3, 300, "w", total)
         assert info.value.joined == joined
     # a mismatch elsewhere in the buffer is still named, not hidden behind the notice
     with pytest.raises(CompressionMismatchError, match="sent no horovod_qsgd payload") as info:
-        decode_sum(codec, np.concatenate([notice, np.full(payload.size, 7, np.uint8)]), 2, 300, "w", total)
+        decode_gathered(codec, np.concatenate([notice, np.full(payload.size, 7, np.uint8)]), 2, 300, "w", total)
     assert not isinstance(info.value, RankInJoinError)
 
 
@@ -133,9 +133,9 @@ def test_a_top_k_index_out_of_range_is_reported_with_its_payload():
     parts[1][16:20] = np.frombuffer(np.int32(105).tobytes(), np.uint8)  # the first index, past the tensor's end
     with pytest.raises(PayloadError, match=r"corrupt top-k payload: 1 entries have an index outside \[0, 100\)"):
         codec.decode_accumulate(parts[1], np.zeros(100, np.float32))
-    with pytest.raises(PayloadError, match=r"corrupt top-k payload \(number 1 of 3\): 1 entries have an index "
-                                           r"outside \[0, 100\)"):
-        decode_sum(codec, np.concatenate(parts), 3, 100, "w", np.zeros(100, np.float32))
+    with pytest.raises(PayloadError, match=r"corrupt top-k payload: 1 entries have an index outside \[0, 100\) "
+                                           r"that is not the padding value -1 \(payload number 1 of 3\)"):
+        decode_gathered(codec, np.concatenate(parts), 3, 100, "w", np.zeros(100, np.float32))
 
 
 def test_corrupt_elias_payloads_are_reported_with_their_number():
@@ -147,16 +147,16 @@ def test_corrupt_elias_payloads_are_reported_with_their_number():
     parts[1][streams:] = 0xFF  # every bucket's stream runs on past its 64 elements
     with pytest.raises(PayloadError,
                        match=r"corrupt Elias stream in bucket 0 \(and 9 more\) \(payload number 1 of 3\)"):
-        decode_sum(codec, np.concatenate(parts), 3, 640, "w", np.zeros(640, np.float32))
+        decode_gathered(codec, np.concatenate(parts), 3, 640, "w", np.zeros(640, np.float32))
     parts[2][ends + 8:ends + 12] = 0xFF  # the third bucket ends past the stream
     with pytest.raises(PayloadError, match=r"offsets are not increasing or run past the stream \(payload number 2 "):
-        decode_sum(codec, np.concatenate([parts[0], parts[0], parts[2]]), 3, 640, "w", np.zeros(640, np.float32))
+        decode_gathered(codec, np.concatenate([parts[0], parts[0], parts[2]]), 3, 640, "w", np.zeros(640, np.float32))
     with pytest.raises(PayloadError, match=r"^Elias bucket offsets are not increasing or run past the stream$"):
         codec.decode_accumulate(parts[2], np.zeros(640, np.float32))
 
 
 def test_payloads_decoded_before_their_headers_are_read_still_raise_on_a_mismatch():
-    # Same sizes, so decode_sum decodes first and checks the headers after (one device read): the
+    # Same sizes, so decode_gathered decodes first and checks the headers after (one device read): the
     # mismatch must be reported exactly as the walk reports it.
     rows = [np.ones(1000, np.float32)] * 2
     ours, other = QSGDCodec(bits=4), QSGDCodec(bits=4, seed=5)
@@ -164,11 +164,11 @@ def test_payloads_decoded_before_their_headers_are_read_still_raise_on_a_mismatc
     gathered = np.concatenate(parts)
     assert gathered.size == 2 * ours.max_payload_nbytes(1000)
     with pytest.raises(CompressionMismatchError, match=r"rank 1's payload does not match this rank's: settings digest"):
-        decode_sum(ours, gathered, 2, 1000, "w", np.zeros(1000, np.float32))
+        decode_gathered(ours, gathered, 2, 1000, "w", np.zeros(1000, np.float32))
     newer = np.concatenate(_payloads(ours, rows, step=0, key=1))
     newer[ours.max_payload_nbytes(1000) + 2] = 9  # rank 1's wire format version
     with pytest.raises(CompressionMismatchError, match=r"rank 1's payload does not match this rank's: wire format "
                                                        r"version 9 \(here 1\)"):
-        decode_sum(ours, newer, 2, 1000, "w", np.zeros(1000, np.float32))
+        decode_gathered(ours, newer, 2, 1000, "w", np.zeros(1000, np.float32))
     with pytest.raises(CompressionMismatchError, match=r"wire format version 9 \(here 1\)"):
         check_payloads(newer, [0, 1], [1000, 1000], ours, "w")

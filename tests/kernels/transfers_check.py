@@ -26,7 +26,7 @@ from numba.cuda.simulator.kernel import FakeCUDAKernel  # noqa: E402
 
 from horovod_qsgd import kernels as K  # noqa: E402
 from horovod_qsgd.codecs import LatticeCodec, QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
-from horovod_qsgd.common.exchange import decode_sum  # noqa: E402
+from horovod_qsgd.common.exchange import decode_gathered  # noqa: E402
 from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
 from tests.two_stage_reference import first_stage_inboxes  # noqa: E402
 
@@ -119,9 +119,9 @@ def decode_case(name, codec, rows, residual=False):
     gathered = np.concatenate(payloads(codec, rows, residual))
     n = rows[0].size
     expected = np.zeros(n, np.float32)
-    decode_sum(codec, gathered, len(rows), n, "w", expected)
+    decode_gathered(codec, gathered, len(rows), n, "w", expected)
     d_gathered, d_total = device(gathered), device(np.zeros(n, np.float32))
-    measure(name, lambda: (decode_sum(codec, d_gathered, len(rows), n, "w", d_total), d_total)[1], expected)
+    measure(name, lambda: (decode_gathered(codec, d_gathered, len(rows), n, "w", d_total), d_total)[1], expected)
 
 
 def two_stage_case(name, codec, numel=5000, ranks=3):
