@@ -19,19 +19,17 @@ SHARED_LAUNCHES = True  # tests with the same layout run in one launch (tests/mu
 @pytest.mark.parametrize("nodes, per_node", [
     pytest.param(2, 2, marks=pytest.mark.ranks(4, timeout=300, launcher="nodes:2x2")),
     pytest.param(3, 2, marks=pytest.mark.ranks(6, timeout=400, launcher="nodes:3x2"))])
-def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(nodes, per_node, hvd_tf):
+def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(nodes, per_node, hvd_tf, hvd_torch):
     """exchange='node_aware': QSGD (three tensors in flight) and top-k over 4 steps with its residuals through a
     checkpoint, bitwise the reference on every rank in both adapters (2 nodes: the nodes' allgather; 3 nodes:
     their two stages); the same bytes in both; the bytes kept in the node and the collectives as the formula
     says; 'auto' node-blind on CPU; a tensor whose length differs on one rank refused on every rank."""
     import tensorflow as tf
     import torch
-    import horovod.torch as hvd_torch
     from horovod_qsgd.codecs import QSGDCodec, TopKCodec
     import horovod_qsgd.tensorflow as tf_adapter
     import horovod_qsgd.torch as torch_adapter
     hvd, ranks = hvd_tf, nodes * per_node
-    hvd_torch.init()
     rank = hvd.rank()
     assert (hvd.size(), hvd.local_size(), hvd.cross_size()) == (ranks, per_node, nodes)
     assert (hvd.local_rank(), hvd.cross_rank()) == (rank % per_node, rank // per_node)

@@ -32,13 +32,11 @@ CONFIGS = [("QSGD", {"bits": 4}), ("QSGD", {"bits": 3, "norm": "l2", "bucket_siz
 
 
 @pytest.mark.ranks(2, timeout=180)
-def test_same_payload_bytes_and_result_as_the_torch_adapter(hvd_tf):
+def test_same_payload_bytes_and_result_as_the_torch_adapter(hvd_tf, hvd_torch):
     import tensorflow as tf
     import torch
-    import horovod.torch as hvd_torch
     import horovod_qsgd.tensorflow as tf_adapter
     import horovod_qsgd.torch as torch_adapter
-    hvd_torch.init()
     rank = hvd_tf.rank()
     for class_name, kwargs in CONFIGS:
         tf_compressor = getattr(tf_adapter, class_name)(**kwargs)

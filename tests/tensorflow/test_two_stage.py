@@ -14,15 +14,13 @@ RANKS_3_AND_4 = [pytest.param(3, marks=pytest.mark.ranks(3, timeout=240)),
 
 
 @pytest.mark.parametrize("num_ranks", RANKS_3_AND_4)
-def test_eager_and_traced_results_equal_the_reference_and_the_torch_adapter(hvd_tf, num_ranks):
+def test_eager_and_traced_results_equal_the_reference_and_the_torch_adapter(hvd_tf, hvd_torch, num_ranks):
     import tensorflow as tf
     import torch
-    import horovod.torch as hvd_torch
     from horovod_qsgd.codecs import QSGDCodec
     import horovod_qsgd.tensorflow as tf_adapter
     import horovod_qsgd.torch as torch_adapter
     hvd = hvd_tf
-    hvd_torch.init()
     numel, bucket = 100_003, 512  # divisible neither by the ranks nor by the bucket
     grads = [gradient(r, numel) for r in range(num_ranks)]
     mine = grads[hvd.rank()]
@@ -81,16 +79,14 @@ def test_sparse_embedding_gradients_pass_through(hvd_tf):
 
 
 @pytest.mark.ranks(3, timeout=240)
-def test_top_k_two_stage_in_a_function_equals_the_reference_and_the_torch_adapter(hvd_tf):
+def test_top_k_two_stage_in_a_function_equals_the_reference_and_the_torch_adapter(hvd_tf, hvd_torch):
     import tensorflow as tf
     import torch
-    import horovod.torch as hvd_torch
     from horovod_qsgd.codecs import TopKCodec
     import horovod_qsgd.tensorflow as tf_adapter
     import horovod_qsgd.torch as torch_adapter
     from tests.two_stage_reference import bounds
     hvd = hvd_tf
-    hvd_torch.init()
     numel, me = 100_003, hvd.rank()
     compressor = tf_adapter.TopK(ratio=0.01)  # auto: two stages at 3 ranks
     twin = torch_adapter.TopK(ratio=0.01)
