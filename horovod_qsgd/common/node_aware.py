@@ -194,6 +194,20 @@ class NodeAwarePlan(KeepsOwnerResidual):
         """The global ranks of the node whose flag (step 4) says their shard failed."""
         return [r for r, flag in zip(self.layout.local_ranks(), flags) if flag != 0]
 
+    def failed_between_nodes(self, failed, label=None):
+        """The error of a rank whose node-mates' shards failed between nodes (``failed``: their global ranks)."""
+        return RuntimeError(
+            f"horovod_qsgd: {label or f'tensor {self.name!r}'} failed between nodes on rank(s) {failed} of this node "
+            "(their error says why); its result is not used here either.")
+
+    def refusal_counts(self, notice_nbytes):
+        """Step 2 of a rank whose node sum failed: (bytes per node, copies of the refusal notice) that tell every
+        peer, who raises and tells every rank of its node in step 4."""
+        nodes, node = self.layout.num_nodes, self.layout.node
+        if self.cross.kind == "two_stage":  # each owner but itself gets the notice in place of its slice
+            return [0 if k == node else notice_nbytes for k in range(nodes)], nodes - 1
+        return [notice_nbytes] * nodes, nodes
+
     def between_nodes(self, error):
         """``error`` of step 2 (whose ranks are nodes) with a note that says so, as the same exception type."""
         try:
@@ -300,7 +314,9 @@ class NodeAwareGroup:
         return self.plans[0].between_nodes(error)
 
     def failed_between_nodes(self, failed):
-        """The error of a rank whose node-mates' shards failed between nodes (``failed``: their global ranks)."""
-        return RuntimeError(
-            f"horovod_qsgd: {self.label} failed between nodes on rank(s) {failed} of this node (their error says "
-            "why); its result is not used here either.")
+        """As :meth:`NodeAwarePlan.failed_between_nodes`, naming the group's tensors."""
+        return self.plans[0].failed_between_nodes(failed, self.label)
+
+    def refusal_counts(self, notice_nbytes):
+        """As :meth:`NodeAwarePlan.refusal_counts` (one notice for the whole group)."""
+        return self.plans[0].refusal_counts(notice_nbytes)

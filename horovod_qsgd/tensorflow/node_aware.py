@@ -88,7 +88,7 @@ class NodeAwareOps:
         """Step 2: the node's sum of this rank's shard, encoded for this local index's rank on every node."""
         plan, cross = self.plan, self.plan.cross
         start = time.perf_counter()
-        nodes, node = plan.layout.num_nodes, plan.layout.node
+        nodes = plan.layout.num_nodes
         shard_residual = np.zeros(plan.shard if self.error_feedback else 0, np.float32)
         error = plan.check_in_node(received_splits.tolist())
         own = np.zeros(0, np.float32)
@@ -101,16 +101,15 @@ class NodeAwareOps:
                 node_sum += row
         residual = shard_residual if self.error_feedback else None
         out = np.zeros(cross.capacity(), np.uint8)
-        if cross.kind == "two_stage":
-            if error is None:
-                own = np.empty(cross.own_numel(), np.float32)
-                counts = cross.encode(node_sum, out, own, int(step), residual)
-                sent = out[:sum(counts)]
-            else:  # every owner refuses this rank's slice, and tells every rank in the next step
-                counts = [0 if k == node else _notice().size for k in range(nodes)]
-                sent = np.tile(_notice(), nodes - 1)
+        if error is not None:  # every peer gets a refusal notice, and tells every rank of its node in step 4
+            counts, copies = plan.refusal_counts(_notice().size)
+            sent = np.tile(_notice(), copies)
+        elif cross.kind == "two_stage":
+            own = np.empty(cross.own_numel(), np.float32)
+            counts = cross.encode(node_sum, out, own, int(step), residual)
+            sent = out[:sum(counts)]
         else:
-            payload = out[:cross.encode(node_sum, out, int(step), residual)] if error is None else _notice()
+            payload = out[:cross.encode(node_sum, out, int(step), residual)]
             counts, sent = [payload.size] * nodes, np.tile(payload, nodes)
         self.stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
         return sent, np.asarray(plan.cross_splits(counts), np.int32), own, shard_residual
@@ -194,9 +193,7 @@ class NodeAwareOps:
             rows = gathered.reshape(plan.layout.local_size, plan.shard + 1)
             failed = plan.failed_ranks(rows[:, plan.shard].tolist())
             if failed:
-                self._fail(RuntimeError(
-                    f"horovod_qsgd: tensor {plan.name!r} failed between nodes on rank(s) {failed} of this node "
-                    "(their error says why); its result is not used here either."))
+                self._fail(plan.failed_between_nodes(failed))
         error = self.errors.pop(plan.name, None)
         if error is not None:
             raise error

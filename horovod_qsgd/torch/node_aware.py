@@ -193,15 +193,11 @@ class NodeAwareExchanges:
         """Step 2: the node's sum of each member's shard, encoded, to this local index's rank on every node."""
         group, members = flight.group, flight.members
         nodes = group.layout.num_nodes
-        if flight.error is not None:  # every peer gets a refusal notice, and tells every rank in the next step
+        if flight.error is not None:  # every peer gets a refusal notice, and tells every rank of its node in step 4
             notice = _notice(flight.device)
-            if group.kind == "two_stage":
-                counts = [0 if k == group.layout.node else notice.numel() for k in range(nodes)]
-                sent = notice.repeat(nodes - 1)
-            else:
-                counts, sent = [notice.numel()] * nodes, notice.repeat(nodes)
+            counts, copies = group.refusal_counts(notice.numel())
             flight.stage = _CROSS
-            self._start(flight, sent, group.cross_splits(counts))
+            self._start(flight, notice.repeat(copies), group.cross_splits(counts))
             return
         outs = [torch.zeros(m.plan.cross.capacity(), dtype=torch.uint8, device=flight.device) for m in members]
         if group.kind == "two_stage":
