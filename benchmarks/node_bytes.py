@@ -82,10 +82,11 @@ def formula(model, name, nodes, per_node):
     return nodes * total
 
 
-def run(name, nodes, per_node, model, tmp, rate=None):
+def run(name, nodes, per_node, model, tmp, rate=None, iters=2):
+    """One job of configuration ``name`` (``iters`` timed iterations of 2 steps); the nodelab's result."""
     out = os.path.join(tmp, f"{nodes}x{per_node}-{name}.json")
     argv = [sys.executable, os.path.join(ROOT, "benchmarks", "pytorch_synthetic_benchmark.py"), "--model", model,
-            "--batch-size", "8", "--num-warmup-batches", "2", "--num-iters", "2", "--num-batches-per-iter", "2",
+            "--batch-size", "8", "--num-warmup-batches", "2", "--num-iters", str(iters), "--num-batches-per-iter", "2",
             "--json-out", out, *_flags(name)]
     return nodelab.run_benchmark(nodes, per_node, argv, out, name, rate=rate, timeout=1200)
 
