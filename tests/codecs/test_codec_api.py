@@ -11,7 +11,7 @@ from horovod_qsgd.codecs import (HEADER_NBYTES, PayloadError, QSGDCodec, RandomK
                                  parse_header, split_payloads)
 from horovod_qsgd.codecs.header import WIRE_VERSION
 
-from tests.kernels.helpers import decode, encode
+from tests.kernels.helpers import bits_equal, decode, encode
 
 ALL = [QSGDCodec(), QSGDCodec(encoding="elias"), TopKCodec(), TopKCodec(selector="gaussian"), RandomKCodec()]
 
@@ -73,6 +73,38 @@ def test_concatenated_payloads_are_walked_by_length():
     assert [h.nbytes for _, h in found] == [p.size for _, _, p in parts]
     for (off, h), (c, x, p) in zip(found, parts):
         assert np.array_equal(decode(c, buf[off:off + h.nbytes], x.size), decode(c, p, x.size))
+
+
+@pytest.mark.parametrize("codec", ALL, ids=repr)
+def test_decode_sum_is_each_payload_decoded_in_order_and_counts_its_faults_where_asked(codec):
+    xs = [np.random.default_rng(i).standard_normal(640).astype(np.float32) for i in range(3)]
+    parts = [encode(codec, x, step=1, key=i, residual=np.zeros_like(x)) for i, x in enumerate(xs)]
+    buf = np.concatenate(parts)
+    starts = np.cumsum([0] + [p.size for p in parts])
+    spans = [(int(b), int(e), None) for b, e in zip(starts[:-1], starts[1:])]
+    total, apart = np.zeros(640, np.float32), [np.zeros(640, np.float32) for _ in parts]
+    codec.decode_sum(buf, spans, [total] * 3)  # one output given three times: the sum, in payload order
+    codec.decode_sum(buf, spans, apart)
+    expected = np.zeros(640, np.float32)
+    for p in parts:
+        expected += decode(codec, p, 640)
+    assert bits_equal(total, expected)
+    assert all(bits_equal(a, decode(codec, p, 640)) for a, p in zip(apart, parts))
+    with pytest.raises(ValueError, match="device records need decodes_chained and fault counters"):
+        codec.decode_sum(buf, np.zeros((3, 2), np.int64), apart)
+    if not codec.fault_width:
+        return
+    damaged = buf.copy()  # payload 1's first index (top-k) or first bucket's end (Elias, after the scales) past the end
+    at = int(starts[1]) + HEADER_NBYTES + (0 if isinstance(codec, TopKCodec) else 4 * -(-640 // codec.bucket_size))
+    damaged[at:at + 4] = np.frombuffer(np.int32(1 << 30).tobytes(), np.uint8)
+    faults = np.zeros(3 * codec.fault_width, np.int64)
+    codec.decode_sum(damaged, spans, [np.zeros(640, np.float32) for _ in parts], faults)  # counted, not raised
+    assert faults.reshape(3, -1)[[0, 2]].sum() == 0 and faults.reshape(3, -1)[1].any()
+    headers = [parse_header(bytes(p[:HEADER_NBYTES])) for p in parts]
+    with pytest.raises(PayloadError, match=r"\(payload number 1 of 3\)$"):
+        codec.raise_for_faults(faults.view(np.uint8), headers)
+    with pytest.raises(PayloadError, match=r"\(payload number 1 of 3\)$"):
+        codec.decode_sum(damaged, spans, [np.zeros(640, np.float32) for _ in parts])
 
 
 def test_decode_mismatches_raise_payload_error():
