@@ -14,9 +14,8 @@ def _init_after_the_other_framework(hvd, other_name, barrier):
     """``hvd.init()``, after a barrier of the other framework's Horovod where this process initialised it.
 
     Each framework's Horovod has its own Gloo contexts and meets in the same rendezvous scopes: a rank that
-    started the second init while another was still finishing the first read that rank's first address
-    and connected to it, and Gloo aborted the process (seen in the node launcher's
-    CI runs, in init). The barrier ends every
+    started the second init while another was still finishing the first read that rank's first address and
+    connected to it, and Gloo aborted the process in init (node-launcher CI runs). The barrier ends every
     rank's first rendezvous, whose keys the launcher's server then drops, before any rank starts the second.
     A broadcast: an allreduce asks the process set for its size, which importing the second framework
     re-binds to that framework's library, not yet initialised.
