@@ -49,7 +49,7 @@ CONFIGS = [("none", "uncompressed"), ("qsgd-4bit-allgather", "QSGD-4, allgather"
 _EXCHANGES = {"-two-stage": "two_stage", "-node-aware": "node_aware", "-node-aware-unfused": "node_aware"}
 
 
-def _split_name(name):
+def split_name(name):
     """(compressor, exchange) of a configuration's name."""
     for suffix, exchange in _EXCHANGES.items():
         if name.endswith(suffix):
@@ -58,7 +58,7 @@ def _split_name(name):
 
 
 def _flags(name):
-    compressor, exchange = _split_name(name)
+    compressor, exchange = split_name(name)
     if exchange == "allgather" or name in SPECS:
         return benchmark_flags(name)
     return benchmark_flags(compressor) + ["--exchange", exchange]
@@ -70,7 +70,7 @@ def formula(model, name, nodes, per_node):
     from benchmarks.models_torch import build_model
     from benchmarks import scaling
     from benchmarks.node_scaling import tensor_bytes
-    compressor, exchange = _split_name(name)
+    compressor, exchange = split_name(name)
     min_numel = scaling._codecs(compressor)[0].min_numel if compressor != "none" else None
     ranks = nodes * per_node
     placeholder = 2 * (ranks - 1) / ranks * 4 if exchange == "node_aware" else 0.0

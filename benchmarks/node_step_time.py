@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.node_bytes import CONFIGS, run  # noqa: E402
+from benchmarks.node_bytes import CONFIGS, split_name, run  # noqa: E402
 
 DEFAULT_CONFIGS = "none,qsgd-4bit-two-stage,qsgd-4bit-node-aware,topk-1%-two-stage,topk-1%-node-aware"
 
@@ -64,11 +64,10 @@ def main():
                 runs[name].append(result["step_seconds"])
                 print(f"{rate:>8} round {round_} {labels[name]:24s} {result['step_seconds']:.3f} s/step, "
                       f"{result['inter_node_bytes_per_step'] / 1e6:.2f} MB/step between nodes", flush=True)
-        rows = {name: dict(config=labels[name], runs=seconds, median=statistics.median(seconds))
-                for name, seconds in runs.items()}
+        rows = {name: dict(config=labels[name], exchange=split_name(name)[1], runs=seconds,
+                           median=statistics.median(seconds)) for name, seconds in runs.items()}
         for name, row in rows.items():
-            compressor = name.split("-node-aware")[0].split("-two-stage")[0]
-            row["vs_two_stages"] = _ratio(rows, name, f"{compressor}-two-stage")
+            row["vs_two_stages"] = _ratio(rows, name, f"{split_name(name)[0]}-two-stage")
             row["vs_uncompressed"] = _ratio(rows, name, "none")
         table[rate] = rows
     os.makedirs(args.out, exist_ok=True)
@@ -83,11 +82,12 @@ def main():
              f"rate (below 1: faster). Taken {started} on the project's 2-core VM ({nodes * per_node} ranks "
              "oversubscribe it: in-node steps compete with the codecs for 2 cores).", "", "```bash", command, "```", ""]
     for rate, rows in table.items():
-        lines += [f"## NICs at {rate}", "", "| exchange | s/step (median) | runs | / flat two stages | / uncompressed |",
-                  "|---|---|---|---|---|"]
-        for row in rows.values():
-            vs_two = "" if row["vs_two_stages"] is None or "two stages" in row["config"] else f"{row['vs_two_stages']:.2f}"
-            vs_none = "" if row["config"] == "uncompressed" else f"{row['vs_uncompressed']:.2f}"
+        lines += [f"## NICs at {rate}", "",
+                  "| exchange | s/step (median) | runs | / flat two stages | / uncompressed |", "|---|---|---|---|---|"]
+        for name, row in rows.items():
+            flat, none = row["vs_two_stages"], row["vs_uncompressed"]
+            vs_two = "" if flat is None or row["exchange"] == "two_stage" else f"{flat:.2f}"
+            vs_none = "" if none is None or name == "none" else f"{none:.2f}"
             lines.append(f"| {row['config']} | {row['median']:.3f} | "
                          f"{', '.join(f'{s:.2f}' for s in row['runs'])} | {vs_two} | {vs_none} |")
         lines.append("")
