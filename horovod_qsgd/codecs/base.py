@@ -189,14 +189,19 @@ class Codec:
         counters, headers = faults, []
         for slot, ((start, end, header), out) in enumerate(zip(payloads, outs)):
             h, payload, out, gpu = self._open_payload(buffer[start:end], out, header)
-            if counters is None and width:
-                counters = error_counters(width * len(payloads), gpu)
+            if counters is None:
+                counters = self.fault_counters(len(payloads), gpu)
             self._decode_one(h, payload, out, counters[width * slot:width * (slot + 1)] if width else None)
             headers.append(h)
         if faults is None and counters is not None:
             checks = counters.view(np.uint8)
             self.raise_for_faults(checks if isinstance(checks, np.ndarray) else host_copy(checks), headers)
         return None
+
+    def fault_counters(self, count, gpu):
+        """Zeroed counters for the faults of ``count`` payloads (:meth:`decode_sum`'s ``faults``) on the host or the
+        device, or None where the decode has nothing to count."""
+        return error_counters(self.fault_width * count, gpu) if self.fault_width else None
 
     def raise_for_faults(self, fault_bytes, headers):
         """Raises PayloadError where the host bytes of :meth:`decode_sum`'s ``faults`` show one (``headers``: the

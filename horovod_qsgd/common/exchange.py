@@ -6,7 +6,6 @@ import numpy as np
 from horovod_qsgd.codecs import (HEADER_NBYTES, WIRE_VERSION, Header, PayloadError, follow_header_chain, pack_header,
                                  parse_header, read_header_bytes, read_header_chain)
 from horovod_qsgd.common.errors import CompressionMismatchError, RankInJoinError
-from horovod_qsgd.kernels import error_counters
 
 # Codec id 0 marks a refusal: a rank that found a mismatch in what it received sends this header in
 # place of its payload, so that every rank waiting for it raises too instead of hanging.
@@ -132,7 +131,7 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
             starts = list(itertools.accumulate(sizes, initial=0))[:-1]
             headers = [Header(WIRE_VERSION, codec.codec_id, numel, codec.digest, size)
                        for size, numel in zip(sizes, numels)]
-            faults = _fault_counters(codec, len(outs), buffer)
+            faults = codec.fault_counters(len(outs), not isinstance(buffer, np.ndarray))
             codec.decode_sum(buffer, [(start, start + h.nbytes, h) for start, h in zip(starts, headers)], outs, faults)
             if faults is None:
                 heads, fault_bytes = read_header_bytes(buffer, starts), None
@@ -152,13 +151,6 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
         codec.raise_for_faults(fault_bytes, [header for _, _, header in spans])
         return
     codec.decode_sum(buffer, check_payloads(buffer, senders, numels, codec, tensor_name, what), outs)
-
-
-def _fault_counters(codec, count, buffer):
-    """Zeroed int64 counters for ``count`` payloads' faults on ``buffer``'s device, or None (nothing to count)."""
-    if not codec.fault_width:
-        return None
-    return error_counters(codec.fault_width * count, not isinstance(buffer, np.ndarray))
 
 
 def decode_gathered(codec, gathered, num_ranks, numel, tensor_name, total):
