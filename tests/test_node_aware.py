@@ -56,9 +56,14 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
         assert np.array_equal(got[i].numpy(), want), i
         assert np.array_equal(from_torch[i].numpy(), want), i
     shard = -(-numel // (per_node * 512)) * 512
+    # in the node: the shards at full precision, then a flag and the compressed sums between nodes (QSGD's
+    # payload sizes are fixed): the nodes' payloads of the shard (2 nodes), the owners' sums of its chunks (3)
+    between = QSGDCodec(bits=4).max_payload_nbytes
+    received = 2 * between(shard) if nodes == 2 else sum(between(e - b) for b, e in bounds(shard, nodes, 512))
+    flag = 4
     for stats in (qsgd.compression_stats(), twin.compression_stats()):
         assert stats["exchanges"] == {f"w.{i}": "node_aware" for i in range(3)}
-        assert stats["bytes_sent_in_node"] == 3 * 4 * (2 * shard + 1) * (per_node - 1)
+        assert stats["bytes_sent_in_node"] == 3 * (4 * shard + flag + received) * (per_node - 1)
         assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)  # in the node, between (1 or 2), back
     assert qsgd.compression_stats()["bytes_sent"] == twin.compression_stats()["bytes_sent"]
 
@@ -75,8 +80,9 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
             assert np.array_equal(from_torch[i].numpy(), want), (step, i)
     stats, alone = fused.compression_stats(), twin.compression_stats()
     assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)
-    tag, flag = 2, 1  # the group's digest in step 1, its failure flag in step 4
-    assert stats["bytes_sent_in_node"] == 3 * 4 * (2 * 3 * shard + tag + flag) * (per_node - 1)
+    tag = 2  # the group's digest in step 1; step 3 forwards a manifest per part received between nodes
+    assert stats["bytes_sent_in_node"] == 3 * (4 * (3 * shard + tag) + flag + 3 * received + 16 * nodes) * (
+        per_node - 1)
     manifests = 16 * nodes if nodes > 2 else 16  # one per owner and stage between 3 nodes; one part between 2
     assert stats["bytes_sent"] == 3 * (alone["bytes_sent"] + manifests)  # QSGD's payload sizes are fixed
 

@@ -11,14 +11,22 @@ QSGD's bucket):
    ranks of local index j (one per node), as for a tensor named
    ``<name>.shard<j>`` among M ranks: the allgather at M = 2, the two stages
    from M = 3 (:class:`~horovod_qsgd.common.engine.PayloadEngine`).
-3. **Decode**: the sum of shard j over all N ranks.
-4. **In-node allgather** of the decoded shards, each followed by one float
-   that says whether its rank's steps 1-3 failed (a refusal, a mismatch):
-   every rank of the node then raises, none takes a failed shard for a result.
+3. **In-node allgather of the compressed sums**: local rank j forwards the
+   bytes its last step between nodes received (the M nodes' payloads of shard
+   j, or the M owners' sums of its chunks) to every rank of the node, behind a
+   4-byte flag that says whether its steps 1-2 failed (a refusal, a mismatch).
+4. **Decode**, on every rank, each local rank's bytes into its shard, in
+   local-rank order: the sum over all N ranks, the same bits that local rank j
+   would have decoded, on every rank. A rank of the node whose flag is set, or
+   bytes that do not decode (another node's refusal notice), make every rank of
+   the node raise: none takes a failed shard for a result.
 
 Per node, the link between nodes carries about 2 (M-1)/M compressed shards
 of the node's L ranks, i.e. about two compressed gradients: not 2·L of them
-as the node-blind two stages do.
+as the node-blind two stages do. Inside the node only step 1 moves full
+precision; step 3 moves the compressed sums (QSGD-4 about 4x fewer bytes than
+decoded shards with the nodes' allgather, 8x with their two stages), for each
+rank decoding L shards instead of one.
 
 Error feedback (top-k) lives where the compression happens: rank (node k,
 local j) keeps what node k's sum of shard j did not send, at shard j's
@@ -39,14 +47,22 @@ zero outside the step's peers, so no process set has to be declared in
 ``hvd.init()``); everything between them is here or in the engine's plan of
 step 2.
 """
+import itertools
 import warnings
 import zlib
 
+from horovod_qsgd.codecs.base import read_bytes
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.fusion import FusedAllgather, FusedTwoStage, group_label
 from horovod_qsgd.common.two_stage import KeepsOwnerResidual, chunk_bounds, chunk_unit
 
 NODE_AWARE = "node_aware"
+FLAG_NBYTES = 4  # step 3's failure flag in front of the forwarded payloads: keeps them 4-byte aligned
+
+
+def gather_flag(failed):
+    """Step 3's flag (bytes) of a rank whose steps 1-2 ``failed`` or not."""
+    return bytes([1 if failed else 0]) + bytes(FLAG_NBYTES - 1)
 
 
 class NodeLayout:
@@ -147,15 +163,17 @@ def _count_mismatch(layout, received_splits, count, label, row):
 
 
 class NodeAwarePlan(KeepsOwnerResidual):
-    """One tensor's node-aware exchange on one rank: layouts, splits and checks of steps 1 and 4, and step 2's
-    plan (``cross``, an engine plan among the nodes)."""
+    """One tensor's node-aware exchange on one rank: layouts, splits and checks of steps 1 and 3, and step 2's
+    plan (``cross``, an engine plan among the nodes; ``crosses[j]``: local rank j's, whose payloads step 4
+    decodes)."""
     kind = NODE_AWARE
 
     def __init__(self, engine, name, numel, layout, uncompressed_nbytes):
         self.name, self.numel, self.layout, self.stats = name, numel, layout, engine.stats
         self.shard = shard_numel(numel, layout.local_size, chunk_unit(engine.codec))
-        self.cross = engine.plan(f"{name}.shard{layout.local_rank}", self.shard, layout.num_nodes, layout.node,
-                                 uncompressed_nbytes, 0, note_as=name)
+        self.crosses = [engine.plan(f"{name}.shard{j}", self.shard, layout.num_nodes, layout.node,
+                                    uncompressed_nbytes, 0, note_as=name) for j in range(layout.local_size)]
+        self.cross = self.crosses[layout.local_rank]
         self.collective_names = [f"{name}.node_aware.{step}" for step in ("in_node", "cross", "cross_sums",
                                                                           "gather")]
 
@@ -174,25 +192,14 @@ class NodeAwarePlan(KeepsOwnerResidual):
         self.stats.add(bytes_sent_in_node=4 * self.shard * (layout.local_size - 1))
         return layout.in_node_splits(self.shard)
 
-    def check_in_node(self, received_splits, gathered=False):
-        """None, or the CompressionMismatchError of step 1 (``gathered``: step 4) where a rank of the node sent
-        another number of elements than this rank's shard (and flag) has."""
-        count = self.shard + 1 if gathered else self.shard
-        return _count_mismatch(self.layout, received_splits, count, f"tensor {self.name!r}", "shard")
+    def check_in_node(self, received_splits):
+        """None, or the CompressionMismatchError of step 1 where a rank of the node sent another number of
+        elements than this rank's shard has."""
+        return _count_mismatch(self.layout, received_splits, self.shard, f"tensor {self.name!r}", "shard")
 
     def cross_splits(self, counts):
         """Step 2's splits (bytes per global rank) from ``counts`` per node."""
         return self.layout.cross_splits(counts)
-
-    def gather_splits(self):
-        """Step 4's splits: the decoded shard and its failure flag to every rank of the node."""
-        layout = self.layout
-        self.stats.add(bytes_sent_in_node=4 * (self.shard + 1) * (layout.local_size - 1))
-        return layout.in_node_splits(self.shard + 1)
-
-    def failed_ranks(self, flags):
-        """The global ranks of the node whose flag (step 4) says their shard failed."""
-        return [r for r, flag in zip(self.layout.local_ranks(), flags) if flag != 0]
 
     def failed_between_nodes(self, failed, label=None):
         """The error of a rank whose node-mates' shards failed between nodes (``failed``: their global ranks)."""
@@ -202,16 +209,18 @@ class NodeAwarePlan(KeepsOwnerResidual):
 
     def refusal_counts(self, notice_nbytes):
         """Step 2 of a rank whose node sum failed: (bytes per node, copies of the refusal notice) that tell every
-        peer, who raises and tells every rank of its node in step 4."""
+        peer, who forwards it to every rank of its node in step 3: all of them raise."""
         nodes, node = self.layout.num_nodes, self.layout.node
         if self.cross.kind == "two_stage":  # each owner but itself gets the notice in place of its slice
             return [0 if k == node else notice_nbytes for k in range(nodes)], nodes - 1
         return [notice_nbytes] * nodes, nodes
 
-    def between_nodes(self, error):
-        """``error`` of step 2 (whose ranks are nodes) with a note that says so, as the same exception type."""
+    def between_nodes(self, error, local_rank=None):
+        """``error`` of step 2 (whose ranks are nodes) of this rank's shard (or ``local_rank``'s) with a note that
+        says so, as the same exception type."""
+        local_rank = self.layout.local_rank if local_rank is None else local_rank
         try:
-            return type(error)(f"{error} (between nodes: its rank k is local rank {self.layout.local_rank} of node k)")
+            return type(error)(f"{error} (between nodes: its rank k is local rank {local_rank} of node k)")
         except Exception:  # an exception type that takes other arguments: as it is
             return error
 
@@ -236,10 +245,10 @@ class NodeAwareGroup:
     2. between nodes, one part per peer: a manifest, then each member's payload (the nodes' allgather) or its
        slice for that owner (their two stages; the owners' sums likewise), as
        :mod:`horovod_qsgd.common.fusion` lays out the flat exchanges;
-    4. to each rank of the node, each member's decoded shard, then one failure flag for the group.
+    3. to each rank of the node, the group's failure flag and the bytes step 2 received, manifests and all.
 
     Every member's payloads and result bits are what they are alone: fusion packs the collectives, not the codecs.
-    Costs 8 bytes per rank of the node in step 1 and 16 bytes per part between nodes.
+    Costs 8 bytes per rank of the node in step 1 and 16 bytes per part between nodes (forwarded in step 3).
     """
 
     TAG_WIDTH = 2
@@ -258,10 +267,11 @@ class NodeAwareGroup:
         digest = zlib.crc32("\0".join(f"{plan.name}:{plan.numel}" for plan in self.plans).encode("utf-8"))
         self.tag = [float(digest >> 16), float(digest & 0xFFFF)]
         self.label = f"tensor {self.names[0]!r}" if len(self.names) == 1 else f"tensors {group_label(self.names)}"
-        self.cross = None
-        if fused:
-            crosses = [plan.cross for plan in self.plans]
-            self.cross = FusedTwoStage(crosses) if self.kind == "two_stage" else FusedAllgather(crosses)
+        self.crosses = self.cross = None
+        if fused:  # local rank j's fused exchange between nodes: the manifests name its shards
+            fuse = FusedTwoStage if self.kind == "two_stage" else FusedAllgather
+            self.crosses = [fuse([plan.crosses[j] for plan in self.plans]) for j in range(self.layout.local_size)]
+            self.cross = self.crosses[self.layout.local_rank]
 
     def in_node_width(self):
         """Floats of step 1's row to each rank of the node (the tag, then every member's shard)."""
@@ -272,13 +282,12 @@ class NodeAwareGroup:
         self.stats.add(bytes_sent_in_node=4 * self.in_node_width() * (self.layout.local_size - 1))
         return self.layout.in_node_splits(self.in_node_width())
 
-    def check_in_node(self, received_splits, gathered=False):
-        """None, or the CompressionMismatchError of step 1 (``gathered``: step 4) where a rank of the node sent
-        another number of elements than this rank's row has."""
+    def check_in_node(self, received_splits):
+        """None, or the CompressionMismatchError of step 1 where a rank of the node sent another number of
+        elements than this rank's row has."""
         if not self.fused:
-            return self.plans[0].check_in_node(received_splits, gathered)
-        count = self.gather_width() if gathered else self.in_node_width()
-        return _count_mismatch(self.layout, received_splits, count, self.label, "fused row")
+            return self.plans[0].check_in_node(received_splits)
+        return _count_mismatch(self.layout, received_splits, self.in_node_width(), self.label, "fused row")
 
     def check_tags(self, tags):
         """None, or the CompressionMismatchError of step 1 where a rank of the node fused other tensors
@@ -292,22 +301,47 @@ class NodeAwareGroup:
             f"horovod_qsgd: {self.label}: rank(s) {wrong} of this node fused other tensors with them (their "
             "names or sizes differ): every rank must compress the same tensors under the same names.")
 
-    def gather_width(self):
-        """Floats of step 4's row: every member's decoded shard, then the group's failure flag."""
-        return self.row + 1
-
-    def gather_splits(self):
-        """Step 4's splits: the decoded shards and the failure flag to every rank of the node."""
-        self.stats.add(bytes_sent_in_node=4 * self.gather_width() * (self.layout.local_size - 1))
-        return self.layout.in_node_splits(self.gather_width())
-
-    def failed_ranks(self, flags):
-        """The global ranks of the node whose flag (step 4) says their shards failed."""
-        return [r for r, flag in zip(self.layout.local_ranks(), flags) if flag != 0]
-
     def cross_splits(self, counts):
         """Step 2's splits (bytes per global rank) from ``counts`` per node."""
         return self.layout.cross_splits(counts)
+
+    def gather_splits(self, forwarded_nbytes):
+        """Step 3's splits (bytes per global rank): the flag and the ``forwarded_nbytes`` bytes step 2 received
+        (none where it failed), to every rank of the node; counts the bytes that stay in the node."""
+        row = FLAG_NBYTES + forwarded_nbytes
+        self.stats.add(bytes_sent_in_node=row * (self.layout.local_size - 1))
+        return self.layout.in_node_splits(row)
+
+    def decode_node(self, gathered, received_splits, outs):
+        """Step 4: decodes, in local-rank order, the bytes each rank of the node forwarded in step 3 (``gathered``,
+        uint8, numpy or CUDA; ``received_splits`` per global rank) into its shard of ``outs[m]`` (float32, the
+        member's L shards, zeros on entry). Returns None, or the error every rank of the node raises: a rank
+        whose flag says it failed, or bytes that do not decode (another node's refusal notice, a mismatch)."""
+        layout, starts = self.layout, list(itertools.accumulate(received_splits, initial=0))
+        failed = []
+        for rank in layout.local_ranks():
+            nbytes = int(received_splits[rank])
+            if nbytes < FLAG_NBYTES:
+                return CompressionMismatchError(
+                    f"horovod_qsgd: {self.label}: rank {rank} of this node sent {nbytes} bytes of compressed sums, "
+                    f"fewer than the {FLAG_NBYTES}-byte flag: the ranks' tensors or node layouts differ.")
+            if read_bytes(gathered, starts[rank], 1)[0] != 0:
+                failed.append(rank)
+        if failed:
+            return self.failed_between_nodes(failed)
+        for j, rank in enumerate(layout.local_ranks()):
+            forwarded = gathered[starts[rank] + FLAG_NBYTES:starts[rank + 1]]
+            shards = [out[j * plan.shard:(j + 1) * plan.shard] for plan, out in zip(self.plans, outs)]
+            try:  # raises on another node's refusal notice, or a payload that does not match
+                if not self.fused:
+                    self.plans[0].crosses[j].decode(forwarded, shards[0])
+                elif self.kind == "two_stage":
+                    self.crosses[j].decode_gathered(forwarded, shards)
+                else:
+                    self.crosses[j].decode(forwarded, shards)
+            except Exception as exc:
+                return self.plans[0].between_nodes(exc, j)
+        return None
 
     def between_nodes(self, error):
         """``error`` of step 2 with a note that it happened between nodes (see :meth:`NodeAwarePlan.between_nodes`)."""

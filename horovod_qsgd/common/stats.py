@@ -47,8 +47,9 @@ class CompressionStats:
 
         Node-aware exchange: ``exchanges`` says ``"node_aware"``;
         ``bytes_sent`` counts what this rank sent between nodes (its shard's
-        payloads), ``bytes_sent_in_node`` the full-precision shards it sent to
-        the other ranks of its node (the in-node reduce-scatter and allgather).
+        payloads), ``bytes_sent_in_node`` what it sent to the other ranks of
+        its node: the full-precision shards of the in-node reduce-scatter, then
+        the compressed sums it received between nodes, forwarded.
 
         ``collectives_started``: the allgathers and alltoalls this rank started
         for compressed tensors (one per tensor with the allgather, two with the

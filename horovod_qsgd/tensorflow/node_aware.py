@@ -10,7 +10,7 @@ for the two stages.
 A host op never raises before this rank's last collective of the tensor has
 started: a failed step would leave the peers waiting for it. What goes wrong
 (a mismatch in the node, another node's refusal notice) is kept by tensor name
-and raised by :meth:`NodeAwareOps.result`, after step 4 has told every rank of
+and raised by :meth:`NodeAwareOps.result`, after step 3 has told every rank of
 the node, so every rank of every node raises and none hangs.
 """
 import time
@@ -21,6 +21,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod_qsgd.common.exchange import reduction_scale, refusal_notice
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
+from horovod_qsgd.common.node_aware import FLAG_NBYTES, NodeAwareGroup, gather_flag
 from horovod_qsgd.tensorflow.compressor_base import op_name
 
 
@@ -30,7 +31,8 @@ def _notice():
 
 class NodeAwareOps:
     """Builds one tensor's node-aware exchange: :meth:`start` in ``compress`` (steps 1 and 2), :meth:`result` in
-    ``decompress`` (step 2's second stage from 3 nodes, steps 3 and 4).
+    ``decompress`` (step 2's second stage from 3 nodes, steps 3 and 4; unfused: the wire of
+    :class:`~horovod_qsgd.common.node_aware.NodeAwareGroup` of one tensor).
 
     ``errors``: tensor name -> what this rank raises for it once its collectives are sent (shared by the
     compressor's tensors); ``finite_flag(total)``: the compressor's verdict on a result; ``error_feedback``:
@@ -39,6 +41,7 @@ class NodeAwareOps:
 
     def __init__(self, plan, stats, errors, finite_flag, error_feedback):
         self.plan, self.stats, self.errors, self.finite_flag = plan, stats, errors, finite_flag
+        self.group = NodeAwareGroup([plan], fused=False)
         self.error_feedback = error_feedback
         self.names = [op_name(PAYLOAD_PREFIX + name) for name in plan.collective_names]
         self.shard_residual = self.own = self.new_owner_residual = None
@@ -101,7 +104,7 @@ class NodeAwareOps:
                 node_sum += row
         residual = shard_residual if self.error_feedback else None
         out = np.zeros(cross.capacity(), np.uint8)
-        if error is not None:  # every peer gets a refusal notice, and tells every rank of its node in step 4
+        if error is not None:  # every peer gets a refusal notice, forwards it in step 3: its node raises
             counts, copies = plan.refusal_counts(_notice().size)
             sent = np.tile(_notice(), copies)
         elif cross.kind == "two_stage":
@@ -121,9 +124,9 @@ class NodeAwareOps:
         plan = self.plan
         if plan.cross.kind == "two_stage":
             cross_received = self._cross_sums(cross_received, step, owner_residual)
-        sent, splits = tf.numpy_function(self._decode_shard, [cross_received], [tf.float32, tf.int32],
-                                         stateful=False, name="horovod_qsgd_node_decode")
-        sent.set_shape([(plan.shard + 1) * plan.layout.local_size])
+        sent, splits = tf.numpy_function(self._forward, [cross_received], [tf.uint8, tf.int32],
+                                         stateful=False, name="horovod_qsgd_node_forward")
+        sent.set_shape([None])
         splits.set_shape([plan.layout.num_ranks])
         gathered, gathered_splits = self._alltoall(sent, splits, 3)
         inputs = [gathered, gathered_splits, placeholder] + ([self.shard_residual] if self.error_feedback else [])
@@ -167,37 +170,29 @@ class NodeAwareOps:
             self.new_owner_residual = outputs[2]
         return self._alltoall(outputs[0], outputs[1], 2)[0]
 
-    def _decode_shard(self, received):
-        """Step 3, and step 4's input: the decoded shard and a flag that says whether it failed, for every rank
-        of the node."""
-        plan = self.plan
-        start = time.perf_counter()
-        shard = np.zeros(plan.shard + 1, np.float32)
-        if plan.name not in self.errors:
-            try:  # raises on another node's refusal notice, or a payload that does not match
-                plan.cross.decode(received, shard[:plan.shard])
-            except Exception as exc:  # kept: this rank's step 4 must still be sent
-                self._fail(plan.between_nodes(exc))
-        if plan.name in self.errors:
-            shard[:] = 0.0
-            shard[plan.shard] = 1.0
-        self.stats.add(collectives_started=1, decode_seconds=time.perf_counter() - start)
-        return np.tile(shard, plan.layout.local_size), np.asarray(plan.gather_splits(), np.int32)
+    def _forward(self, received):
+        """Step 3's input: the failure flag and the bytes step 2 received (not where it failed), for every rank of
+        the node."""
+        failed = self.plan.name in self.errors
+        row = np.frombuffer(gather_flag(failed), np.uint8)
+        if not failed:
+            row = np.concatenate([row, received])
+        self.stats.add(collectives_started=1)
+        return np.tile(row, self.plan.layout.local_size), np.asarray(self.group.gather_splits(row.size - FLAG_NBYTES), np.int32)
 
     def _finish(self, gathered, gathered_splits, placeholder, shard_residual=None):
+        """Step 4: every shard decoded from what the node's ranks forwarded, scaled; raises what went wrong."""
         plan = self.plan
-        mismatch = plan.check_in_node(gathered_splits.tolist(), gathered=True)
-        if mismatch is not None:
-            self._fail(mismatch)
-        else:
-            rows = gathered.reshape(plan.layout.local_size, plan.shard + 1)
-            failed = plan.failed_ranks(rows[:, plan.shard].tolist())
-            if failed:
-                self._fail(plan.failed_between_nodes(failed))
+        start = time.perf_counter()
+        padded = np.zeros(plan.layout.local_size * plan.shard, np.float32)
+        error = self.group.decode_node(gathered, gathered_splits.tolist(), [padded])
+        self.stats.add(decode_seconds=time.perf_counter() - start)
+        if error is not None:
+            self._fail(error)
         error = self.errors.pop(plan.name, None)
         if error is not None:
             raise error
-        total = np.ascontiguousarray(rows[:, :plan.shard].reshape(-1)[:plan.numel])
+        total = padded[:plan.numel]
         scale = reduction_scale(float(placeholder.reshape(-1)[0]), plan.layout.num_ranks)
         if scale != 1.0:
             total *= np.float32(scale)

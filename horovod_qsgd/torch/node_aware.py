@@ -5,7 +5,7 @@ the step's peers (the ranks of this node, or this local index's rank on every
 node): no process set has to be declared in ``hvd.init()`` and no environment
 variable set. A flight is one tensor's exchange, or a fused group's
 (:class:`~horovod_qsgd.common.node_aware.NodeAwareGroup`: one collective per
-step for all its members). Its four collectives (five with two stages between
+step for all its members). Its three collectives (four with two stages between
 nodes) each need the one before, and ranks decompress in different orders: a
 rank that waited for one flight's step would hold back the steps its peers
 wait for. So nothing here waits for a single step: :meth:`NodeAwareExchanges.wait`
@@ -21,7 +21,7 @@ import torch
 
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
-from horovod_qsgd.common.node_aware import NodeAwareGroup
+from horovod_qsgd.common.node_aware import FLAG_NBYTES, NodeAwareGroup, gather_flag
 from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
 
 _IN_NODE, _CROSS, _CROSS_SUMS, _GATHER, _DONE = range(5)
@@ -168,32 +168,15 @@ class NodeAwareExchanges:
         elif flight.stage == _CROSS and group.kind == "two_stage":
             self._start_cross_sums(flight, received)
         elif flight.stage in (_CROSS, _CROSS_SUMS):
-            if flight.error is None:
-                for member in flight.members:
-                    member.node_sum.zero_()
-                try:  # raises on another node's refusal notice, or a payload that does not match
-                    self._decode_cross(flight, received)
-                except Exception as exc:  # raised once this rank's last step is sent: nobody waits for it
-                    flight.error = group.between_nodes(exc)
-            self._start_gather(flight)
+            self._start_gather(flight, received)
         else:
             self._finish(flight, received, received_splits)
-
-    @staticmethod
-    def _decode_cross(flight, received):
-        group, members = flight.group, flight.members
-        if not group.fused:
-            members[0].plan.cross.decode(as_array(received), as_array(members[0].node_sum))
-        elif group.kind == "two_stage":
-            group.cross.decode_gathered(as_array(received), [as_array(m.node_sum) for m in members])
-        else:
-            group.cross.decode(as_array(received), [as_array(m.node_sum) for m in members])
 
     def _start_cross(self, flight):
         """Step 2: the node's sum of each member's shard, encoded, to this local index's rank on every node."""
         group, members = flight.group, flight.members
         nodes = group.layout.num_nodes
-        if flight.error is not None:  # every peer gets a refusal notice, and tells every rank of its node in step 4
+        if flight.error is not None:  # every peer gets a refusal notice, forwards it in step 3: its node raises
             notice = _notice(flight.device)
             counts, copies = group.refusal_counts(notice.numel())
             flight.stage = _CROSS
@@ -223,6 +206,8 @@ class NodeAwareExchanges:
             else:
                 payload = outs[0][:used[0]]
             counts, sent = [payload.numel()] * nodes, payload.repeat(nodes)
+        for member in members:
+            member.node_sum = None
         flight.stage = _CROSS
         self._start(flight, sent, group.cross_splits(counts))
 
@@ -255,32 +240,24 @@ class NodeAwareExchanges:
         flight.stage = _CROSS_SUMS
         self._start(flight, payload.repeat(nodes), group.cross_splits([payload.numel()] * nodes))
 
-    def _start_gather(self, flight):
-        """Step 4: the decoded shards and the group's failure flag to every rank of the node."""
+    def _start_gather(self, flight, received):
+        """Step 3: the group's failure flag and the bytes step 2 received (not where it failed) to every rank of
+        the node."""
         group = flight.group
-        if flight.error is None:
-            shards = [member.node_sum for member in flight.members]
-        else:
-            shards = [torch.zeros(group.row, device=flight.device)]
-        flag = torch.full((1,), 0.0 if flight.error is None else 1.0, device=flight.device)
-        for member in flight.members:
-            member.node_sum = None
+        flag = torch.frombuffer(bytearray(gather_flag(flight.error is not None)), dtype=torch.uint8)
+        row = flag.to(flight.device) if flight.error is not None else torch.cat([flag.to(flight.device), received])
         flight.stage = _GATHER
-        self._start(flight, torch.cat([*shards, flag]).repeat(group.layout.local_size), group.gather_splits())
+        self._start(flight, row.repeat(group.layout.local_size), group.gather_splits(row.numel() - FLAG_NBYTES))
 
     @staticmethod
     def _finish(flight, received, received_splits):
+        """Step 4: every shard of every member decoded from what the node's ranks forwarded."""
         group = flight.group
-        mismatch = group.check_in_node(received_splits.tolist(), gathered=True)
-        if mismatch is not None:
-            flight.error, flight.stage = flight.error or mismatch, _DONE
-            return
-        rows = received.view(group.layout.local_size, group.gather_width())
-        failed = group.failed_ranks(rows[:, group.row].tolist())
-        if flight.error is None and failed:
-            flight.error = group.failed_between_nodes(failed)
+        sums = [torch.zeros(group.layout.local_size * member.plan.shard, dtype=torch.float32, device=flight.device)
+                for member in flight.members]
+        error = group.decode_node(as_array(received), received_splits.tolist(), [as_array(s) for s in sums])
+        flight.error = flight.error or error
         if flight.error is None:
-            for member, offset in zip(flight.members, group.offsets):
-                shard = member.plan.shard
-                member.result = rows[:, offset:offset + shard].reshape(-1)[:member.plan.numel]
+            for member, total in zip(flight.members, sums):
+                member.result = total[:member.plan.numel]
         flight.stage = _DONE

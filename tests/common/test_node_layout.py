@@ -76,7 +76,7 @@ def test_a_fused_node_aware_group_lays_out_its_rows_and_refuses_other_groups():
     plans = [engine.plan_node_aware(name, numel, layout, 4 * numel) for name, numel in (("a", 5000), ("b", 700))]
     group = NodeAwareGroup(plans)
     assert group.shards == [2560, 512] and group.offsets == [0, 2560]
-    assert group.in_node_width() == 2 + 3072 and group.gather_width() == 3073
+    assert group.in_node_width() == 2 + 3072
     assert group.in_node_splits() == [0, 0, 3074, 3074]
     assert engine.stats.snapshot()["bytes_sent_in_node"] == 4 * 3074
     assert group.check_in_node([0, 0, 3074, 3074]) is None
@@ -91,3 +91,54 @@ def test_a_fused_node_aware_group_lays_out_its_rows_and_refuses_other_groups():
     alone = NodeAwareGroup(plans[:1], fused=False)  # the wire of one NodeAwarePlan
     assert alone.in_node_width() == 2560 and alone.check_tags([[], []]) is None
     assert "tensor 'a': rank(s) [3] of this node sent [2561]" in str(alone.check_in_node([0, 0, 2560, 2561]))
+
+
+def test_every_rank_decodes_the_compressed_sums_its_node_forwards_bitwise_as_their_own_rank_would():
+    """Steps 3-4 on rank 2 of 2 nodes x 2: the bytes local rank j received between nodes (both nodes' payloads
+    of shard j), forwarded behind a flag, decode to what local rank j's own plan decodes; a flag set, a row
+    too short for its flag, or a refusal notice forwarded make decode_node return the error to raise."""
+    from horovod_qsgd.codecs import QSGDCodec
+    from horovod_qsgd.common.engine import PayloadEngine
+    from horovod_qsgd.common.exchange import refusal_notice
+    from horovod_qsgd.common.node_aware import NodeAwareGroup, gather_flag
+    from horovod_qsgd.common.stats import CompressionStats
+    engine = PayloadEngine(QSGDCodec(bits=4), QSGDCodec(bits=4), "node_aware", CompressionStats())
+    numel = 5000
+
+    def plan(node, local_rank):
+        return engine.plan_node_aware("a", numel, NodeLayout(2, 2, node, local_rank), 4 * numel)
+
+    shard = plan(0, 0).shard
+    rng = np.random.default_rng(0)
+    node_sums = {(k, j): rng.standard_normal(shard).astype(np.float32) for k in range(2) for j in range(2)}
+
+    def received(j):  # what local rank j of either node receives from the nodes' allgather of its shard
+        parts = []
+        for k in range(2):
+            cross = plan(k, j).cross
+            out = np.zeros(cross.capacity(), np.uint8)
+            parts.append(out[:cross.encode(node_sums[k, j].copy(), out, 3)])
+        return np.concatenate(parts)
+
+    flag, failed_flag = (np.frombuffer(gather_flag(f), np.uint8) for f in (False, True))
+    rows = [np.concatenate([flag, received(j)]) for j in range(2)]
+    group = NodeAwareGroup([plan(1, 0)], fused=False)
+    assert group.kind == "allgather" and len(rows[0]) == len(rows[1]) > 4
+    before = engine.stats.snapshot()["bytes_sent_in_node"]
+    assert group.gather_splits(len(rows[0]) - 4) == [0, 0, len(rows[0]), len(rows[0])]
+    assert engine.stats.snapshot()["bytes_sent_in_node"] - before == len(rows[0])  # to the other rank of the node
+    splits = [0, 0, len(rows[0]), len(rows[1])]
+    out = np.zeros(2 * shard, np.float32)
+    assert group.decode_node(np.concatenate(rows), splits, [out]) is None
+    for j in range(2):
+        want = np.zeros(shard, np.float32)
+        plan(1, j).cross.decode(received(j), want)
+        assert np.abs(want).sum() > 0 and np.array_equal(out[j * shard:(j + 1) * shard], want), j
+
+    error = group.decode_node(np.concatenate([failed_flag, rows[1]]), [0, 0, 4, len(rows[1])], [out])
+    assert "tensor 'a' failed between nodes on rank(s) [2] of this node" in str(error)
+    error = group.decode_node(np.concatenate([rows[0], flag[:2]]), [0, 0, len(rows[0]), 2], [out])
+    assert "rank 3 of this node sent 2 bytes of compressed sums, fewer than the 4-byte flag" in str(error)
+    refused = np.concatenate([flag, np.frombuffer(refusal_notice(), np.uint8), received(1)[len(received(1)) // 2:]])
+    error = group.decode_node(np.concatenate([rows[0], refused]), [0, 0, len(rows[0]), len(refused)], [out])
+    assert "rank 0 found a mismatch" in str(error) and "local rank 1 of node k" in str(error), error
