@@ -47,17 +47,20 @@ class PayloadEngine:
     def __init__(self, codec, second_codec, mode, stats):
         self.codec, self.second_codec, self.mode, self.stats = codec, second_codec, mode, stats
 
-    def plan(self, name, numel, num_ranks, rank, uncompressed_nbytes, placeholder_nbytes, note_as=None):
+    def plan(self, name, numel, num_ranks, rank, uncompressed_nbytes, placeholder_nbytes, note_as=None,
+             noted=True):
         """The plan of tensor ``name`` (``numel`` elements) on ``rank`` of ``num_ranks``, noted in the statistics.
 
         ``uncompressed_nbytes``: what a plain allreduce would have sent;
         ``placeholder_nbytes``: what the adapter sends besides the payloads;
-        ``note_as``: the name the statistics note the exchange under (a node-aware plan's shard is its tensor's).
+        ``note_as``: the name the statistics note the exchange under (a node-aware plan's shard is its tensor's);
+        ``noted=False``: not noted (the plan of another rank's shard, whose payloads this rank only decodes).
         """
         mode = "auto" if self.mode == NODE_AWARE else self.mode  # between nodes: as for a tensor of the nodes
         exchange = "allgather" if self.second_codec is None else choose_exchange(
             mode, self.codec, self.second_codec, numel, num_ranks)
-        self.stats.note_exchange(note_as or name, exchange if note_as is None else NODE_AWARE)
+        if noted:
+            self.stats.note_exchange(note_as or name, exchange if note_as is None else NODE_AWARE)
         cls = TwoStagePlan if exchange == "two_stage" and num_ranks > 1 else AllgatherPlan
         return cls(self.codec, self.second_codec, name, numel, num_ranks, rank, self.stats, uncompressed_nbytes,
                    placeholder_nbytes)

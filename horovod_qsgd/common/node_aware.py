@@ -65,6 +65,44 @@ def gather_flag(failed):
     return bytes([1 if failed else 0]) + bytes(FLAG_NBYTES - 1)
 
 
+def between_nodes(error, local_rank):
+    """``error`` of step 2 (whose ranks are nodes) of local rank ``local_rank``'s shard with a note that says so,
+    as the same exception type."""
+    try:
+        return type(error)(f"{error} (between nodes: its rank k is local rank {local_rank} of node k)")
+    except Exception:  # an exception type that takes other arguments: as it is
+        return error
+
+
+def decode_forwarded(gathered, rows, decode, label, ranks_named="rank"):
+    """Step 4 on one rank: decodes what each rank of the node forwarded in step 3, in local-rank order.
+
+    ``gathered``: step 3's bytes (uint8, numpy or CUDA); ``rows``: [(rank, start, nbytes)] of each rank of
+    the node, in local-rank order, where its flag and forwarded bytes lie; ``decode(j, forwarded)``: adds local
+    rank j's forwarded bytes (its shard's payloads between nodes) into its shard, raising on bytes that do not
+    decode. Returns None, or the error every rank of the node raises: a row too short for its flag, a rank
+    whose flag says it failed (``label`` names the tensor, ``ranks_named`` how ``rank`` counts), or bytes that
+    do not decode (another node's refusal notice, a mismatch), noted as between nodes.
+    """
+    failed = []
+    for rank, start, nbytes in rows:
+        if nbytes < FLAG_NBYTES:
+            return CompressionMismatchError(
+                f"horovod_qsgd: {label}: {ranks_named} {rank} of this node sent {nbytes} bytes of compressed "
+                f"sums, fewer than the {FLAG_NBYTES}-byte flag: the ranks' tensors or node layouts differ.")
+        if read_bytes(gathered, start, 1)[0] != 0:
+            failed.append(rank)
+    if failed:
+        return RuntimeError(f"horovod_qsgd: {label} failed between nodes on {ranks_named}(s) {failed} of this node "
+                            "(their error says why); its result is not used here either.")
+    for j, (_, start, nbytes) in enumerate(rows):
+        try:  # raises on another node's refusal notice, or a payload that does not match
+            decode(j, gathered[start + FLAG_NBYTES:start + nbytes])
+        except Exception as exc:
+            return between_nodes(exc, j)
+    return None
+
+
 class NodeLayout:
     """M nodes of L ranks, ranks numbered node by node (rank = node · L + local rank), as Horovod numbers them."""
 
@@ -201,12 +239,6 @@ class NodeAwarePlan(KeepsOwnerResidual):
         """Step 2's splits (bytes per global rank) from ``counts`` per node."""
         return self.layout.cross_splits(counts)
 
-    def failed_between_nodes(self, failed, label=None):
-        """The error of a rank whose node-mates' shards failed between nodes (``failed``: their global ranks)."""
-        return RuntimeError(
-            f"horovod_qsgd: {label or f'tensor {self.name!r}'} failed between nodes on rank(s) {failed} of this node "
-            "(their error says why); its result is not used here either.")
-
     def refusal_counts(self, notice_nbytes):
         """Step 2 of a rank whose node sum failed: (bytes per node, copies of the refusal notice) that tell every
         peer, who forwards it to every rank of its node in step 3: all of them raise."""
@@ -215,14 +247,9 @@ class NodeAwarePlan(KeepsOwnerResidual):
             return [0 if k == node else notice_nbytes for k in range(nodes)], nodes - 1
         return [notice_nbytes] * nodes, nodes
 
-    def between_nodes(self, error, local_rank=None):
-        """``error`` of step 2 (whose ranks are nodes) of this rank's shard (or ``local_rank``'s) with a note that
-        says so, as the same exception type."""
-        local_rank = self.layout.local_rank if local_rank is None else local_rank
-        try:
-            return type(error)(f"{error} (between nodes: its rank k is local rank {local_rank} of node k)")
-        except Exception:  # an exception type that takes other arguments: as it is
-            return error
+    def between_nodes(self, error):
+        """``error`` of step 2 (whose ranks are nodes) with a note that says so, as the same exception type."""
+        return between_nodes(error, self.layout.local_rank)
 
     def owner_layout(self):
         """What an owner-side residual of step 2's two stages belongs to (saved with it in checkpoints)."""
@@ -315,41 +342,24 @@ class NodeAwareGroup:
     def decode_node(self, gathered, received_splits, outs):
         """Step 4: decodes, in local-rank order, the bytes each rank of the node forwarded in step 3 (``gathered``,
         uint8, numpy or CUDA; ``received_splits`` per global rank) into its shard of ``outs[m]`` (float32, the
-        member's L shards, zeros on entry). Returns None, or the error every rank of the node raises: a rank
-        whose flag says it failed, or bytes that do not decode (another node's refusal notice, a mismatch)."""
-        layout, starts = self.layout, list(itertools.accumulate(received_splits, initial=0))
-        failed = []
-        for rank in layout.local_ranks():
-            nbytes = int(received_splits[rank])
-            if nbytes < FLAG_NBYTES:
-                return CompressionMismatchError(
-                    f"horovod_qsgd: {self.label}: rank {rank} of this node sent {nbytes} bytes of compressed sums, "
-                    f"fewer than the {FLAG_NBYTES}-byte flag: the ranks' tensors or node layouts differ.")
-            if read_bytes(gathered, starts[rank], 1)[0] != 0:
-                failed.append(rank)
-        if failed:
-            return self.failed_between_nodes(failed)
-        for j, rank in enumerate(layout.local_ranks()):
-            forwarded = gathered[starts[rank] + FLAG_NBYTES:starts[rank + 1]]
+        member's L shards, zeros on entry). Returns None, or the error every rank of the node raises
+        (:func:`decode_forwarded`)."""
+        starts = list(itertools.accumulate(received_splits, initial=0))
+        rows = [(rank, starts[rank], int(received_splits[rank])) for rank in self.layout.local_ranks()]
+
+        def decode(j, forwarded):
             shards = [out[j * plan.shard:(j + 1) * plan.shard] for plan, out in zip(self.plans, outs)]
-            try:  # raises on another node's refusal notice, or a payload that does not match
-                if not self.fused:
-                    self.plans[0].crosses[j].decode(forwarded, shards[0])
-                elif self.kind == "two_stage":
-                    self.crosses[j].decode_gathered(forwarded, shards)
-                else:
-                    self.crosses[j].decode(forwarded, shards)
-            except Exception as exc:
-                return self.plans[0].between_nodes(exc, j)
-        return None
+            if not self.fused:
+                self.plans[0].crosses[j].decode(forwarded, shards[0])
+            elif self.kind == "two_stage":
+                self.crosses[j].decode_gathered(forwarded, shards)
+            else:
+                self.crosses[j].decode(forwarded, shards)
+        return decode_forwarded(gathered, rows, decode, self.label)
 
     def between_nodes(self, error):
         """``error`` of step 2 with a note that it happened between nodes (see :meth:`NodeAwarePlan.between_nodes`)."""
         return self.plans[0].between_nodes(error)
-
-    def failed_between_nodes(self, failed):
-        """As :meth:`NodeAwarePlan.failed_between_nodes`, naming the group's tensors."""
-        return self.plans[0].failed_between_nodes(failed, self.label)
 
     def refusal_counts(self, notice_nbytes):
         """As :meth:`NodeAwarePlan.refusal_counts` (one notice for the whole group)."""

@@ -43,12 +43,13 @@ decode is done.
 at full precision, each one shard of it (an in-node ``all_to_all_single``);
 the shard's sum crosses between nodes compressed, with the plan above among
 as many ranks as nodes (``ddp.bucket<i>.shard<local rank>``); an in-node
-``all_gather_single`` returns the decoded shards (and a second, of one flag
-per rank, any failed shard). Only the bytes between nodes are compressed:
+``all_gather_single`` shares what crossed, still compressed, behind a flag
+that says whether that rank failed, and every rank decodes every shard.
+Only the bytes between nodes are compressed:
 about 2 (M-1)/M of one compressed bucket per node for M nodes, where the flat
 two stages send about 2 L (M-1)/M of it (L ranks per node). Its collectives
 run in the hook call, one bucket after the other (no overlap with the
-backward pass yet); the full-precision steps inside the node are what a GPU
+backward pass yet); the full-precision sum inside the node is what a GPU
 node does over NVLink or PCIe, and what makes it slower than the flat
 exchange on CPU nodes joined by 1 Gbit/s (measured:
 ``benchmarks/results/ddp-hooks/nodes-1gbit/``; ahead at 100 Mbit/s).
@@ -94,7 +95,7 @@ from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
-from horovod_qsgd.common.node_aware import NODE_AWARE
+from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, qsgd_codecs
@@ -476,8 +477,9 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
 def _node_aware(state, bucket, group, buffer, split):
     """The bucket's exchange, in the hook call: an in-node reduce-scatter at full precision (each of the node's
     L ranks gets the node's sum of one shard), the engine's exchange of that shard among the nodes (allgather
-    or two stages, as for a tensor among as many ranks as nodes), an in-node allgather of the decoded shards
-    and one of their failure flags. Only what crosses nodes is compressed (``docs/node-aware-design.md``)."""
+    or two stages, as for a tensor among as many ranks as nodes), an in-node allgather of what that exchange
+    received (still compressed) behind a failure flag, and every shard decoded on every rank. Only what
+    crosses nodes is compressed (``docs/node-aware-design.md``)."""
     start = time.perf_counter()
     nodes, device, step = state._nodes, buffer.device, state.iteration
     bucket_flat = buffer.reshape(-1)
@@ -517,7 +519,7 @@ def _node_aware(state, bucket, group, buffer, split):
             used = plan.encode(as_array(node_sum), as_array(out), step, _array(residual))
             gathered = torch.empty(nodes.count * used, dtype=torch.uint8, device=device)
             _all_gather_single(gathered, out[:used], group=nodes.cross)
-            collectives = 4
+            collectives = 3
         else:
             own = torch.empty(plan.own_numel(), dtype=torch.float32, device=device)
             splits = plan.encode(as_array(node_sum), as_array(out), as_array(own), step, _array(residual))
@@ -533,26 +535,27 @@ def _node_aware(state, bucket, group, buffer, split):
             gathered = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
             dist.all_to_all_single(gathered, owned.repeat(nodes.count), arriving, [capacity] * nodes.count,
                                    group=nodes.cross)
-            collectives = 5
-        node_sum.zero_()
-        error = refusal
-        if error is None:
-            try:
-                plan.decode(as_array(gathered), as_array(node_sum))  # raises on another owner's refusal notice
-            except Exception as exc:  # raised once this rank's collectives are done: nobody waits for it
-                error = exc
-    # the decoded shards, and a flag each: the node's other ranks must not take a shard that failed for a result
-    # (a collective of its own: beside the shard it would leave the gathered shards apart, to be copied)
-    shards = send  # sent long ago: its buffer takes the node's shards in local-rank order
-    _all_gather_single(shards, node_sum.mul_(1.0 / group.size()), group=nodes.local)
-    flags = torch.empty(nodes.local_size, dtype=torch.float32, device=device)
-    _all_gather_single(flags, torch.full((1,), 0.0 if error is None else 1.0, device=device), group=nodes.local)
+            collectives = 4
+    # what crossed, still compressed, behind this rank's failure flag, to every rank of the node: rows of one
+    # length (fixed payload sizes, one shard size); every rank decodes every shard with its local rank's plan
+    error = refusal
+    row = torch.cat([torch.frombuffer(bytearray(gather_flag(error is not None)), dtype=torch.uint8).to(device),
+                     gathered])
+    rows = torch.empty(nodes.local_size * row.numel(), dtype=torch.uint8, device=device)
+    _all_gather_single(rows, row, group=nodes.local)
+    shards = send.zero_()  # sent long ago: its buffer takes the node's shards in local-rank order
+    if error is None:
+        plans = [plan if j == nodes.local_rank else state._engine.plan(
+            f"ddp.bucket{bucket.index()}.shard{j}", shard, nodes.count, nodes.cross_rank, 4 * shard, 0, noted=False)
+            for j in range(nodes.local_size)]
+        with kernel_stream(device):
+            error = decode_forwarded(
+                as_array(rows), [(j, j * row.numel(), row.numel()) for j in range(nodes.local_size)],
+                lambda j, forwarded: plans[j].decode(forwarded, as_array(shards[j * shard:(j + 1) * shard])),
+                f"bucket {bucket.index()}", ranks_named="local rank")
+        shards.mul_(1.0 / group.size())
     state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
     future = _new_future(device)
-    if error is None and bool((flags != 0).any()):
-        failed = [j for j in range(nodes.local_size) if flags[j] != 0]
-        error = RuntimeError(f"horovod_qsgd: bucket {bucket.index()} failed between nodes on local rank(s) "
-                             f"{failed} of this node (their error says why); its result is not used here either")
     if error is not None:
         if restore is not None:
             restore()

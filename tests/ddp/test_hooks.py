@@ -502,25 +502,41 @@ def _check_nonfinite_step_is_discarded(torch, dist, ddp, calls, state, rank, ran
     assert state.compression_stats()["tensors_nonfinite"] == counted + 1
 
 
-# alone: it breaks a decode on rank 0 and leaves a node's collectives half done
+# alone: it breaks rank 0's payloads, and a rank's decode on its own
 @pytest.mark.parametrize("num_ranks", [pytest.param(4, marks=pytest.mark.ranks(4, timeout=240, alone=True,
                                                                             launcher="torchrun-nodes:2x2"))])
-def test_node_aware_failure_on_one_rank_fails_its_whole_node_without_a_hang(num_ranks, dist_gloo):
-    """A shard that fails between nodes on rank 0 (its decode raises here) is not used by rank 1, which gets
-    the other half of the bucket from rank 0: both raise; the other node's ranks, whose shards were fine, go on."""
+def test_node_aware_failures_are_raised_where_their_bytes_go_without_a_hang(num_ranks, dist_gloo):
+    """Rank 0's payload of its shard replaced by a refusal notice: the nodes' local ranks 0 receive it and
+    forward it inside their nodes, so every rank of both nodes raises on it, naming rank 0 between nodes.
+    Then a decode that fails on rank 1 alone (not in the bytes): rank 1 raises, the others, who decoded
+    those bytes themselves, go on with the step."""
     import torch
     from horovod_qsgd.common import engine
+    from horovod_qsgd.common.exchange import refusal_notice
     from horovod_qsgd.ddp import QSGDState, qsgd_hook
     rank = dist_gloo.get_rank()
+    encode, decode = engine.AllgatherPlan.encode, engine.AllgatherPlan.decode
     if rank == 0:
+        def refusing(self, x, out, step, residual=None):
+            used = encode(self, x, out, step, residual)
+            out[:len(refusal_notice())] = np.frombuffer(refusal_notice(), np.uint8)
+            return used
+        engine.AllgatherPlan.encode = refusing
+    ddp, _ = _ddp(torch, QSGDState(bits=4, exchange="node_aware", min_numel=MIN_NUMEL), qsgd_hook)
+    with pytest.raises(Exception) as raised:
+        _step(torch, ddp, rank, 0)
+    assert "rank 0 found a mismatch" in str(raised.value), raised.value
+    assert "(between nodes: its rank k is local rank 0 of node k)" in str(raised.value), raised.value
+
+    engine.AllgatherPlan.encode = encode
+    if rank == 1:
         def failing(self, gathered, out):
             raise ValueError("injected decode failure")
         engine.AllgatherPlan.decode = failing
     ddp, _ = _ddp(torch, QSGDState(bits=4, exchange="node_aware", min_numel=MIN_NUMEL), qsgd_hook)
-    if rank >= 2:
+    if rank != 1:
         _step(torch, ddp, rank, 0)
         return
-    with pytest.raises(Exception) as raised:
+    with pytest.raises(Exception, match="injected decode failure"):
         _step(torch, ddp, rank, 0)
-    expected = "injected decode failure" if rank == 0 else "failed between nodes on local rank(s) [0]"
-    assert expected in str(raised.value)
+    engine.AllgatherPlan.decode = decode
