@@ -16,7 +16,7 @@ ring allreduce (none)   ``2 (N-1)/N S`` (the ring crosses once)      ``2 (N-1)/N
 allgather               ``(N-1) b(n)`` (every payload but one)       ``(N-1) b(n)``
 two stages (flat)       ``L (N-L)/N b(n) + (N-1)/N b2(n)``           ``(L-1)/N b(n) + (N-1)/N b2(n)``
 two stages, direct      ``L (N-L)/N (b(n) + b2(n))`` (DDP hooks)     ``(L-1)/N (b(n) + b2(n))``
-node-aware              ``2 (M-1)/M L b(n/L)``, M = nodes            ``2 (L-1)/L S``
+node-aware              ``2 (M-1)/M L b(n/L)``, M = nodes            ``(L-1)/L S + (L-1) r(n/L)``
 =====================  ==========================================  ==============================
 
 The flat rows are the routes of Horovod over Gloo measured in
@@ -25,15 +25,19 @@ The flat rows are the routes of Horovod over Gloo measured in
 to its owner, so a node's L ranks send their slices for the other nodes' ranks
 across (about L C for a compressed tensor of C bytes), while the second
 stage's ring allgather crosses each node boundary once (about C). The
-node-aware exchange (issue #27; this row is its design's projection; built
-so far for DDP's QSGD hook) reduces inside the node first at full precision (a reduce-scatter),
-runs the two stages on each rank's 1/L shard among the M ranks with the same
-local rank, and gathers inside the node: about 2 (M-1)/M C per node.
+node-aware exchange (issue #27; ``horovod_qsgd.common.node_aware``) reduces
+inside the node first at full precision (a reduce-scatter), runs the two
+stages on each rank's 1/L shard among the M ranks with the same local rank,
+and gathers inside the node what those received, compressed (``r(n/L)``: the
+M payloads of a shard, or the M owners' sums of its chunks; each rank then
+decodes all L shards): about 2 (M-1)/M C per node. (DDP's hooks gather the
+decoded shards instead: ``2 (L-1)/L S`` inside the node.)
 
 Step time: ``compute + m codec + NIC bytes / B + in-node bytes / B_in +
 latency``, with the codec work per rank of ``scaling.codec_seconds`` (the
 node-aware exchange's on a 1/L shard among M ranks) times the adapter's
-fitted multiplier ``m`` (``benchmarks/results/scaling/``), or 0 (a free
+fitted multiplier ``m`` (``benchmarks/results/scaling/``; node-aware: plus
+the decode of the other L-1 shards), or 0 (a free
 codec, the bound for a faster device; GPU codecs were never measured).
 Latency: per fusion buffer, ``2 (N-1)`` messages for a ring allreduce and
 ``N-1`` per allgather or alltoall, at the inter-node latency; the node-aware
@@ -104,21 +108,24 @@ def tensor_bytes(name, exchange, n, nodes, per_node):
         if choose_exchange("auto", first, second, shard, nodes) == "two_stage":
             chunks = [e - s for s, e in chunk_bounds(shard, nodes, unit)]
             b1, b2 = sum(first.max_payload_nbytes(c) for c in chunks), sum(second.max_payload_nbytes(c) for c in chunks)
-            nic = per_node * (nodes - 1) / nodes * (b1 + b2)
+            nic, received = per_node * (nodes - 1) / nodes * (b1 + b2), b2
         else:
             b1, b2 = nodes * first.max_payload_nbytes(shard), 0.0
-            nic = per_node * (nodes - 1) * first.max_payload_nbytes(shard)
-        inside = 2 * (per_node - 1) / per_node * 4 * n
+            nic, received = per_node * (nodes - 1) * first.max_payload_nbytes(shard), b1
+        # the shards at full precision, then what step 2 received, compressed, to every rank of the node
+        inside = (per_node - 1) / per_node * 4 * n + (per_node - 1) * received
         return nic, inside, [(per_node - 1, LATENCY_IN, 4 * n), (nodes - 1, LATENCY_INTER, b1),
-                             (nodes - 1, LATENCY_INTER, b2), (per_node - 1, LATENCY_IN, 4 * n)]
+                             (nodes - 1, LATENCY_INTER, b2), (per_node - 1, LATENCY_IN, per_node * received)]
     raise ValueError(f"exchange {exchange!r}")
 
 
 def codec_seconds(costs, name, exchange, n, nodes, per_node):
     if name == "none":
         return 0.0
-    if exchange == "node_aware":
-        return scaling.codec_seconds(costs, name, "two_stage", n / per_node, nodes)
+    if exchange == "node_aware":  # its shard's two stages, then the decode of the other shards of the node
+        shard = n / per_node
+        return (scaling.codec_seconds(costs, name, "two_stage", shard, nodes)
+                + (per_node - 1) * scaling.decode_seconds(costs, name, shard))
     return scaling.codec_seconds(costs, name, exchange, n, nodes * per_node)
 
 
@@ -166,8 +173,9 @@ def main():
              f"L = {args.per_node} ranks per node, {IN_NODE_GBIT} Gbit/s in-node per rank, latency "
              f"{LATENCY_INTER * 1e6:.0f} us between and {LATENCY_IN * 1e6:.0f} us inside nodes; models of "
              "`benchmarks/scaling.py` (tensors of 2^20 elements; 25M: 100 ms compute, 100M: 400 ms). The model "
-             "and its assumptions: `benchmarks/node_scaling.py`'s docstring. **The node-aware rows project an "
-             "exchange built so far only for DDP's QSGD hook** (issue #27; its bytes between nodes measured in "
+             "and its assumptions: `benchmarks/node_scaling.py`'s docstring. The node-aware rows project "
+             "`exchange=\"node_aware\"` as Horovod's adapters run it (issue #27: the node's ranks share the "
+             "compressed sums; its bytes between nodes measured in `../node-bytes/` and, for DDP's hooks, "
              "`../ddp-hooks/nodes/`); the flat rows' bytes are the routes measured in `../node-bytes/`.", "", "```bash", f"python benchmarks/node_scaling.py --per-node {args.per_node}",
              "```", ""]
     for codec in ("free", "this CPU"):

@@ -140,6 +140,16 @@ def codec_seconds(costs, name, exchange, n, ranks):
     return 0.0
 
 
+def decode_seconds(costs, name, n):
+    """One rank's time to decode one payload of ``n`` elements into a sum."""
+    kind, kwargs = SPECS[name]
+    if kind == "QSGD":
+        return costs["qsgd_decode_accumulate"] * n
+    if kind == "TopK":
+        return costs["sparse_accumulate"] * kwargs["ratio"] * n
+    return 0.0
+
+
 # ----------------------------------------------------------------------------- bytes and messages
 
 @functools.lru_cache(maxsize=None)
