@@ -86,6 +86,20 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     manifests = 16 * nodes if nodes > 2 else 16  # one per owner and stage between 3 nodes; one part between 2
     assert stats["bytes_sent"] == 3 * (alone["bytes_sent"] + manifests)  # QSGD's payload sizes are fixed
 
+    # a tensor of more than NODE_AWARE_GROUP_NBYTES of fp32 is a group of its own (it starts as soon as it is
+    # compressed); the small ones still share one: two groups' collectives per round, the same bits
+    from horovod_qsgd.common.node_aware import NODE_AWARE_GROUP_NBYTES
+    sizes = (NODE_AWARE_GROUP_NBYTES // 4 + 1, 20_000, 30_000)
+    split = torch_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
+    for step in range(2):
+        xs = [[gradient(r, n, step) for r in range(ranks)] for n in sizes]
+        from_torch = hvd_torch.grouped_allreduce([torch.from_numpy(x[rank]) for x in xs], name="s",
+                                                 op=hvd_torch.Sum, compression=split)
+        want = node_aware_reference(QSGDCodec(bits=4), QSGDCodec(bits=4), "s.0", xs[0], step, 512, per_node)
+        assert np.array_equal(from_torch[0].numpy(), want), step
+    # the big one's shards take the nodes' two stages between 3 nodes, the small ones' their allgather
+    assert split.compression_stats()["collectives_started"] == 2 * ((3 if nodes == 2 else 4) + 3)
+
     codec = TopKCodec(ratio=0.01)
     residuals = [np.zeros(numel, np.float32) for _ in range(ranks)]
     owners = [np.zeros(np.subtract(*bounds(-(-numel // per_node), nodes, 1)[r // per_node][::-1]), np.float32)

@@ -34,9 +34,9 @@ _NODE_AWARE_EXCHANGE = Template("""exchange: ``"auto"`` (default), ``"allgather"
             ``"node_aware"``: on nodes of several ranks, the node's ranks
             first sum their gradients at full precision (each rank one
             1/L shard of them), only those sums are compressed and cross
-            between nodes, and the node's ranks then share the decoded
-            shards: about 2 compressed gradients per node on the link
-            between nodes instead of 2·L. ${auto}""")
+            between nodes, and the node's ranks then share what crossed,
+            still compressed: about 2 compressed gradients per node on the
+            link between nodes instead of 2·L. ${auto}""")
 _NODE_AWARE_AUTO = {
     "gpu": """``"auto"`` takes it for GPU
             gradients on several nodes; on CPU nodes its full-precision
@@ -56,10 +56,12 @@ _FUSION_ARGS = {"step": """
             first-stage payload (default 64 MiB, as Horovod's own fusion
             buffer: usually one group per step); node-aware tensors share
             each of their steps' collectives per group of at most this many
-            bytes of float32 gradient. 0 gives every tensor its own
-            collectives. A group's alltoall waits for its last tensor, so
-            smaller groups overlap more of the backward pass, and each costs
-            a collective's latency (N-1 messages): measured on 2 cores, 8 ranks
+            bytes of float32 gradient, and at most 4 MiB (a larger tensor
+            starts alone, overlapping the backward pass). 0 gives every
+            tensor its own collectives. A group's alltoall waits for its
+            last tensor, so smaller groups overlap more of the backward
+            pass, and each costs a collective's latency (N-1 messages):
+            measured on 2 cores, 8 ranks
             7-14% faster fused, 4 ranks with three large tensors 13% slower
             with QSGD (``benchmarks/results/fusion``).""", "grouped": """
         fusion_threshold: the two-stage tensors of one grouped call share

@@ -36,10 +36,11 @@ no mass is lost when the layout changes); from M = 3 also the owner residual
 of its chunk of that shard, kept with its :meth:`NodeAwarePlan.owner_layout`.
 
 Fusion (PyTorch): the tensors of a step share each step's collective, per
-group of at most ``fusion_threshold`` bytes (:class:`NodeAwareGroup`; the
-groups from :class:`~horovod_qsgd.common.fusion.Fuser`): 3 collectives per
-group at 2 nodes, 4 from 3, instead of per tensor, with every payload and
-result bit as unfused.
+group of at most ``fusion_threshold`` and :data:`NODE_AWARE_GROUP_NBYTES`
+bytes of float32 gradient (:class:`NodeAwareGroup`; the groups from
+:class:`~horovod_qsgd.common.fusion.Fuser`; a larger tensor is a group of its
+own): 3 collectives per group at 2 nodes, 4 from 3, instead of per tensor,
+with every payload and result bit as unfused.
 
 The collectives are the adapters' (:mod:`horovod_qsgd.torch.node_aware`,
 :mod:`horovod_qsgd.tensorflow.node_aware`: global alltoalls whose splits are
@@ -58,6 +59,11 @@ from horovod_qsgd.common.two_stage import KeepsOwnerResidual, chunk_bounds, chun
 
 NODE_AWARE = "node_aware"
 FLAG_NBYTES = 4  # step 3's failure flag in front of the forwarded payloads: keeps them 4-byte aligned
+# Fused groups of node-aware tensors hold at most this many bytes of float32 gradient (or fusion_threshold, if
+# smaller), so a tensor this large starts alone, as soon as it is compressed. A group starts when its last member
+# is: fused, the three large tensors of a 10M MLP began their in-node step only after the whole backward pass,
+# and steps at 2x2 took 1.15-1.25x as long as with each alone (benchmarks/results/node-step-time/).
+NODE_AWARE_GROUP_NBYTES = 4 * 1024 * 1024
 
 
 def gather_flag(failed):

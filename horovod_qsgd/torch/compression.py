@@ -47,7 +47,7 @@ from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_m
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
-from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
+from horovod_qsgd.common.node_aware import NODE_AWARE, NODE_AWARE_GROUP_NBYTES, job_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
@@ -449,7 +449,8 @@ class PayloadCompressor(_CompressorBase):
 
     def _forget_exchanges(self):
         self._fuser = Fuser(self.fusion_threshold, self._fusion_namespace)
-        self._node_fuser = Fuser(self.fusion_threshold, self._fusion_namespace + "node_aware.")
+        self._node_fuser = Fuser(min(self.fusion_threshold, NODE_AWARE_GROUP_NBYTES),
+                                 self._fusion_namespace + "node_aware.")
         self._first_stages = []  # groups whose alltoall started and whose second stage did not
         self._node_exchanges.forget()
 
