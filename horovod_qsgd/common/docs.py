@@ -40,12 +40,12 @@ _NODE_AWARE_EXCHANGE = Template("""exchange: ``"auto"`` (default), ``"allgather"
 _NODE_AWARE_AUTO = {
     "gpu": """``"auto"`` takes it for GPU
             gradients on several nodes; on CPU nodes its full-precision
-            in-node steps cost more than they saved in our measurements
-            (``benchmarks/results/node-bytes``, ``ddp-hooks/nodes*``).""",
+            in-node sum cost about what it saved in our measurements
+            (``benchmarks/results/node-step-time``, ``ddp-hooks/nodes*``).""",
     "asked": """``"auto"`` does not take it
             here: the codecs run on the host, where its full-precision
-            in-node steps cost more than they saved in our measurements
-            (``benchmarks/results/node-bytes``); ask for it where the link
+            in-node sum cost about what it saved in our measurements
+            (``benchmarks/results/node-step-time``); ask for it where the link
             between nodes is much slower than the one inside them.""",
 }
 

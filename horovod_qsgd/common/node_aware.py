@@ -62,7 +62,7 @@ FLAG_NBYTES = 4  # step 3's failure flag in front of the forwarded payloads: kee
 # Fused groups of node-aware tensors hold at most this many bytes of float32 gradient (or fusion_threshold, if
 # smaller), so a tensor this large starts alone, as soon as it is compressed. A group starts when its last member
 # is: fused, the three large tensors of a 10M MLP began their in-node step only after the whole backward pass,
-# and steps at 2x2 took 1.15-1.25x as long as with each alone (benchmarks/results/node-step-time/).
+# and steps at 2x2 took 1.15-1.19x as long as with each alone (benchmarks/results/node-step-time/).
 NODE_AWARE_GROUP_NBYTES = 4 * 1024 * 1024
 
 
