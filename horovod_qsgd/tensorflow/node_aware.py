@@ -178,7 +178,8 @@ class NodeAwareOps:
         if not failed:
             row = np.concatenate([row, received])
         self.stats.add(collectives_started=1)
-        return np.tile(row, self.plan.layout.local_size), np.asarray(self.group.gather_splits(row.size - FLAG_NBYTES), np.int32)
+        splits = self.group.gather_splits(row.size - FLAG_NBYTES)
+        return np.tile(row, self.plan.layout.local_size), np.asarray(splits, np.int32)
 
     def _finish(self, gathered, gathered_splits, placeholder, shard_residual=None):
         """Step 4: every shard decoded from what the node's ranks forwarded, scaled; raises what went wrong."""

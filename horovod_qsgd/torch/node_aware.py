@@ -255,8 +255,8 @@ class NodeAwareExchanges:
         group = flight.group
         sums = [torch.zeros(group.layout.local_size * member.plan.shard, dtype=torch.float32, device=flight.device)
                 for member in flight.members]
-        error = group.decode_node(as_array(received), received_splits.tolist(), [as_array(s) for s in sums])
-        flight.error = flight.error or error
+        if flight.error is None:  # this rank's own error goes first: its node-mates raise on its flag
+            flight.error = group.decode_node(as_array(received), received_splits.tolist(), [as_array(s) for s in sums])
         if flight.error is None:
             for member, total in zip(flight.members, sums):
                 member.result = total[:member.plan.numel]
