@@ -251,6 +251,10 @@ class FusedTwoStage(_FusedPayloads):
         """The pieces of this owner's part of the allgather, from ``sum_and_encode``'s bytes used."""
         return self.part_pieces(used)
 
+    def decode(self, gathered, outs):
+        """The exchange's last step, as :meth:`FusedAllgather.decode`: :meth:`decode_gathered`."""
+        self.decode_gathered(gathered, outs)
+
     def decode_gathered(self, gathered, outs):
         """Adds every owner's decoded sums into their chunks of ``outs[m]`` (float32, zeros on entry)."""
         self._decode_parts(self.second, gathered, range(self.num_ranks),

@@ -355,12 +355,10 @@ class NodeAwareGroup:
 
         def decode(j, forwarded):
             shards = [out[j * plan.shard:(j + 1) * plan.shard] for plan, out in zip(self.plans, outs)]
-            if not self.fused:
-                self.plans[0].crosses[j].decode(forwarded, shards[0])
-            elif self.kind == "two_stage":
-                self.crosses[j].decode_gathered(forwarded, shards)
-            else:
+            if self.fused:
                 self.crosses[j].decode(forwarded, shards)
+            else:
+                self.plans[0].crosses[j].decode(forwarded, shards[0])
         return decode_forwarded(gathered, rows, decode, self.label)
 
     def between_nodes(self, error):

@@ -184,12 +184,13 @@ class NodeAwareOps:
     def _finish(self, gathered, gathered_splits, placeholder, shard_residual=None):
         """Step 4: every shard decoded from what the node's ranks forwarded, scaled; raises what went wrong."""
         plan = self.plan
-        start = time.perf_counter()
         padded = np.zeros(plan.layout.local_size * plan.shard, np.float32)
-        error = self.group.decode_node(gathered, gathered_splits.tolist(), [padded])
-        self.stats.add(decode_seconds=time.perf_counter() - start)
-        if error is not None:
-            self._fail(error)
+        if plan.name not in self.errors:  # this rank's own error goes first: its node-mates raise on its flag
+            start = time.perf_counter()
+            error = self.group.decode_node(gathered, gathered_splits.tolist(), [padded])
+            self.stats.add(decode_seconds=time.perf_counter() - start)
+            if error is not None:
+                self._fail(error)
         error = self.errors.pop(plan.name, None)
         if error is not None:
             raise error

@@ -253,11 +253,12 @@ class NodeAwareExchanges:
     def _finish(flight, received, received_splits):
         """Step 4: every shard of every member decoded from what the node's ranks forwarded."""
         group = flight.group
+        flight.stage = _DONE
+        if flight.error is not None:  # this rank's own error goes first: its node-mates raise on its flag
+            return
         sums = [torch.zeros(group.layout.local_size * member.plan.shard, dtype=torch.float32, device=flight.device)
                 for member in flight.members]
-        if flight.error is None:  # this rank's own error goes first: its node-mates raise on its flag
-            flight.error = group.decode_node(as_array(received), received_splits.tolist(), [as_array(s) for s in sums])
+        flight.error = group.decode_node(as_array(received), received_splits.tolist(), [as_array(s) for s in sums])
         if flight.error is None:
             for member, total in zip(flight.members, sums):
                 member.result = total[:member.plan.numel]
-        flight.stage = _DONE
