@@ -59,4 +59,4 @@ def concatenate_pieces(pieces, buffers):
         else:
             member, start, end = piece
             parts.append(buffers[member][start:end])
-    return torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -23,7 +23,8 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     """exchange='node_aware': QSGD (three tensors in flight) and top-k over 4 steps with its residuals through a
     checkpoint, bitwise the reference on every rank in both adapters (2 nodes: the nodes' allgather; 3 nodes:
     their two stages); the same bytes in both; the bytes kept in the node and the collectives as the formula
-    says; 'auto' node-blind on CPU; a tensor whose length differs on one rank refused on every rank."""
+    says; 'auto' node-blind on CPU; a tensor whose length differs on one rank, by a shard or by one element,
+    refused on every rank."""
     import tensorflow as tf
     import torch
     from horovod_qsgd.codecs import QSGDCodec, TopKCodec
@@ -60,10 +61,10 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     # payload sizes are fixed): the nodes' payloads of the shard (2 nodes), the owners' sums of its chunks (3)
     between = QSGDCodec(bits=4).max_payload_nbytes
     received = 2 * between(shard) if nodes == 2 else sum(between(e - b) for b, e in bounds(shard, nodes, 512))
-    flag = 4
+    flag, tag = 4, 2  # step 1's rows start with a digest of the tensors' names and sizes (2 floats)
     for stats in (qsgd.compression_stats(), twin.compression_stats()):
         assert stats["exchanges"] == {f"w.{i}": "node_aware" for i in range(3)}
-        assert stats["bytes_sent_in_node"] == 3 * (4 * shard + flag + received) * (per_node - 1)
+        assert stats["bytes_sent_in_node"] == 3 * (4 * (shard + tag) + flag + received) * (per_node - 1)
         assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)  # in the node, between (1 or 2), back
     assert qsgd.compression_stats()["bytes_sent"] == twin.compression_stats()["bytes_sent"]
 
@@ -80,7 +81,7 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
             assert np.array_equal(from_torch[i].numpy(), want), (step, i)
     stats, alone = fused.compression_stats(), twin.compression_stats()
     assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)
-    tag = 2  # the group's digest in step 1; step 3 forwards a manifest per part received between nodes
+    # step 1: one digest for the group; step 3 forwards a manifest per part received between nodes
     assert stats["bytes_sent_in_node"] == 3 * (4 * (3 * shard + tag) + flag + 3 * received + 16 * nodes) * (
         per_node - 1)
     manifests = 16 * nodes if nodes > 2 else 16  # one per owner and stage between 3 nodes; one part between 2
@@ -172,6 +173,17 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     with pytest.raises(Exception, match="horovod_qsgd: tensor 'odd"):
         hvd_torch.allreduce(torch.ones(length), name="odd", op=hvd_torch.Sum,
                             compression=torch_adapter.QSGD(exchange="node_aware"))
+    # one element more on the last rank: its shards are as long (200,003 and 200,004 elements pad alike), the
+    # digest at the head of its row in step 1 is not; alone too (TensorFlow, fusion_threshold=0), on every rank
+    assert -(-(numel + 1) // (per_node * 512)) == -(-numel // (per_node * 512))
+    near = numel + (1 if rank == ranks - 1 else 0)
+    expected = "compressed another tensor under this name" if rank // per_node == nodes - 1 else \
+        "horovod_qsgd: tensor 'near"
+    with pytest.raises(Exception, match=expected):
+        hvd.allreduce(tf.ones(near), name="near", op=hvd.Sum, compression=tf_adapter.QSGD(exchange="node_aware"))
+    with pytest.raises(Exception, match=expected):
+        hvd_torch.allreduce(torch.ones(near), name="near", op=hvd_torch.Sum,
+                            compression=torch_adapter.QSGD(exchange="node_aware", fusion_threshold=0))
     # fused: sizes that differ on the last rank while its row's length does not, refused by the group's
     # digest in its node and by the refusal notices between nodes, on every rank
     delta = 4096 if rank == ranks - 1 else 0

@@ -5,8 +5,9 @@ tensor of n elements padded to L shards of ``shard`` elements (a multiple of
 QSGD's bucket):
 
 1. **In-node reduce-scatter, full precision.** Every rank sends shard j to
-   local rank j; local rank j adds the L shards it receives in local-rank
-   order: the node's sum of shard j, the same bits on every node.
+   local rank j, behind a digest of the tensor's name and size; local rank j
+   checks the digests and adds the L shards it receives in local-rank order:
+   the node's sum of shard j, the same bits on every node.
 2. **Between nodes**, the engine's exchange of that node sum among the M
    ranks of local index j (one per node), as for a tensor named
    ``<name>.shard<j>`` among M ranks: the allgather at M = 2, the two stages
@@ -48,12 +49,15 @@ zero outside the step's peers, so no process set has to be declared in
 ``hvd.init()``); everything between them is here or in the engine's plan of
 step 2.
 """
+import functools
 import itertools
+import operator
 import warnings
 import zlib
 
 from horovod_qsgd.codecs.base import read_bytes
 from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.fusion import FusedAllgather, FusedTwoStage, group_label
 from horovod_qsgd.common.two_stage import KeepsOwnerResidual, chunk_bounds, chunk_unit
 
@@ -69,6 +73,12 @@ NODE_AWARE_GROUP_NBYTES = 4 * 1024 * 1024
 def gather_flag(failed):
     """Step 3's flag (bytes) of a rank whose steps 1-2 ``failed`` or not."""
     return bytes([1 if failed else 0]) + bytes(FLAG_NBYTES - 1)
+
+
+def pieces_nbytes(pieces):
+    """Bytes of the buffer that ``pieces`` (:mod:`horovod_qsgd.common.fusion`'s: bytes, or (member, start, end)
+    ranges of the members' buffers) make."""
+    return sum(len(piece) if isinstance(piece, bytes) else piece[2] - piece[1] for piece in pieces)
 
 
 def between_nodes(error, local_rank):
@@ -207,9 +217,8 @@ def _count_mismatch(layout, received_splits, count, label, row):
 
 
 class NodeAwarePlan(KeepsOwnerResidual):
-    """One tensor's node-aware exchange on one rank: layouts, splits and checks of steps 1 and 3, and step 2's
-    plan (``cross``, an engine plan among the nodes; ``crosses[j]``: local rank j's, whose payloads step 4
-    decodes)."""
+    """One tensor's node-aware exchange on one rank: its shards, and step 2's plan (``cross``, an engine plan
+    among the nodes; ``crosses[j]``: local rank j's, whose payloads step 4 decodes)."""
     kind = NODE_AWARE
 
     def __init__(self, engine, name, numel, layout, uncompressed_nbytes):
@@ -229,17 +238,6 @@ class NodeAwarePlan(KeepsOwnerResidual):
         """(begin, end) of this rank's shard within the tensor (clipped to it)."""
         begin = self.layout.local_rank * self.shard
         return min(self.numel, begin), min(self.numel, begin + self.shard)
-
-    def in_node_splits(self):
-        """Step 1's splits (elements per global rank); counts the bytes that stay in the node."""
-        layout = self.layout
-        self.stats.add(bytes_sent_in_node=4 * self.shard * (layout.local_size - 1))
-        return layout.in_node_splits(self.shard)
-
-    def check_in_node(self, received_splits):
-        """None, or the CompressionMismatchError of step 1 where a rank of the node sent another number of
-        elements than this rank's shard has."""
-        return _count_mismatch(self.layout, received_splits, self.shard, f"tensor {self.name!r}", "shard")
 
     def cross_splits(self, counts):
         """Step 2's splits (bytes per global rank) from ``counts`` per node."""
@@ -267,21 +265,27 @@ class NodeAwarePlan(KeepsOwnerResidual):
 
 
 class NodeAwareGroup:
-    """The node-aware exchanges of several tensors (their :class:`NodeAwarePlan` s, one layout) in one collective
-    per step, or of one tensor alone (``fused=False``: the wire of :class:`NodeAwarePlan`, byte for byte).
+    """The node-aware exchange of several tensors (their :class:`NodeAwarePlan` s, one layout) in one collective
+    per step, or of one tensor alone (``fused=False``), on arrays: each step's bytes, splits and checks, written
+    once for every adapter, which allocates the buffers, joins the pieces and runs the collectives (step 1
+    :meth:`in_node_splits`, :meth:`sum_in_node`; step 2 :meth:`encode_between_nodes` or
+    :meth:`refuse_between_nodes`, from 3 nodes :meth:`sum_between_nodes`; step 3 :meth:`forward_in_node`; step 4
+    :meth:`decode_node`).
 
-    Fused, the groups come from :class:`~horovod_qsgd.common.fusion.Fuser` (the same on every rank) and the wire is:
+    The wire:
 
     1. to each rank of the node a row of 2 + Σ shard floats: a digest of the members' names and sizes (crc32,
        as two 16-bit halves, exact in float32), then each member's shard for that rank, in group order; a rank
-       that grouped other tensors is refused by the row's length or its digest;
-    2. between nodes, one part per peer: a manifest, then each member's payload (the nodes' allgather) or its
-       slice for that owner (their two stages; the owners' sums likewise), as
+       that grouped other tensors, or has a tensor of another size whose shards are as long, is refused by the
+       row's length or its digest;
+    2. between nodes, each member's payload (the nodes' allgather) or its slice for each owner (their two
+       stages; the owners' sums likewise); fused, one part per peer: a manifest, then the members' bytes, as
        :mod:`horovod_qsgd.common.fusion` lays out the flat exchanges;
-    3. to each rank of the node, the group's failure flag and the bytes step 2 received, manifests and all.
+    3. to each rank of the node, the failure flag and the bytes step 2 received, manifests and all.
 
     Every member's payloads and result bits are what they are alone: fusion packs the collectives, not the codecs.
-    Costs 8 bytes per rank of the node in step 1 and 16 bytes per part between nodes (forwarded in step 3).
+    Costs 8 bytes per rank of the node in step 1 and, fused, 16 bytes per part between nodes (forwarded in step
+    3). The groups come from :class:`~horovod_qsgd.common.fusion.Fuser` (the same on every rank).
     """
 
     TAG_WIDTH = 2
@@ -296,7 +300,7 @@ class NodeAwareGroup:
         self.shards = [plan.shard for plan in self.plans]
         self.offsets = [sum(self.shards[:m]) for m in range(len(self.plans))]
         self.row = sum(self.shards)
-        self.tag_width = self.TAG_WIDTH if fused else 0
+        self.tag_width = self.TAG_WIDTH
         digest = zlib.crc32("\0".join(f"{plan.name}:{plan.numel}" for plan in self.plans).encode("utf-8"))
         self.tag = [float(digest >> 16), float(digest & 0xFFFF)]
         self.label = f"tensor {self.names[0]!r}" if len(self.names) == 1 else f"tensors {group_label(self.names)}"
@@ -318,21 +322,110 @@ class NodeAwareGroup:
     def check_in_node(self, received_splits):
         """None, or the CompressionMismatchError of step 1 where a rank of the node sent another number of
         elements than this rank's row has."""
-        if not self.fused:
-            return self.plans[0].check_in_node(received_splits)
-        return _count_mismatch(self.layout, received_splits, self.in_node_width(), self.label, "fused row")
+        return _count_mismatch(self.layout, received_splits, self.in_node_width(), self.label,
+                               "fused row" if self.fused else "row")
 
     def check_tags(self, tags):
-        """None, or the CompressionMismatchError of step 1 where a rank of the node fused other tensors
-        (``tags``: the first :attr:`tag_width` floats of each rank's row, in local-rank order)."""
-        if not self.fused:
-            return None
+        """None, or the CompressionMismatchError of step 1 where a rank of the node fused other tensors, or has
+        this one in another size (``tags``: the first :attr:`tag_width` floats of each rank's row, in local-rank
+        order): shards of a few elements more or less have the same length, not the same digest."""
         wrong = [r for r, tag in zip(self.layout.local_ranks(), tags) if list(tag) != self.tag]
         if not wrong:
             return None
+        what = "fused other tensors with them (their names or sizes differ)" if self.fused else \
+            "compressed another tensor under this name (of another size)"
         return CompressionMismatchError(
-            f"horovod_qsgd: {self.label}: rank(s) {wrong} of this node fused other tensors with them (their "
-            "names or sizes differ): every rank must compress the same tensors under the same names.")
+            f"horovod_qsgd: {self.label}: rank(s) {wrong} of this node {what}: every rank must compress the same "
+            "tensors under the same names.")
+
+    def sum_in_node(self, received, received_splits):
+        """Step 1's result: (each member's node sum of this rank's shard, None), or (None, the error of a rank
+        of the node that sent another row).
+
+        ``received``: step 1's flat float32 result, a numpy array or a torch tensor (the sums are of its kind);
+        ``received_splits``: its elements per global rank. The L shards are added in local-rank order: the same
+        bits on every node.
+        """
+        error = self.check_in_node(received_splits)
+        if error is not None:
+            return None, error
+        rows = received.reshape(self.layout.local_size, -1)
+        error = self.check_tags(rows[:, :self.tag_width].tolist())  # one small read where the rows lie on a device
+        if error is not None:
+            return None, error
+        sums = []
+        for plan, offset in zip(self.plans, self.offsets):
+            begin = self.tag_width + offset
+            sums.append(functools.reduce(operator.add, rows[:, begin:begin + plan.shard]))
+        return sums, None
+
+    def encode_between_nodes(self, node_sums, outs, owns, steps, residuals):
+        """Step 2: each member's node sum encoded for this local index's rank on every node.
+
+        ``outs[m]``: zeroed uint8 of ``plans[m].cross.capacity()`` bytes; ``owns[m]`` (two stages between
+        nodes, else None): float32 of ``plans[m].cross.own_numel()``, which receives its own chunk;
+        ``residuals[m]``: its shard residual (error feedback, updated in place) or None. Returns (pieces,
+        counts): the bytes to send as :mod:`horovod_qsgd.common.fusion` lays them out (bytes, or (member,
+        start, end) ranges of ``outs``) and how many go to each node.
+        """
+        if self.kind == "two_stage":
+            member_counts = [plan.cross.encode(node_sum, out, own, step, residual) for plan, node_sum, out, own, step,
+                             residual in zip(self.plans, node_sums, outs, owns, steps, residuals)]
+            if not self.fused:
+                return [(0, 0, sum(member_counts[0]))], member_counts[0]
+            pieces, counts = self.cross.first_stage_pieces(member_counts)
+            manifests = pieces_nbytes(piece for piece in pieces if isinstance(piece, bytes))
+            self.stats.add(bytes_sent=manifests, bytes_sent_first_stage=manifests)
+            return pieces, counts
+        used = [plan.cross.encode(node_sum, out, step, residual) for plan, node_sum, out, step, residual
+                in zip(self.plans, node_sums, outs, steps, residuals)]
+        part = [(0, 0, used[0])]
+        if self.fused:
+            part = self.cross.part_pieces(used)
+            self.stats.add(bytes_sent=pieces_nbytes(part) - sum(used))
+        return self._to_every_node(part)
+
+    def refuse_between_nodes(self, second_stage=False):
+        """Step 2 (or, ``second_stage``, its second stage) of a rank whose steps so far failed: (pieces, counts)
+        of refusal notices that tell every peer, who forwards them to every rank of its node in step 3: all of
+        them raise."""
+        if second_stage:
+            return self._to_every_node([refusal_notice()])
+        notice = refusal_notice()
+        counts, copies = self.refusal_counts(len(notice))
+        return [notice] * copies, counts
+
+    def sum_between_nodes(self, received, owns, outs, steps, owner_residuals):
+        """Step 2's second stage (two stages between nodes): the owner's sum of the slices it ``received``,
+        re-encoded for every node.
+
+        ``owns[m]``: member m's own chunk from :meth:`encode_between_nodes`; ``outs[m]``: zeroed uint8 of
+        ``plans[m].cross.owned_capacity()`` bytes; ``owner_residuals[m]``: its owner residual or None. Returns
+        (pieces, counts, error): where a slice does not match (then ``error``, noted as between nodes, is what
+        this rank raises), a refusal notice that every peer raises on.
+        """
+        if self.fused:
+            used, error = self.cross.sum_and_encode(received, owns, outs, steps, owner_residuals)
+            part = [refusal_notice()] if error is not None else self.cross.second_stage_pieces(used)
+            if error is None:
+                self.stats.add(bytes_sent=pieces_nbytes(part), bytes_sent_second_stage=pieces_nbytes(part))
+        else:  # counts its own bytes; writes a refusal notice into the buffer where a slice did not match
+            used, error = self.plans[0].cross.sum_and_encode(received, owns[0], outs[0], steps[0], owner_residuals[0])
+            part = [(0, 0, used)]
+        pieces, counts = self._to_every_node(part)
+        return pieces, counts, None if error is None else self.between_nodes(error)
+
+    def forward_in_node(self, failed, received_nbytes):
+        """Step 3: (pieces, splits) of this rank's failure flag and, unless it ``failed``, the
+        ``received_nbytes`` bytes its step 2 received (buffer 0 of the pieces), to every rank of the node;
+        counts the bytes that stay in the node."""
+        forwarded = 0 if failed else received_nbytes
+        row = [gather_flag(failed)] + ([(0, 0, forwarded)] if forwarded else [])
+        return row * self.layout.local_size, self.gather_splits(forwarded)
+
+    def _to_every_node(self, part):
+        """(pieces, counts) of ``part`` to this local index's rank on every node."""
+        return part * self.layout.num_nodes, [pieces_nbytes(part)] * self.layout.num_nodes
 
     def cross_splits(self, counts):
         """Step 2's splits (bytes per global rank) from ``counts`` per node."""

@@ -19,14 +19,11 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from horovod_qsgd.common.exchange import reduction_scale, refusal_notice
+from horovod_qsgd.common.exchange import reduction_scale
+from horovod_qsgd.common.fusion import join_host_pieces
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
-from horovod_qsgd.common.node_aware import FLAG_NBYTES, NodeAwareGroup, gather_flag
+from horovod_qsgd.common.node_aware import NodeAwareGroup
 from horovod_qsgd.tensorflow.compressor_base import op_name
-
-
-def _notice():
-    return np.frombuffer(refusal_notice(), dtype=np.uint8)
 
 
 class NodeAwareOps:
@@ -59,22 +56,26 @@ class NodeAwareOps:
     def start(self, flat, step, residual=None):
         """Steps 1 and 2 started (``residual``: the tensor-long residual with error feedback); returns step 2's
         received bytes."""
-        plan, stats = self.plan, self.stats
-        numel, padded_numel, shard = plan.numel, plan.padded_numel(), plan.shard
+        plan, stats, group = self.plan, self.stats, self.group
+        numel, shard, local_size = plan.numel, plan.shard, plan.layout.local_size
+        row_width = group.in_node_width()
 
-        def pad(x, residual=None):
+        def pad(x, residual=None):  # each rank's row: the tag, then its shard of the tensor, zero-padded
             self.errors.pop(plan.name, None)  # a new step of this tensor
-            padded = np.zeros(padded_numel, np.float32)
+            padded = np.zeros(local_size * shard, np.float32)
             padded[:numel] = x
             if residual is not None:  # all of it joins the gradient: see common.node_aware
                 padded[:numel] += residual
+            rows = np.empty((local_size, row_width), np.float32)
+            rows[:, :group.tag_width] = group.tag
+            rows[:, group.tag_width:] = padded.reshape(local_size, shard)
             stats.add(collectives_started=1)
-            return padded, np.asarray(plan.in_node_splits(), np.int32)
+            return rows.reshape(-1), np.asarray(group.in_node_splits(), np.int32)
 
         inputs = [flat] if residual is None else [flat, residual]
         padded, splits = tf.numpy_function(pad, inputs, [tf.float32, tf.int32], stateful=False,
                                            name="horovod_qsgd_node_pad")
-        padded.set_shape([padded_numel])
+        padded.set_shape([local_size * row_width])
         splits.set_shape([plan.layout.num_ranks])
         received, received_splits = self._alltoall(padded, splits, 0)
         outputs = tf.numpy_function(self._encode_node_sum, [received, received_splits, step],
@@ -89,33 +90,21 @@ class NodeAwareOps:
 
     def _encode_node_sum(self, received, received_splits, step):
         """Step 2: the node's sum of this rank's shard, encoded for this local index's rank on every node."""
-        plan, cross = self.plan, self.plan.cross
+        group, cross = self.group, self.plan.cross
         start = time.perf_counter()
-        nodes = plan.layout.num_nodes
-        shard_residual = np.zeros(plan.shard if self.error_feedback else 0, np.float32)
-        error = plan.check_in_node(received_splits.tolist())
-        own = np.zeros(0, np.float32)
-        if error is not None:
-            self._fail(error)
-        else:
-            rows = received.reshape(plan.layout.local_size, plan.shard)
-            node_sum = rows[0].copy()
-            for row in rows[1:]:  # in local-rank order: the same bits on every node
-                node_sum += row
-        residual = shard_residual if self.error_feedback else None
-        out = np.zeros(cross.capacity(), np.uint8)
+        shard_residual = np.zeros(self.plan.shard if self.error_feedback else 0, np.float32)
+        sums, error = group.sum_in_node(received, received_splits.tolist())
+        two_stage = error is None and cross.kind == "two_stage"
+        own = np.empty(cross.own_numel() if two_stage else 0, np.float32)
+        outs = [np.zeros(0 if error is not None else cross.capacity(), np.uint8)]
         if error is not None:  # every peer gets a refusal notice, forwards it in step 3: its node raises
-            counts, copies = plan.refusal_counts(_notice().size)
-            sent = np.tile(_notice(), copies)
-        elif cross.kind == "two_stage":
-            own = np.empty(cross.own_numel(), np.float32)
-            counts = cross.encode(node_sum, out, own, int(step), residual)
-            sent = out[:sum(counts)]
+            self._fail(error)
+            pieces, counts = group.refuse_between_nodes()
         else:
-            payload = out[:cross.encode(node_sum, out, int(step), residual)]
-            counts, sent = [payload.size] * nodes, np.tile(payload, nodes)
+            pieces, counts = group.encode_between_nodes(sums, outs, [own if two_stage else None], [int(step)],
+                                                        [shard_residual if self.error_feedback else None])
         self.stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-        return sent, np.asarray(plan.cross_splits(counts), np.int32), own, shard_residual
+        return join_host_pieces(pieces, outs), np.asarray(group.cross_splits(counts), np.int32), own, shard_residual
 
     # -- decompress ---------------------------------------------------------------------------
     def result(self, cross_received, placeholder, step, owner_residual=None):
@@ -140,23 +129,22 @@ class NodeAwareOps:
 
     def _cross_sums(self, received, step, owner_residual):
         """Step 2's second stage: the owner's sum of the slices it received, re-encoded, to every node."""
-        plan, cross = self.plan, self.plan.cross
-        nodes = plan.layout.num_nodes
+        plan = self.plan
 
         def sum_and_encode(received, own, step, owner_residual=None):
             start = time.perf_counter()
             owner_residual = None if owner_residual is None else owner_residual.copy()
-            if plan.name in self.errors:
-                payload = _notice()
+            out = np.zeros(0, np.uint8)
+            if plan.name in self.errors:  # its peers raise on the notice, as on the first stage's
+                pieces, counts = self.group.refuse_between_nodes(second_stage=True)
             else:
-                out = np.zeros(cross.owned_capacity(), np.uint8)
-                used, error = cross.sum_and_encode(received, np.array(own, np.float32), out, int(step),
-                                                   owner_residual)
-                payload = out[:used]  # a refusal notice where a slice did not match: every peer raises on it
-                if error is not None:
-                    self._fail(plan.between_nodes(error))
+                out = np.zeros(plan.cross.owned_capacity(), np.uint8)
+                pieces, counts, error = self.group.sum_between_nodes(received, [np.array(own, np.float32)], [out],
+                                                                     [int(step)], [owner_residual])
+                if error is not None:  # its refusal notice goes to every peer all the same: they raise on it
+                    self._fail(error)
             self.stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-            outputs = (np.tile(payload, nodes), np.asarray(plan.cross_splits([payload.size] * nodes), np.int32))
+            outputs = (join_host_pieces(pieces, [out]), np.asarray(self.group.cross_splits(counts), np.int32))
             return outputs if owner_residual is None else outputs + (owner_residual,)
 
         inputs = [received, self.own, step] + ([] if owner_residual is None else [owner_residual])
@@ -173,13 +161,9 @@ class NodeAwareOps:
     def _forward(self, received):
         """Step 3's input: the failure flag and the bytes step 2 received (not where it failed), for every rank of
         the node."""
-        failed = self.plan.name in self.errors
-        row = np.frombuffer(gather_flag(failed), np.uint8)
-        if not failed:
-            row = np.concatenate([row, received])
+        pieces, splits = self.group.forward_in_node(self.plan.name in self.errors, received.size)
         self.stats.add(collectives_started=1)
-        splits = self.group.gather_splits(row.size - FLAG_NBYTES)
-        return np.tile(row, self.plan.layout.local_size), np.asarray(splits, np.int32)
+        return join_host_pieces(pieces, [received]), np.asarray(splits, np.int32)
 
     def _finish(self, gathered, gathered_splits, placeholder, shard_residual=None):
         """Step 4: every shard decoded from what the node's ranks forwarded, scaled; raises what went wrong."""

@@ -19,9 +19,8 @@ import time
 import horovod.torch as hvd
 import torch
 
-from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
-from horovod_qsgd.common.node_aware import FLAG_NBYTES, NodeAwareGroup, gather_flag
+from horovod_qsgd.common.node_aware import NodeAwareGroup
 from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
 
 _IN_NODE, _CROSS, _CROSS_SUMS, _GATHER, _DONE = range(5)
@@ -31,10 +30,6 @@ _POLL_SECONDS = 50e-6
 
 def _array(tensor):
     return None if tensor is None else as_array(tensor)
-
-
-def _notice(device):
-    return torch.frombuffer(bytearray(refusal_notice()), dtype=torch.uint8).to(device)
 
 
 class NodeAwareMember:
@@ -85,11 +80,10 @@ class NodeAwareExchanges:
             group, names = NodeAwareGroup(plans), [f"{group_name}.{step}" for step in _STEP_NAMES]
         flight = NodeAwareFlight(group, members, names)
         layout = group.layout
-        rows = [member.padded.view(layout.local_size, member.plan.shard) for member in members]
-        if group.fused:
-            rows.insert(0, torch.tensor(group.tag, dtype=torch.float32, device=flight.device)
-                        .expand(layout.local_size, group.tag_width))
-        sent = rows[0].reshape(-1) if len(rows) == 1 else torch.cat(rows, dim=1).reshape(-1)
+        tag = torch.tensor(group.tag, dtype=torch.float32, device=flight.device)
+        rows = [tag.expand(layout.local_size, group.tag_width)]
+        rows += [member.padded.view(layout.local_size, member.plan.shard) for member in members]
+        sent = torch.cat(rows, dim=1).reshape(-1)
         for member in members:
             member.padded = None
         self._start(flight, sent, group.in_node_splits())
@@ -153,17 +147,9 @@ class NodeAwareExchanges:
     def _advance(self, flight, received, received_splits):
         group = flight.group
         if flight.stage == _IN_NODE:
-            flight.error = group.check_in_node(received_splits.tolist())
-            rows = None if flight.error is not None else received.view(group.layout.local_size, -1)
-            if rows is not None and group.fused:  # the tags: one small read from the device
-                flight.error = group.check_tags(rows[:, :group.tag_width].tolist())
-            if flight.error is None:
-                for member, offset in zip(flight.members, group.offsets):
-                    begin = group.tag_width + offset
-                    shards = rows[:, begin:begin + member.plan.shard]
-                    member.node_sum = shards[0].clone()
-                    for shard in shards[1:]:  # in local-rank order: the same bits on every node
-                        member.node_sum += shard
+            sums, flight.error = group.sum_in_node(received, received_splits.tolist())
+            for member, node_sum in zip(flight.members, sums or ()):
+                member.node_sum = node_sum
             self._start_cross(flight)
         elif flight.stage == _CROSS and group.kind == "two_stage":
             self._start_cross_sums(flight, received)
@@ -174,80 +160,46 @@ class NodeAwareExchanges:
 
     def _start_cross(self, flight):
         """Step 2: the node's sum of each member's shard, encoded, to this local index's rank on every node."""
-        group, members = flight.group, flight.members
-        nodes = group.layout.num_nodes
+        group, members, device = flight.group, flight.members, flight.device
+        outs = [torch.zeros(0, dtype=torch.uint8, device=device)]
         if flight.error is not None:  # every peer gets a refusal notice, forwards it in step 3: its node raises
-            notice = _notice(flight.device)
-            counts, copies = group.refusal_counts(notice.numel())
-            flight.stage = _CROSS
-            self._start(flight, notice.repeat(copies), group.cross_splits(counts))
-            return
-        outs = [torch.zeros(m.plan.cross.capacity(), dtype=torch.uint8, device=flight.device) for m in members]
-        if group.kind == "two_stage":
-            member_counts = []
-            for member, out in zip(members, outs):
-                member.own = torch.empty(member.plan.cross.own_numel(), dtype=torch.float32, device=flight.device)
-                member_counts.append(member.plan.cross.encode(as_array(member.node_sum), as_array(out),
-                                                              as_array(member.own), member.step,
-                                                              _array(member.shard_residual)))
-            if group.fused:
-                pieces, counts = group.cross.first_stage_pieces(member_counts)
-                sent = concatenate_pieces(pieces, outs)
-                manifests = sent.numel() - sum(map(sum, member_counts))
-                self.stats.add(bytes_sent=manifests, bytes_sent_first_stage=manifests)
-            else:
-                counts, sent = member_counts[0], outs[0][:sum(member_counts[0])]
+            pieces, counts = group.refuse_between_nodes()
         else:
-            used = [member.plan.cross.encode(as_array(member.node_sum), as_array(out), member.step,
-                                             _array(member.shard_residual)) for member, out in zip(members, outs)]
-            if group.fused:
-                payload = concatenate_pieces(group.cross.part_pieces(used), outs)
-                self.stats.add(bytes_sent=payload.numel() - sum(used))
-            else:
-                payload = outs[0][:used[0]]
-            counts, sent = [payload.numel()] * nodes, payload.repeat(nodes)
+            outs = [torch.zeros(m.plan.cross.capacity(), dtype=torch.uint8, device=device) for m in members]
+            if group.kind == "two_stage":
+                for member in members:
+                    member.own = torch.empty(member.plan.cross.own_numel(), dtype=torch.float32, device=device)
+            pieces, counts = group.encode_between_nodes(
+                [as_array(m.node_sum) for m in members], [as_array(o) for o in outs], [_array(m.own) for m in members],
+                [m.step for m in members], [_array(m.shard_residual) for m in members])
         for member in members:
             member.node_sum = None
         flight.stage = _CROSS
-        self._start(flight, sent, group.cross_splits(counts))
+        self._start(flight, concatenate_pieces(pieces, outs), group.cross_splits(counts))
 
     def _start_cross_sums(self, flight, received):
         """Step 2's second stage: the owner's sum of the slices it received, re-encoded, to every node."""
         group, members = flight.group, flight.members
-        payload = None
-        if flight.error is None:
+        outs = [torch.zeros(0, dtype=torch.uint8, device=flight.device)]
+        if flight.error is not None:  # its peers raise on the notice, as on the first stage's
+            pieces, counts = group.refuse_between_nodes(second_stage=True)
+        else:
             outs = [torch.zeros(m.plan.cross.owned_capacity(), dtype=torch.uint8, device=flight.device)
                     for m in members]
-            if group.fused:
-                used, error = group.cross.sum_and_encode(
-                    as_array(received), [as_array(m.own) for m in members], [as_array(o) for o in outs],
-                    [m.step for m in members], [_array(m.owner_residual) for m in members])
-                if error is None:
-                    payload = concatenate_pieces(group.cross.second_stage_pieces(used), outs)
-                    self.stats.add(bytes_sent=payload.numel(), bytes_sent_second_stage=payload.numel())
-            else:  # counts its own bytes; a refusal notice where a slice did not match: every peer raises on it
-                member = members[0]
-                used, error = member.plan.cross.sum_and_encode(as_array(received), as_array(member.own),
-                                                               as_array(outs[0]), member.step,
-                                                               _array(member.owner_residual))
-                payload = outs[0][:used]
-            flight.error = None if error is None else group.between_nodes(error)
-        if payload is None or (group.fused and flight.error is not None):
-            payload = _notice(flight.device)
+            pieces, counts, flight.error = group.sum_between_nodes(
+                as_array(received), [as_array(m.own) for m in members], [as_array(o) for o in outs],
+                [m.step for m in members], [_array(m.owner_residual) for m in members])
         for member in members:
             member.own = None
-        nodes = group.layout.num_nodes
         flight.stage = _CROSS_SUMS
-        self._start(flight, payload.repeat(nodes), group.cross_splits([payload.numel()] * nodes))
+        self._start(flight, concatenate_pieces(pieces, outs), group.cross_splits(counts))
 
     def _start_gather(self, flight, received):
         """Step 3: the group's failure flag and the bytes step 2 received (not where it failed) to every rank of
         the node."""
-        group = flight.group
-        flag = torch.frombuffer(bytearray(gather_flag(flight.error is not None)), dtype=torch.uint8)
-        row = flag.to(flight.device) if flight.error is not None else torch.cat([flag.to(flight.device), received])
+        pieces, splits = flight.group.forward_in_node(flight.error is not None, received.numel())
         flight.stage = _GATHER
-        self._start(flight, row.repeat(group.layout.local_size), group.gather_splits(row.numel() - FLAG_NBYTES))
+        self._start(flight, concatenate_pieces(pieces, [received]), splits)
 
     @staticmethod
     def _finish(flight, received, received_splits):

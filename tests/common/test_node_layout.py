@@ -88,9 +88,14 @@ def test_a_fused_node_aware_group_lays_out_its_rows_and_refuses_other_groups():
     assert other.shards == group.shards and other.tag != group.tag
     assert "tensors a, b: rank(s) [3] of this node fused other tensors" in str(group.check_tags([group.tag,
                                                                                                 other.tag]))
-    alone = NodeAwareGroup(plans[:1], fused=False)  # the wire of one NodeAwarePlan
-    assert alone.in_node_width() == 2560 and alone.check_tags([[], []]) is None
-    assert "tensor 'a': rank(s) [3] of this node sent [2561]" in str(alone.check_in_node([0, 0, 2560, 2561]))
+    alone = NodeAwareGroup(plans[:1], fused=False)  # one tensor's own collectives: tagged all the same
+    assert alone.in_node_width() == 2 + 2560 and alone.check_tags([alone.tag, alone.tag]) is None
+    assert "tensor 'a': rank(s) [3] of this node sent [2561] elements where this rank's row has 2562" in str(
+        alone.check_in_node([0, 0, 2562, 2561]))
+    shorter = NodeAwareGroup([engine.plan_node_aware("a", 4999, layout, 4 * 4999)], fused=False)  # same shard
+    assert shorter.in_node_width() == alone.in_node_width()
+    assert "tensor 'a': rank(s) [2] of this node compressed another tensor under this name" in str(
+        alone.check_tags([shorter.tag, alone.tag]))
 
 
 def test_every_rank_decodes_the_compressed_sums_its_node_forwards_bitwise_as_their_own_rank_would():
@@ -142,3 +147,112 @@ def test_every_rank_decodes_the_compressed_sums_its_node_forwards_bitwise_as_the
     refused = np.concatenate([flag, np.frombuffer(refusal_notice(), np.uint8), received(1)[len(received(1)) // 2:]])
     error = group.decode_node(np.concatenate([rows[0], refused]), [0, 0, len(rows[0]), len(refused)], [out])
     assert "rank 0 found a mismatch" in str(error) and "local rank 1 of node k" in str(error), error
+
+
+def _alltoall(sends):
+    """What a global alltoall delivers, in one process: ``sends[r]`` = (rank r's flat array, its splits per
+    rank) -> per rank, (received, received splits)."""
+    starts = [np.concatenate([[0], np.cumsum(splits)]).astype(int) for _, splits in sends]
+    return [(np.concatenate([sent[start[dst]:start[dst + 1]] for (sent, _), start in zip(sends, starts)]),
+             [int(splits[dst]) for _, splits in sends]) for dst in range(len(sends))]
+
+
+def _node_aware_results(codec, numels, grads, nodes, local_size, fused, spoil=None, first=0):
+    """Every rank's results of the node-aware exchange of tensors of ``numels`` through the group's steps
+    (common.node_aware), one simulated alltoall per step: {rank: [each tensor's sum]} or {rank: the error}.
+    ``spoil``: a rank whose tensors are one element shorter (another model); ``first``: the first tensor's
+    number in its name."""
+    from horovod_qsgd.common.engine import PayloadEngine
+    from horovod_qsgd.common.fusion import join_host_pieces
+    from horovod_qsgd.common.node_aware import NodeAwareGroup
+    from horovod_qsgd.common.stats import CompressionStats
+    ranks = range(nodes * local_size)
+    groups, errors = [], {}
+    for rank in ranks:
+        engine = PayloadEngine(codec, codec, "node_aware", CompressionStats())
+        layout = NodeLayout(nodes, local_size, rank // local_size, rank % local_size)
+        sizes = [n - (rank == spoil) for n in numels]
+        plans = [engine.plan_node_aware(f"t{m}", n, layout, 4 * n) for m, n in enumerate(sizes, first)]
+        groups.append(NodeAwareGroup(plans, fused=fused))
+    sends = []
+    for rank, group in enumerate(groups):  # step 1: shard j of every tensor to local rank j, behind the tag
+        rows = [np.array([group.tag[:group.tag_width]] * local_size, np.float32).reshape(local_size, -1)]
+        for plan, grad in zip(group.plans, grads[rank]):
+            padded = np.zeros(plan.padded_numel(), np.float32)
+            padded[:plan.numel] = grad[:plan.numel]
+            rows.append(padded.reshape(local_size, plan.shard))
+        sends.append((np.concatenate(rows, axis=1).reshape(-1), group.in_node_splits()))
+    sends, state = [], [(group, *received) for group, received in zip(groups, _alltoall(sends))]
+    owns = {}
+    for rank, (group, received, splits) in enumerate(state):  # step 2
+        sums, error = group.sum_in_node(received, splits)
+        outs = [np.zeros(0 if error else plan.cross.capacity(), np.uint8) for plan in group.plans]
+        if error is not None:
+            errors[rank] = error
+            pieces, counts = group.refuse_between_nodes()
+        else:
+            owns[rank] = [np.empty(plan.cross.own_numel(), np.float32) if group.kind == "two_stage" else None
+                          for plan in group.plans]
+            pieces, counts = group.encode_between_nodes(sums, outs, owns[rank], [1] * len(outs), [None] * len(outs))
+        sends.append((join_host_pieces(pieces, outs), group.cross_splits(counts)))
+    received = _alltoall(sends)
+    if groups[0].kind == "two_stage":
+        sends = []
+        for rank, (group, (got, _)) in enumerate(zip(groups, received)):
+            outs = [np.zeros(0 if rank in errors else plan.cross.owned_capacity(), np.uint8) for plan in group.plans]
+            if rank in errors:
+                pieces, counts = group.refuse_between_nodes(second_stage=True)
+            else:
+                pieces, counts, error = group.sum_between_nodes(got, owns[rank], outs, [1] * len(outs),
+                                                                [None] * len(outs))
+                if error is not None:
+                    errors[rank] = error
+            sends.append((join_host_pieces(pieces, outs), group.cross_splits(counts)))
+        received = _alltoall(sends)
+    sends = []
+    for rank, (group, (got, _)) in enumerate(zip(groups, received)):  # step 3
+        pieces, splits = group.forward_in_node(rank in errors, got.size)
+        sends.append((join_host_pieces(pieces, [got]), splits))
+    results = {}
+    for rank, (group, (got, splits)) in enumerate(zip(groups, _alltoall(sends))):  # step 4
+        outs = [np.zeros(local_size * plan.shard, np.float32) for plan in group.plans]
+        error = errors.get(rank) or group.decode_node(got, splits, outs)
+        results[rank] = error if error is not None else [out[:plan.numel] for plan, out in zip(group.plans, outs)]
+    return results, groups[0].kind
+
+
+@pytest.mark.parametrize("nodes,local_size,kind", [(2, 2, "allgather"), (3, 2, "two_stage"), (2, 3, "allgather")])
+def test_the_steps_of_a_node_aware_exchange_give_every_rank_the_same_sum_fused_or_not(nodes, local_size, kind):
+    """The whole exchange through NodeAwareGroup's steps, the collectives simulated: every rank gets the same
+    bits, fused the same as alone and as the reference, within QSGD-8's error of the true sum; a rank whose
+    tensor is one element shorter (its shards as long) makes every rank of every node fail: none returns a
+    result."""
+    from horovod_qsgd.codecs import QSGDCodec
+    from tests.two_stage_reference import node_aware_reference
+    codec = QSGDCodec(bits=8)
+    numels = [140_000, 133_001]  # from 3 nodes, shards of 65,536 or more take the two stages between nodes
+    rng = np.random.default_rng(nodes * 10 + local_size)
+    grads = [[rng.standard_normal(n).astype(np.float32) for n in numels] for _ in range(nodes * local_size)]
+    fused, taken = _node_aware_results(codec, numels, grads, nodes, local_size, fused=True)
+    assert taken == kind
+    for m, numel in enumerate(numels):
+        alone, _ = _node_aware_results(codec, [numel], [[g[m]] for g in grads], nodes, local_size, fused=False,
+                                        first=m)
+        for results, index in ((alone, 0), (fused, m)):
+            for rank, result in results.items():
+                assert np.array_equal(result[index], alone[0][0]), (rank, m)
+        want = node_aware_reference(codec, codec, f"t{m}", [g[m] for g in grads], 1, 512, local_size)
+        assert np.array_equal(alone[0][0], want), m  # the codecs alone on the node sums, in local-rank order
+        truth = sum(g[m] for g in grads)
+        error = np.linalg.norm(alone[0][0] - truth) / np.linalg.norm(truth)
+        assert 0 < error < 0.05, (m, error)
+    # rank 1's tensors one element shorter: its shards are as long, its digest is not (alone as fused)
+    for fuse, what in ((False, "compressed another tensor under this name"), (True, "fused other tensors")):
+        failed, _ = _node_aware_results(codec, numels[:2 if fuse else 1], grads, nodes, local_size, fused=fuse,
+                                        spoil=1)
+        assert all(isinstance(result, Exception) for result in failed.values()), failed
+        for rank in range(local_size):  # rank 1 names every other rank of its node, they name rank 1
+            named = [1] if rank != 1 else [r for r in range(local_size) if r != 1]
+            assert f"rank(s) {named} of this node {what}" in str(failed[rank]), failed[rank]
+        for rank in range(local_size, nodes * local_size):  # local rank 1 of node 0 refused; each told the others
+            assert "local rank" in str(failed[rank]) and "of node k" in str(failed[rank]), failed[rank]
