@@ -231,7 +231,8 @@ class NodeAwarePlan(KeepsOwnerResidual):
                                                                           "gather")]
 
     def padded_numel(self):
-        """Elements of step 1's buffer: the tensor, zero-padded to L shards (sent as it is, shard j to rank j)."""
+        """Elements of the tensor zero-padded to L shards (shard j goes to local rank j in step 1, behind the
+        group's digest)."""
         return self.layout.local_size * self.shard
 
     def own_span(self):
