@@ -240,22 +240,6 @@ class NodeAwarePlan(KeepsOwnerResidual):
         begin = self.layout.local_rank * self.shard
         return min(self.numel, begin), min(self.numel, begin + self.shard)
 
-    def cross_splits(self, counts):
-        """Step 2's splits (bytes per global rank) from ``counts`` per node."""
-        return self.layout.cross_splits(counts)
-
-    def refusal_counts(self, notice_nbytes):
-        """Step 2 of a rank whose node sum failed: (bytes per node, copies of the refusal notice) that tell every
-        peer, who forwards it to every rank of its node in step 3: all of them raise."""
-        nodes, node = self.layout.num_nodes, self.layout.node
-        if self.cross.kind == "two_stage":  # each owner but itself gets the notice in place of its slice
-            return [0 if k == node else notice_nbytes for k in range(nodes)], nodes - 1
-        return [notice_nbytes] * nodes, nodes
-
-    def between_nodes(self, error):
-        """``error`` of step 2 (whose ranks are nodes) with a note that says so, as the same exception type."""
-        return between_nodes(error, self.layout.local_rank)
-
     def owner_layout(self):
         """What an owner-side residual of step 2's two stages belongs to (saved with it in checkpoints)."""
         return self.layout.as_list()
@@ -390,11 +374,12 @@ class NodeAwareGroup:
         """Step 2 (or, ``second_stage``, its second stage) of a rank whose steps so far failed: (pieces, counts)
         of refusal notices that tell every peer, who forwards them to every rank of its node in step 3: all of
         them raise."""
-        if second_stage:
-            return self._to_every_node([refusal_notice()])
         notice = refusal_notice()
-        counts, copies = self.refusal_counts(len(notice))
-        return [notice] * copies, counts
+        if second_stage or self.kind != "two_stage":
+            return self._to_every_node([notice])
+        node = self.layout.node  # the first stage: each owner but itself gets the notice in place of its slice
+        return [notice] * (self.layout.num_nodes - 1), [0 if k == node else len(notice)
+                                                        for k in range(self.layout.num_nodes)]
 
     def sum_between_nodes(self, received, owns, outs, steps, owner_residuals):
         """Step 2's second stage (two stages between nodes): the owner's sum of the slices it ``received``,
@@ -409,12 +394,13 @@ class NodeAwareGroup:
             used, error = self.cross.sum_and_encode(received, owns, outs, steps, owner_residuals)
             part = [refusal_notice()] if error is not None else self.cross.second_stage_pieces(used)
             if error is None:
-                self.stats.add(bytes_sent=pieces_nbytes(part), bytes_sent_second_stage=pieces_nbytes(part))
+                nbytes = pieces_nbytes(part)
+                self.stats.add(bytes_sent=nbytes, bytes_sent_second_stage=nbytes)
         else:  # counts its own bytes; writes a refusal notice into the buffer where a slice did not match
             used, error = self.plans[0].cross.sum_and_encode(received, owns[0], outs[0], steps[0], owner_residuals[0])
             part = [(0, 0, used)]
         pieces, counts = self._to_every_node(part)
-        return pieces, counts, None if error is None else self.between_nodes(error)
+        return pieces, counts, None if error is None else between_nodes(error, self.layout.local_rank)
 
     def forward_in_node(self, failed, received_nbytes):
         """Step 3: (pieces, splits) of this rank's failure flag and, unless it ``failed``, the
@@ -454,11 +440,3 @@ class NodeAwareGroup:
             else:
                 self.plans[0].crosses[j].decode(forwarded, shards[0])
         return decode_forwarded(gathered, rows, decode, self.label)
-
-    def between_nodes(self, error):
-        """``error`` of step 2 with a note that it happened between nodes (see :meth:`NodeAwarePlan.between_nodes`)."""
-        return self.plans[0].between_nodes(error)
-
-    def refusal_counts(self, notice_nbytes):
-        """As :meth:`NodeAwarePlan.refusal_counts` (one notice for the whole group)."""
-        return self.plans[0].refusal_counts(notice_nbytes)
