@@ -31,7 +31,7 @@ stages on each rank's 1/L shard among the M ranks with the same local rank,
 and gathers inside the node what those received, compressed (``r(n/L)``: the
 M payloads of a shard, or the M owners' sums of its chunks; each rank then
 decodes all L shards): about 2 (M-1)/M C per node. (DDP's hooks gather the
-decoded shards instead: ``2 (L-1)/L S`` inside the node.)
+same compressed sums, in rows of one length.)
 
 Step time: ``compute + m codec + NIC bytes / B + in-node bytes / B_in +
 latency``, with the codec work per rank of ``scaling.codec_seconds`` (the

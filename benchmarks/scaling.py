@@ -130,14 +130,12 @@ def measure_codecs(size=CODEC_SIZE, reps=7):
 
 def codec_seconds(costs, name, exchange, n, ranks):
     """One rank's codec time for one tensor of ``n`` elements (see the module docstring's table)."""
-    kind, kwargs = SPECS[name]
-    if kind == "QSGD":
-        e, d = costs["qsgd_encode"] * n, costs["qsgd_decode_accumulate"] * n
-        return e + ranks * d if exchange == "allgather" else e + d + e / ranks + d
-    if kind == "TopK":
-        s, a = costs["topk_select"] * n, costs["sparse_accumulate"] * kwargs["ratio"] * n
-        return s + ranks * a if exchange == "allgather" else s + a + s / ranks + a
-    return 0.0
+    kind = SPECS[name][0]
+    encode = {"QSGD": costs["qsgd_encode"], "TopK": costs["topk_select"]}.get(kind)
+    if encode is None:
+        return 0.0
+    e, d = encode * n, decode_seconds(costs, name, n)
+    return e + ranks * d if exchange == "allgather" else e + d + e / ranks + d
 
 
 def decode_seconds(costs, name, n):
