@@ -37,25 +37,31 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     numel = 200_003  # shards above the two stages' threshold: 3 nodes take them
     grads = [gradient(r, numel) for r in range(ranks)]
 
-    qsgd = tf_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
-    # unfused, PyTorch's wire is TensorFlow's (which does not fuse)
+    # unfused (fusion_threshold=0), the two adapters' wires are the same
+    qsgd = tf_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0, fusion_threshold=0)
     twin = torch_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0, fusion_threshold=0)
 
-    @tf.function
-    def grouped(x):  # three in one graph: their steps interleave as the executor finds them ready
-        # (inside tf.function the tensors are named by their ops: autograph hides grouped_allreduce's list)
-        return hvd.grouped_allreduce([tf.identity(x * (i + 1), name=f"w.{i}") for i in range(3)], name="w",
-                                     op=hvd.Sum, compression=qsgd)
+    def grouped(compressor):
+        @tf.function
+        def call(x):  # three in one graph: unfused, their steps interleave as the executor finds them ready
+            # (inside tf.function the tensors are named by their ops: autograph hides grouped_allreduce's list)
+            return hvd.grouped_allreduce([tf.identity(x * (i + 1), name=f"w.{i}") for i in range(3)], name="w",
+                                         op=hvd.Sum, compression=compressor)
+        return call
 
-    got = grouped(tf.constant(grads[rank]))
+    got = grouped(qsgd)(tf.constant(grads[rank]))
     # PyTorch: one grouped call compresses all three before it waits, so their steps interleave too
     from_torch = hvd_torch.grouped_allreduce([torch.from_numpy(grads[rank] * (i + 1)) for i in range(3)], name="w",
                                              op=hvd_torch.Sum, compression=twin)
+    # TensorFlow's default fuses a grouped call: one collective per step for the three
+    tf_fused = tf_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
+    fused_got = grouped(tf_fused)(tf.constant(grads[rank]))
     for i in range(3):
         want = node_aware_reference(QSGDCodec(bits=4), QSGDCodec(bits=4), f"w.{i}", [g * (i + 1) for g in grads], 0,
                                     512, per_node)
         assert np.array_equal(got[i].numpy(), want), i
         assert np.array_equal(from_torch[i].numpy(), want), i
+        assert np.array_equal(fused_got[i].numpy(), want), i
     shard = -(-numel // (per_node * 512)) * 512
     # in the node: the shards at full precision, then a flag and the compressed sums between nodes (QSGD's
     # payload sizes are fixed): the nodes' payloads of the shard (2 nodes), the owners' sums of its chunks (3)
@@ -81,6 +87,10 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
             assert np.array_equal(from_torch[i].numpy(), want), (step, i)
     stats, alone = fused.compression_stats(), twin.compression_stats()
     assert stats["collectives_started"] == 3 * (3 if nodes == 2 else 4)
+    # TensorFlow's fused group is PyTorch's, byte for byte (one round against three)
+    tf_stats = tf_fused.compression_stats()
+    for key in ("collectives_started", "bytes_sent", "bytes_sent_in_node"):
+        assert 3 * tf_stats[key] == stats[key], key
     # step 1: one digest for the group; step 3 forwards a manifest per part received between nodes
     assert stats["bytes_sent_in_node"] == 3 * (4 * (3 * shard + tag) + flag + 3 * received + 16 * nodes) * (
         per_node - 1)
@@ -140,6 +150,34 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     gathered = hvd.allgather(tf.constant(from_tf.reshape(1, -1)), name="check").numpy()
     assert all(np.array_equal(gathered[0], gathered[r]) for r in range(ranks))
 
+    # TensorFlow, a grouped call of two top-k tensors fused, three steps: their residuals (and from 3 nodes the
+    # owners') go on as the reference's
+    sizes = (numel, 70_001)
+    kept = [[np.zeros(n, np.float32) for _ in range(ranks)] for n in sizes]
+    kept_owners = [[np.zeros(np.subtract(*bounds(-(-n // per_node), nodes, 1)[r // per_node][::-1]), np.float32)
+                    for r in range(ranks)] for n in sizes]
+    tf_grouped_topk = tf_adapter.TopK(ratio=0.01, exchange="node_aware")
+
+    @tf.function
+    def grouped_topk(x, y):
+        return hvd.grouped_allreduce([tf.identity(x, name="g.0"), tf.identity(y, name="g.1")], name="g",
+                                     op=hvd.Sum, compression=tf_grouped_topk)
+
+    for step in range(3):
+        xs = [[gradient(r, n, step + 10 * i) for r in range(ranks)] for i, n in enumerate(sizes)]
+        got = grouped_topk(tf.constant(xs[0][rank]), tf.constant(xs[1][rank]))
+        for i in range(2):
+            want = node_aware_reference(codec, codec, f"g.{i}", xs[i], step, 1, per_node, kept[i],
+                                        kept_owners[i] if nodes > 2 else None)
+            assert np.array_equal(got[i].numpy(), want), (step, i)
+    # between 3 nodes the larger one's shards take the nodes' two stages, the other's their allgather: two groups
+    assert tf_grouped_topk.compression_stats()["collectives_started"] == 3 * (3 if nodes == 2 else 4 + 3)
+    for i in range(2):
+        state = tf_grouped_topk.state_dict()["tensors"][f"g.{i}"]
+        assert np.array_equal(np.asarray(state["residual"]), kept[i][rank]), i
+        if nodes > 2 and i == 0:  # the one whose shards took the nodes' two stages
+            assert np.array_equal(np.asarray(state["owner_residual"]), kept_owners[i][rank]), i
+
     # PyTorch's optimizer (hooks in any order on each rank), three steps: fused and unfused train bitwise alike
     def train(compressor):
         torch.manual_seed(0)
@@ -191,6 +229,9 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
     with pytest.raises(Exception, match=expected):
         hvd_torch.grouped_allreduce([torch.ones(n) for n in (numel, numel + delta, numel - delta)], name="v",
                                     op=hvd_torch.Sum, compression=torch_adapter.QSGD(exchange="node_aware"))
+    with pytest.raises(Exception, match=expected):
+        hvd.grouped_allreduce([tf.ones(n) for n in (numel, numel + delta, numel - delta)], name="v", op=hvd.Sum,
+                              compression=tf_adapter.QSGD(exchange="node_aware"))
 
 
 @pytest.mark.ranks(4, timeout=240, launcher="nodes:2x2")

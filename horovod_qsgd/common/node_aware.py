@@ -70,6 +70,14 @@ FLAG_NBYTES = 4  # step 3's failure flag in front of the forwarded payloads: kee
 NODE_AWARE_GROUP_NBYTES = 4 * 1024 * 1024
 
 
+STEPS = ("in_node", "cross", "cross_sums", "gather")  # a flight's collectives, in order ("cross_sums": from 3 nodes)
+
+
+def collective_names(name):
+    """The names of the collectives of a tensor's exchange alone, or of a fused group's, called ``name``."""
+    return [f"{name}.node_aware.{step}" for step in STEPS]
+
+
 def gather_flag(failed):
     """Step 3's flag (bytes) of a rank whose steps 1-2 ``failed`` or not."""
     return bytes([1 if failed else 0]) + bytes(FLAG_NBYTES - 1)
@@ -227,8 +235,7 @@ class NodeAwarePlan(KeepsOwnerResidual):
         self.crosses = [engine.plan(f"{name}.shard{j}", self.shard, layout.num_nodes, layout.node,
                                     uncompressed_nbytes, 0, note_as=name) for j in range(layout.local_size)]
         self.cross = self.crosses[layout.local_rank]
-        self.collective_names = [f"{name}.node_aware.{step}" for step in ("in_node", "cross", "cross_sums",
-                                                                          "gather")]
+        self.collective_names = collective_names(name)
 
     def padded_numel(self):
         """Elements of the tensor zero-padded to L shards (shard j goes to local rank j in step 1, behind the

@@ -73,6 +73,15 @@ from horovod_qsgd.tensorflow.node_aware import NodeAwareOps
 _payload_compressors_built = itertools.count()
 
 
+def _distinct_names(members):
+    """The names of a fused group's members; raises where a tensor is in it twice."""
+    names = [m.name for m in members]
+    if len(set(names)) < len(names):
+        raise RuntimeError(f"horovod_qsgd: a grouped call compressed {sorted(names)}: a tensor twice; give "
+                           "every tensor of the group its own name.")
+    return names
+
+
 class PayloadCompressor(CompressorBase):
     """Sends each gradient as compressed payloads; base of :class:`QSGD` and :class:`TopK`.
 
@@ -122,7 +131,7 @@ class PayloadCompressor(CompressorBase):
             return self._first_stage_in_any_world(step, tensor, placeholder_dtype)
         placeholder = tf.ones([1], dtype=placeholder_dtype)
         if self._runtime.nodes is not None and process_set.process_set_id == hvd.global_process_set.process_set_id:
-            return placeholder, self._start_node_aware(step, tensor)
+            return placeholder, self._node_aware_context(step, tensor)
         rank = process_set.rank() if process_set.included() else 0
         num_ranks = process_set.size()
         plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
@@ -199,44 +208,72 @@ class PayloadCompressor(CompressorBase):
         if len(members) == 1:
             self._start_alone(ctx)
             return
-        names = [m.name for m in members]
-        if len(set(names)) < len(names):
-            raise RuntimeError(f"horovod_qsgd: a grouped call compressed {sorted(names)}: a tensor twice; give "
-                               "every tensor of the group its own name.")
+        names = _distinct_names(members)
         owner_variables = [self._owner_residual_variable(m.plan) if self.error_feedback else None for m in members]
         fused = FusedRound(group_name(self._fusion_namespace, ctx.process_set.process_set_id, names), members,
                            placeholder, self._runtime, self._finite_flag, owner_variables)
         for index, member in enumerate(members):
             member.fused, member.index, member.slices, member.splits, member.own = fused, index, None, None, None
 
-    def _start_node_aware(self, step, tensor):
-        """Steps 1 and 2 of the node-aware exchange (:mod:`horovod_qsgd.tensorflow.node_aware`); the context."""
+    def _node_aware_context(self, step, tensor):
+        """A node-aware tensor's context (:mod:`horovod_qsgd.tensorflow.node_aware`): its exchange starts here
+        with ``fusion_threshold=0``, else at the round's first decompress, fused with the round's other ones."""
         plan = self._engine.plan_node_aware(step.name, step.numel, self._runtime.nodes,
                                             step.numel * tensor.dtype.size)
-        node_ops = NodeAwareOps(plan, self._runtime.stats, self._runtime.refusals, self._finite_flag,
-                                self.error_feedback)
-        residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
-        received = node_ops.start(step.flat, step.value, None if residual_var is None else residual_var.read_value())
-        hvd_join.note_unanswerable_collective()  # hvd.join() cannot answer a node's alltoalls by name
-        ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, plan.layout.num_ranks, gathered=received,
-                              step=step.value, step_variable=step.variable, plan=plan,
-                              process_set=step.site.process_set)
-        ctx.node_ops, ctx.residual_variable = node_ops, residual_var
+        ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, plan.layout.num_ranks, step=step.value,
+                              step_variable=step.variable, plan=plan, process_set=step.site.process_set)
+        ctx.node_input = [step.flat]
+        if self.error_feedback:
+            ctx.residual_variable = self._residual_variable(step.name, step.numel)
+            ctx.node_input.append(ctx.residual_variable.read_value())
+        if self.fusion_threshold == 0:
+            self._start_node_aware([ctx], None)
+        else:
+            ctx.graph = ops.get_default_graph()
+            with self._runtime.lock:
+                self._runtime.node_round.append(ctx)
         return ctx
 
-    def _node_aware_result(self, tensor, ctx):
-        """Steps 3-4 of the node-aware exchange; the settled fp32 sum."""
-        plan, node_ops = ctx.plan, ctx.node_ops
-        owner_var = None
-        if self.error_feedback and plan.cross.kind == "two_stage":
-            owner_var = self._owner_residual_variable(plan)
-        total, finite, residual = node_ops.result(ctx.gathered, tensor, ctx.step,
-                                                  None if owner_var is None else owner_var.read_value())
-        if residual is not None:
-            ctx.pending.append((ctx.residual_variable, residual))
-        if owner_var is not None:
-            ctx.pending.append((owner_var, node_ops.new_owner_residual))
-        return self._settle(ctx, (total, finite))
+    def _start_node_aware(self, members, name):
+        """Steps 1 and 2 of the members' exchange, alone (``name`` None: one tensor) or fused as ``name``."""
+        node_ops = NodeAwareOps([m.plan for m in members], name, self._runtime.stats, self._runtime.refusals,
+                                self._finite_flag, self.error_feedback)
+        residuals = [m.node_input[1] for m in members] if self.error_feedback else None
+        received = node_ops.start([m.node_input[0] for m in members], [m.step for m in members], residuals)
+        hvd_join.note_unanswerable_collective()  # hvd.join() cannot answer a node's alltoalls by name
+        for index, member in enumerate(members):
+            member.node_ops, member.index, member.gathered, member.node_input = node_ops, index, received, None
+        return node_ops
+
+    def _end_node_round(self, ctx, placeholder):
+        """At a round's first decompress: the exchanges of its node-aware tensors of ctx's graph, and their results.
+        Those that take the same exchange between nodes (the nodes' allgather, or from 3 nodes their two stages
+        for shards large enough) are fused where there are several (a grouped call); one is alone, under the
+        tensor's own names."""
+        with self._runtime.lock:
+            members = [m for m in self._runtime.node_round if m.graph is ctx.graph]
+            self._runtime.node_round = [m for m in self._runtime.node_round if m not in members]
+        _distinct_names(members)
+        for kind in sorted({m.plan.cross.kind for m in members}):
+            group = [m for m in members if m.plan.cross.kind == kind]
+            name = None
+            if len(group) > 1:
+                name = group_name(self._fusion_namespace, ctx.process_set.process_set_id, [m.name for m in group])
+            self._node_aware_results(self._start_node_aware(group, name), group, placeholder)
+
+    def _node_aware_results(self, node_ops, members, placeholder):
+        """Steps 3-4 of the members' exchange: each member's (total, finite flag) and state updates."""
+        owner_vars = None
+        if self.error_feedback and node_ops.group.kind == "two_stage":
+            owner_vars = [self._owner_residual_variable(m.plan) for m in members]
+        results = node_ops.results(members[0].gathered, placeholder, [m.step for m in members],
+                                   None if owner_vars is None else [var.read_value() for var in owner_vars])
+        for index, (member, (total, finite, residual)) in enumerate(zip(members, results)):
+            member.result, member.gathered = (total, finite), None
+            if residual is not None:
+                member.pending.append((member.residual_variable, residual))
+            if owner_vars is not None:
+                member.pending.append((owner_vars[index], node_ops.new_owner_residuals[index]))
 
     def _second_stage(self, ctx, plan_of, owner_var, owner_residual, collective_name):
         """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives).
@@ -366,8 +403,13 @@ class PayloadCompressor(CompressorBase):
     def decompress(self, tensor, ctx):
         if ctx is PASS_THROUGH:
             return tensor
-        if ctx.node_ops is not None:
-            result = tf.reshape(self._node_aware_result(tensor, ctx), ctx.shape)
+        if ctx.plan is not None and ctx.plan.kind == NODE_AWARE:
+            if ctx.node_ops is None:
+                self._end_node_round(ctx, tensor)
+            elif ctx.result is None:  # started alone by its compress
+                self._node_aware_results(ctx.node_ops, [ctx], tensor)
+            result = tf.reshape(self._settle(ctx, ctx.result), ctx.shape)
+            ctx.result = None
             return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
         stats, refusals = self._runtime.stats, self._runtime.refusals
         if ctx.live_plan is None and ctx.plan.kind == "two_stage" and ctx.gathered is None:

@@ -139,7 +139,7 @@ class ExchangeContext:
     __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "plan", "own",
                  "process_set", "pending", "live_plan", "numel", "uncompressed_nbytes", "placeholder_nbytes",
                  "owner_residual", "owner_variable", "node_ops", "residual_variable", "slices", "splits", "graph",
-                 "fused", "index")
+                 "fused", "index", "node_input", "result")
 
     def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, plan=None,
                  own=None, process_set=None, pending=(), live_plan=None):
@@ -158,6 +158,9 @@ class ExchangeContext:
         self.owner_residual = self.owner_variable = None
         # the node-aware exchange (horovod_qsgd.tensorflow.node_aware): its ops, and the residual they update
         self.node_ops = self.residual_variable = None
+        # until it starts, its input (the flat gradient and, with error feedback, the residual read); once its
+        # results are built, (total, finite flag)
+        self.node_input = self.result = None
         # fusion (horovod_qsgd.tensorflow.fusion): a two-stage tensor's encoded slices and splits until its
         # alltoall is built, the graph they are in, and its fused group and place there
         self.slices = self.splits = self.graph = self.fused = self.index = None
@@ -550,6 +553,7 @@ class _Runtime:
         self.refusals = {}  # tensor name -> the mismatch this rank found in a first stage, raised when decoding
         self.live_plans = {}  # (tensor name, ranks, rank) -> its plan, in an elastic job
         self.fusion_round = []  # two-stage contexts compressed since the last decompress, alltoall not built
+        self.node_round = []  # likewise, node-aware contexts whose exchange has not started
         self.nodes = None  # the job's NodeLayout where the exchange is node-aware (global process set)
         self.shadowing = None  # horovod_qsgd.tensorflow.Join's flag: True while this rank has no data
         self.used = False  # compress has run (or been traced)

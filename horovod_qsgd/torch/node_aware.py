@@ -20,11 +20,10 @@ import horovod.torch as hvd
 import torch
 
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
-from horovod_qsgd.common.node_aware import NodeAwareGroup
+from horovod_qsgd.common.node_aware import STEPS, NodeAwareGroup
 from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
 
 _IN_NODE, _CROSS, _CROSS_SUMS, _GATHER, _DONE = range(5)
-_STEP_NAMES = ("in_node", "cross", "cross_sums", "gather")
 _POLL_SECONDS = 50e-6
 
 
@@ -77,7 +76,7 @@ class NodeAwareExchanges:
         if group_name is None:
             group, names = NodeAwareGroup(plans, fused=False), plans[0].collective_names
         else:
-            group, names = NodeAwareGroup(plans), [f"{group_name}.{step}" for step in _STEP_NAMES]
+            group, names = NodeAwareGroup(plans), [f"{group_name}.{step}" for step in STEPS]
         flight = NodeAwareFlight(group, members, names)
         layout = group.layout
         tag = torch.tensor(group.tag, dtype=torch.float32, device=flight.device)
