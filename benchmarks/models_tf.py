@@ -3,13 +3,14 @@
 Plain ``tf.Module``\\ s with ``tf.Variable``\\ s (named like the layers, e.g.
 ``"fc1/kernel"``), so the benchmark runs the same with tf-keras or Keras 3
 installed. Images are NHWC (TensorFlow's CPU layout); parameter counts equal
-the PyTorch models' (mlp25m 25.2M, mlp10m 9.9M, cnn 2.4M).
+the PyTorch models' (mlp25m 25.2M, mlp10m 9.9M, deep5m 5.0M, cnn 2.4M).
 """
 import numpy as np
 import tensorflow as tf
 
 # Layer widths, equal to benchmarks.models_torch.MLP_WIDTHS (not imported: that module imports torch).
-MLP_WIDTHS = {"mlp25m": (1024, 4096, 4096, 1000), "mlp10m": (1024, 2048, 2560, 1000)}
+MLP_WIDTHS = {"mlp25m": (1024, 4096, 4096, 1000), "mlp10m": (1024, 2048, 2560, 1000),
+              "deep5m": (1024,) + (512,) * 16 + (1000,)}
 CNN_CHANNELS = (3, 64, 128, 128)
 CNN_HIDDEN = 256
 CNN_CLASSES = 10

@@ -82,12 +82,16 @@ def formula(model, name, nodes, per_node):
     return nodes * total
 
 
-def run(name, nodes, per_node, model, tmp, rate=None, iters=2):
-    """One job of configuration ``name`` (``iters`` timed iterations of 2 steps); the nodelab's result."""
+def run(name, nodes, per_node, model, tmp, rate=None, iters=2, framework="pytorch"):
+    """One job of configuration ``name`` (``iters`` timed iterations of 2 steps); the nodelab's result.
+    ``framework="tensorflow"``: TensorFlow's benchmark, its gradients in one grouped call (``groups=1``: what
+    TensorFlow fuses)."""
     out = os.path.join(tmp, f"{nodes}x{per_node}-{name}.json")
-    argv = [sys.executable, os.path.join(ROOT, "benchmarks", "pytorch_synthetic_benchmark.py"), "--model", model,
+    script, extra = ("pytorch_synthetic_benchmark.py", []) if framework == "pytorch" else \
+        ("tensorflow_synthetic_benchmark.py", ["--groups", "1"])
+    argv = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--model", model,
             "--batch-size", "8", "--num-warmup-batches", "2", "--num-iters", str(iters), "--num-batches-per-iter", "2",
-            "--json-out", out, *_flags(name)]
+            "--json-out", out, *_flags(name), *extra]
     return nodelab.run_benchmark(nodes, per_node, argv, out, name, rate=rate, timeout=1200)
 
 

@@ -1,13 +1,14 @@
 """Step time on two nodes with a shaped link between them: node-aware against the flat two stages and uncompressed.
 
     python benchmarks/node_step_time.py [--layout 2x2] [--rates 1gbit,200mbit] [--rounds 3]
-                                        [--out benchmarks/results/node-step-time]
+                                        [--framework pytorch] [--out benchmarks/results/node-step-time]
 
 For each rate of the NICs between the nodes, every configuration of
 ``--configs`` runs ``--rounds`` times, the configurations interleaved (A B C
 A B C ...), so that the machine's drift within the hour falls on all of them
 alike; each run is ``benchmarks/node_bytes.py``'s job (PyTorch's synthetic
-``mlp10m``, batch 8 per rank, on ``benchmarks/nodelab.py``'s namespaces) with
+``mlp10m``, batch 8 per rank, on ``benchmarks/nodelab.py``'s namespaces; or
+TensorFlow's, its gradients in one grouped call: ``groups=1``) with
 ``--iters`` timed iterations of 2 steps. Reported per rate: each
 configuration's median s/step over its runs, and its ratio to the flat two
 stages and to uncompressed, of the same rate and run. Bytes between nodes are
@@ -41,6 +42,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layout", default="2x2")
     ap.add_argument("--model", default="mlp10m")
+    ap.add_argument("--framework", default="pytorch", choices=["pytorch", "tensorflow"])
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
     ap.add_argument("--rates", default="1gbit,200mbit", help="tc rates of the NICs, one set of runs each")
     ap.add_argument("--rounds", type=int, default=3)
@@ -60,7 +62,8 @@ def main():
         runs = {name: [] for name in names}
         for round_ in range(args.rounds):
             for name in names:
-                result = run(name, nodes, per_node, args.model, tmp, rate, iters=args.iters)
+                result = run(name, nodes, per_node, args.model, tmp, rate, iters=args.iters,
+                             framework=args.framework)
                 runs[name].append(result["step_seconds"])
                 print(f"{rate:>8} round {round_} {labels[name]:24s} {result['step_seconds']:.3f} s/step, "
                       f"{result['inter_node_bytes_per_step'] / 1e6:.2f} MB/step between nodes", flush=True)
@@ -72,11 +75,12 @@ def main():
         table[rate] = rows
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"model": args.model, "layout": args.layout, "rounds": args.rounds, "iters": args.iters,
+        json.dump({"framework": args.framework, "model": args.model, "layout": args.layout, "rounds": args.rounds, "iters": args.iters,
                    "taken": started, "rates": table}, f, indent=1)
     command = " ".join(["python", "benchmarks/node_step_time.py"] + sys.argv[1:])
+    framework = "PyTorch" if args.framework == "pytorch" else "TensorFlow (`DistributedGradientTape(groups=1)`)"
     lines = ["# Step time between two shaped nodes: node-aware, flat two stages, uncompressed", "",
-             f"PyTorch, `{args.model}`, batch 8 per rank, {args.layout} (nodes x ranks) on `benchmarks/nodelab.py`'s "
+             f"{framework}, `{args.model}`, batch 8 per rank, {args.layout} (nodes x ranks) on `benchmarks/nodelab.py`'s "
              "namespaces, every NIC shaped to the rate (both directions share it), loopbacks unshaped. Median s/step "
              f"of {args.rounds} interleaved runs of {args.iters} x 2 timed steps each; ratios of medians of the same "
              f"rate (below 1: faster). Taken {started} on the project's 2-core VM ({nodes * per_node} ranks "

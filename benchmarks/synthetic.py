@@ -19,7 +19,7 @@ from benchmarks.netlab import control_bytes_per_second, loopback_bytes
 def parse_args(description, argv=None):
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="mlp25m", help="mlp25m, mlp10m or cnn")
+    parser.add_argument("--model", default="mlp25m", help="mlp25m, mlp10m, deep5m or cnn")
     parser.add_argument("--batch-size", type=int, default=32, help="input batch size per rank")
     parser.add_argument("--num-warmup-batches", type=int, default=2)
     parser.add_argument("--num-batches-per-iter", type=int, default=2)

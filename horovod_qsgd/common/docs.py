@@ -65,7 +65,8 @@ _FUSION_ARGS = {"step": """
             7-14% faster fused, 4 ranks with three large tensors 13% slower
             with QSGD (``benchmarks/results/fusion``).""", "grouped": """
         fusion_threshold: the two-stage tensors of one grouped call share
-            one alltoall and one allgather: ``hvd.grouped_allreduce``, and
+            one alltoall and one allgather, its node-aware ones each step's
+            collective (3 at 2 nodes, 4 from 3): ``hvd.grouped_allreduce``, and
             the ``groups=`` (``num_groups=``) of ``DistributedGradientTape``
             and both ``DistributedOptimizer``\ s, which compress a group's
             tensors before the first result. Without them Horovod builds
