@@ -19,14 +19,14 @@ SPECS = {
     "topk-1%-allgather": ("TopK", {"ratio": 0.01, "exchange": "allgather"}),
     "qsgd-4bit-second8": ("QSGD", {"bits": 4, "second_stage_bits": 8}),
     "topk-10%": ("TopK", {"ratio": 0.1}),
-    # PyTorch only: every two-stage tensor its own alltoall and allgather, as before fusion
+    # every two-stage tensor its own alltoall and allgather, as before fusion
     "qsgd-4bit-unfused": ("QSGD", {"bits": 4, "fusion_threshold": 0}),
     "topk-1%-unfused": ("TopK", {"ratio": 0.01, "fusion_threshold": 0}),
     # only the nodes' sums cross between nodes (on one node: node-blind, with a warning)
     "qsgd-8bit-node-aware": ("QSGD", {"bits": 8, "exchange": "node_aware"}),
     "qsgd-4bit-node-aware": ("QSGD", {"bits": 4, "exchange": "node_aware"}),
     "topk-1%-node-aware": ("TopK", {"ratio": 0.01, "exchange": "node_aware"}),
-    # PyTorch only: every node-aware tensor its own collectives, as before fusion (TensorFlow's wire)
+    # every node-aware tensor its own collectives, as before fusion
     "qsgd-4bit-node-aware-unfused": ("QSGD", {"bits": 4, "exchange": "node_aware", "fusion_threshold": 0}),
     "topk-1%-node-aware-unfused": ("TopK", {"ratio": 0.01, "exchange": "node_aware", "fusion_threshold": 0}),
 }

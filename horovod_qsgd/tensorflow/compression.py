@@ -24,7 +24,8 @@ starts the collectives as their inputs are ready, so no order of calls can
 deadlock them).
 
 ``exchange="node_aware"`` sums inside each node first and compresses only
-what crosses between nodes (:mod:`horovod_qsgd.tensorflow.node_aware`).
+what crosses between nodes (:mod:`horovod_qsgd.tensorflow.node_aware`); a
+grouped call's node-aware tensors share each step's collective.
 
 :class:`RandomK` returns the k values every rank selects with a shared seed
 and lets Horovod's allreduce sum them.
