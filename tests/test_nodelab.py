@@ -62,3 +62,40 @@ def test_a_failing_node_under_torchrun_takes_the_other_workers_with_it():
     assert code != 0
     left = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split()
     assert not left, f"workers left running: {left}"
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_rendezvous_scope_is_cleared_even_when_another_one_finishes_first(fixed):
+    """Horovod's rendezvous handler forgets every scope's finished ranks when one scope finishes, so a scope whose
+    last rank is late keeps its keys (a later hvd.init() in the job reads them); nodelab's handler clears it."""
+    import urllib.error
+    import urllib.request
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousServer
+
+    server = RendezvousServer(verbose=0)
+    port = server.start(handler_cls=nodelab.rendezvous_handler() if fixed else RendezvousHandler)
+    try:
+        server.init(get_host_assignments(parse_hosts("node0:2,node1:2"), 4))
+
+        def request(method, scope, key, body=None):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/{scope}/{key}", data=body, method=method)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as response:
+                    return response.status
+            except urllib.error.HTTPError as error:
+                return error.code
+
+        for rank in range(4):
+            assert request("PUT", "global", str(rank), b"address") == 200
+        for local_rank in range(2):
+            assert request("PUT", "local_node0", str(local_rank), b"address") == 200
+        for rank in range(3):  # rank 3 is late to finish the global scope ...
+            request("DELETE", "global", str(rank))
+        for local_rank in range(2):  # ... while node 0's ranks finish theirs
+            request("DELETE", "local_node0", str(local_rank))
+        assert request("GET", "local_node0", "0") == 404
+        request("DELETE", "global", "3")
+        assert request("GET", "global", "0") == (404 if fixed else 200)  # Horovod's keeps the stale key
+    finally:
+        server.stop()
