@@ -22,7 +22,8 @@ SHARED_LAUNCHES = True  # tests with the same layout run in one launch (tests/mu
 def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(nodes, per_node, hvd_tf, hvd_torch):
     """exchange='node_aware': QSGD (three tensors in flight) and top-k over 4 steps with its residuals through a
     checkpoint, bitwise the reference on every rank in both adapters (2 nodes: the nodes' allgather; 3 nodes:
-    their two stages); the same bytes in both; the bytes kept in the node and the collectives as the formula
+    their two stages); the same bytes in both, unfused and fused (TensorFlow: a grouped call's tensors, top-k's
+    residuals included); the bytes kept in the node and the collectives as the formula
     says; 'auto' node-blind on CPU; a tensor whose length differs on one rank, by a shard or by one element,
     refused on every rank."""
     import tensorflow as tf
