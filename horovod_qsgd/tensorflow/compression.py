@@ -240,10 +240,10 @@ class PayloadCompressor(CompressorBase):
         node_ops = NodeAwareOps([m.plan for m in members], name, self._runtime.stats, self._runtime.refusals,
                                 self._finite_flag, self.error_feedback)
         residuals = [m.node_input[1] for m in members] if self.error_feedback else None
-        received = node_ops.start([m.node_input[0] for m in members], [m.step for m in members], residuals)
+        node_ops.start([m.node_input[0] for m in members], [m.step for m in members], residuals)
         hvd_join.note_unanswerable_collective()  # hvd.join() cannot answer a node's alltoalls by name
-        for index, member in enumerate(members):
-            member.node_ops, member.index, member.gathered, member.node_input = node_ops, index, received, None
+        for member in members:
+            member.node_ops, member.node_input = node_ops, None
         return node_ops
 
     def _end_node_round(self, ctx, placeholder):
@@ -267,10 +267,10 @@ class PayloadCompressor(CompressorBase):
         owner_vars = None
         if self.error_feedback and node_ops.group.kind == "two_stage":
             owner_vars = [self._owner_residual_variable(m.plan) for m in members]
-        results = node_ops.results(members[0].gathered, placeholder, [m.step for m in members],
+        results = node_ops.results(placeholder, [m.step for m in members],
                                    None if owner_vars is None else [var.read_value() for var in owner_vars])
         for index, (member, (total, finite, residual)) in enumerate(zip(members, results)):
-            member.result, member.gathered = (total, finite), None
+            member.result = (total, finite)
             if residual is not None:
                 member.pending.append((member.residual_variable, residual))
             if owner_vars is not None:

@@ -50,7 +50,8 @@ class NodeAwareOps:
         self.error_feedback = error_feedback
         self.key = self.plans[0].name if group_name is None else group_name
         self.names = [op_name(PAYLOAD_PREFIX + name) for name in collective_names(self.key)]
-        self.shard_residuals = self.owns = self.new_owner_residuals = None
+        # built by start(): step 2's received bytes, each member's own chunk and shard residual
+        self.cross_received = self.shard_residuals = self.owns = self.new_owner_residuals = None
 
     def _alltoall(self, sent, splits, stage):
         """(received, received splits) of the exchange's collective number ``stage`` (global, zero splits off its
@@ -64,7 +65,7 @@ class NodeAwareOps:
     # -- steps 1 and 2 --------------------------------------------------------------------------
     def start(self, flats, steps, residuals=None):
         """Steps 1 and 2 started for the members' flat gradients ``flats`` at their step counters ``steps``
-        (``residuals``: their tensor-long residuals with error feedback); returns step 2's received bytes."""
+        (``residuals``: their tensor-long residuals with error feedback)."""
         plans, stats, group, count = self.plans, self.stats, self.group, len(self.plans)
         local_size, width = plans[0].layout.local_size, self.group.in_node_width()
 
@@ -98,7 +99,7 @@ class NodeAwareOps:
             own.set_shape([None])
         for plan, residual in zip(plans, self.shard_residuals):
             residual.set_shape([plan.shard])
-        return self._alltoall(sent, cross_splits, 1)[0]
+        self.cross_received = self._alltoall(sent, cross_splits, 1)[0]
 
     def _encode_node_sums(self, received, received_splits, *steps):
         """Step 2: the node's sum of this rank's shard of each member, encoded for this local index's rank on
@@ -123,12 +124,12 @@ class NodeAwareOps:
             shard_residuals
 
     # -- steps 3 and 4 --------------------------------------------------------------------------
-    def results(self, cross_received, placeholder, steps, owner_residuals=None):
+    def results(self, placeholder, steps, owner_residuals=None):
         """Each member's (flat fp32 sum, scaled as ``placeholder`` says, finite flag, this step's tensor-long
         residual or None); the op that makes them raises what went wrong on this rank or on a rank of its node.
         ``owner_residuals``: the members' owner residuals going in (two stages between nodes, error feedback);
         their new values are then :attr:`new_owner_residuals`."""
-        plans, count = self.plans, len(self.plans)
+        plans, count, cross_received = self.plans, len(self.plans), self.cross_received
         if self.group.kind == "two_stage":
             cross_received = self._cross_sums(cross_received, steps, owner_residuals)
         sent, splits = tf.numpy_function(self._forward, [cross_received], [tf.uint8, tf.int32],
