@@ -75,13 +75,13 @@ def main():
         table[rate] = rows
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"framework": args.framework, "model": args.model, "layout": args.layout, "rounds": args.rounds, "iters": args.iters,
-                   "taken": started, "rates": table}, f, indent=1)
+        json.dump({"framework": args.framework, "model": args.model, "layout": args.layout, "rounds": args.rounds,
+                   "iters": args.iters, "taken": started, "rates": table}, f, indent=1)
     command = " ".join(["python", "benchmarks/node_step_time.py"] + sys.argv[1:])
     framework = "PyTorch" if args.framework == "pytorch" else "TensorFlow (`DistributedGradientTape(groups=1)`)"
     lines = ["# Step time between two shaped nodes: node-aware, flat two stages, uncompressed", "",
-             f"{framework}, `{args.model}`, batch 8 per rank, {args.layout} (nodes x ranks) on `benchmarks/nodelab.py`'s "
-             "namespaces, every NIC shaped to the rate (both directions share it), loopbacks unshaped. Median s/step "
+             f"{framework}, `{args.model}`, batch 8 per rank, {args.layout} (nodes x ranks) on "
+             "`benchmarks/nodelab.py`'s namespaces, every NIC shaped to the rate (both directions share it), loopbacks unshaped. Median s/step "
              f"of {args.rounds} interleaved runs of {args.iters} x 2 timed steps each; ratios of medians of the same "
              f"rate (below 1: faster). Taken {started} on the project's 2-core VM ({nodes * per_node} ranks "
              "oversubscribe it: in-node steps compete with the codecs for 2 cores).", "", "```bash", command, "```", ""]
