@@ -81,7 +81,8 @@ def main():
     framework = "PyTorch" if args.framework == "pytorch" else "TensorFlow (`DistributedGradientTape(groups=1)`)"
     lines = ["# Step time between two shaped nodes: node-aware, flat two stages, uncompressed", "",
              f"{framework}, `{args.model}`, batch 8 per rank, {args.layout} (nodes x ranks) on "
-             "`benchmarks/nodelab.py`'s namespaces, every NIC shaped to the rate (both directions share it), loopbacks unshaped. Median s/step "
+             "`benchmarks/nodelab.py`'s namespaces, every NIC shaped to the rate (both directions share it), "
+             "loopbacks unshaped. Median s/step "
              f"of {args.rounds} interleaved runs of {args.iters} x 2 timed steps each; ratios of medians of the same "
              f"rate (below 1: faster). Taken {started} on the project's 2-core VM ({nodes * per_node} ranks "
              "oversubscribe it: in-node steps compete with the codecs for 2 cores).", "", "```bash", command, "```", ""]
