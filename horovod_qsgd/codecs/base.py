@@ -5,8 +5,8 @@ import zlib
 
 import numpy as np
 
-from ..kernels import (MAX_STORE, as_device, copy_to, error_counters, host_copy, is_cuda_array, store_bytes,
-                       widen_f16)
+from ..kernels import (MAX_STORE, CarriedResidual, as_device, copy_to, error_counters, host_copy, is_cuda_array,
+                       store_bytes, widen_f16)
 from .header import WIRE_VERSION, PayloadError, pack_header, parse_header
 
 __all__ = ["Codec", "to_float32", "check_choice", "align4"]
@@ -96,6 +96,14 @@ def _check_array(name, a, dtype, size=None, min_size=None, gpu=False):
     if min_size is not None and a.size < min_size:
         raise ValueError(f"{name} has {a.size} bytes, the payload needs up to {min_size}")
     return a
+
+
+def check_residual(residual, n, gpu):
+    """An error-feedback residual of ``n`` elements on x's device, checked: an array updated in place, or a
+    :class:`~horovod_qsgd.kernels.CarriedResidual` (both of its arrays checked)."""
+    if isinstance(residual, CarriedResidual):
+        return residual.checked(lambda a, name: _check_array(name, a, np.float32, size=n, gpu=gpu))
+    return _check_array("residual", residual, np.float32, size=n, gpu=gpu)
 
 
 def view(buf, offset, count, dtype):
@@ -233,7 +241,7 @@ class Codec:
             if residual is None:
                 raise ValueError(f"{type(self).__name__} uses error feedback: pass residual=, "
                                  f"a float32 array of x.size ({n}) elements, zeros at the start")
-            residual = _check_array("residual", residual, np.float32, size=n, gpu=gpu)
+            residual = check_residual(residual, n, gpu)
         return x, out, residual, gpu
 
     @staticmethod

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import kernels as K
 from .base import (Codec, _check_array, _is_cuda, align4, check_choice, check_int, check_ratio,
-                   to_float32, view, write_bytes)
+                   check_residual, to_float32, view, write_bytes)
 from .header import HEADER_NBYTES, PayloadError
 
 __all__ = ["TopKCodec", "RandomKCodec", "num_selected"]
@@ -235,7 +235,7 @@ class RandomKCodec(Codec):
         if self.error_feedback:
             if residual is None:
                 raise ValueError("RandomKCodec(error_feedback=True) needs residual=, a float32 array of x.size")
-            residual = _check_array("residual", residual, np.float32, size=n, gpu=gpu)
+            residual = check_residual(residual, n, gpu)
         if out is None:
             if gpu:
                 out = K.device_empty(k, np.float32)

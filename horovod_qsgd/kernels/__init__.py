@@ -69,12 +69,12 @@ device, so the kernels are ordered after the gradient's producer without a
 device-wide sync.
 """
 
-from ._arrays import copy_to, device_empty, host_copy
+from ._arrays import CarriedResidual, copy_to, device_empty, host_copy
 from ._dual import (as_device, cpu_threads, cpu_threads_chosen, current_stream, is_cuda_array, launch_stream,
                     set_cpu_threads, threading_layer)
 from .bytes import MAX_STORE, follow_chain, gather_bytes, gather_chain, store_bytes
 from .api import (all_finite, elias_decode_accumulate, elias_decode_chained, elias_encode, elias_error,
-                  move_into_own_chunk, narrow_f16, qsgd_decode_accumulate, qsgd_encode, randomk_gather,
+                  finish_sum, move_into_own_chunk, narrow_f16, qsgd_decode_accumulate, qsgd_encode, randomk_gather,
                   randomk_indices, randomk_scatter_accumulate, randomk_scatter_payload, widen_f16)
 from .elias import max_bucket_bits
 from .lattice import PURPOSE_LATTICE, decodable_radius, lattice_decode, lattice_encode
@@ -82,11 +82,11 @@ from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
 from .topk import acklam_ppf, error_counters, exact_threshold, sparse_accumulate, topk_select
 
 __all__ = [
-    "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained", "elias_encode", "elias_error",
+    "CarriedResidual", "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained", "elias_encode", "elias_error",
     "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
     "randomk_scatter_accumulate", "randomk_scatter_payload", "sparse_accumulate", "error_counters", "topk_select",
-    "widen_f16", "narrow_f16", "move_into_own_chunk",
+    "widen_f16", "narrow_f16", "move_into_own_chunk", "finish_sum",
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",
     "as_device", "is_cuda_array", "gather_bytes", "gather_chain", "follow_chain", "store_bytes", "MAX_STORE",

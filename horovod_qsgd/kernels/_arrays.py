@@ -1,7 +1,7 @@
 """Scratch arrays and views on the array's device, for the host-side drivers of the kernels."""
 import numpy as np
 
-from ._dual import as_device, cuda_kernel, current_allocator, current_stream
+from ._dual import as_device, cuda_kernel, current_allocator, current_stream, on_cuda
 
 
 def cuda_module():
@@ -85,3 +85,51 @@ def copy_to(dst, host):
 
 def float_bits(a):
     return a.view(np.uint32)
+
+
+
+class CarriedResidual:
+    """An error-feedback residual whose new value goes to ``target`` while the residual a step adds is read from
+    ``previous``, which the step leaves as it was: a step whose result does not count (inf or NaN) then leaves
+    nothing behind, without a copy. Taken wherever the kernels and codecs take an updated-in-place residual, and
+    sliced like one.
+
+    ``commit`` (None, or int64 [2] on the arrays' device): where it says that the last step, stamped
+    ``stamp``, counted, that step's residual is ``target``'s own content, which the step moves into
+    ``previous`` as it reads it (:func:`horovod_qsgd.kernels.select.committed`). A GPU decides this on the
+    device, with no host read; the CPU reads it.
+    """
+    __slots__ = ("target", "previous", "commit", "stamp")
+
+    def __init__(self, target, previous, commit=None, stamp=0):
+        self.target, self.previous, self.commit, self.stamp = target, previous, commit, stamp
+
+    @property
+    def size(self):
+        return self.target.size
+
+    def __getitem__(self, span):
+        return CarriedResidual(self.target[span], self.previous[span], self.commit, self.stamp)
+
+    def checked(self, check):
+        """A copy with ``check`` (a function of an array and its name, returning it validated) applied to both."""
+        return CarriedResidual(check(self.target, "residual"), check(self.previous, "previous residual"),
+                               self.commit, self.stamp)
+
+
+def split_residual(residual):
+    """(the array a kernel writes acc and the new residual into, what the error-feedback kernels take besides
+    it) for an array updated in place or a :class:`CarriedResidual`, on the arrays' device.
+
+    What they take: on the CPU, (the array of the residual to add, whether the target's own content is that
+    residual instead, moving to it first: decided here); on a device, (that array, the commit stamps, the
+    stamp), decided by each kernel.
+    """
+    if not isinstance(residual, CarriedResidual):
+        residual = CarriedResidual(residual, residual)
+    target, previous, commit, stamp = residual.target, residual.previous, residual.commit, residual.stamp
+    if not on_cuda(target, previous, commit):
+        take = commit is not None and commit.size == 2 and commit[0] == stamp and commit[1] != stamp
+        return target, (previous, bool(take))
+    commit = empty(0, np.int64, True) if commit is None else device_view(commit)
+    return device_view(target), (device_view(previous), commit, np.int64(stamp))

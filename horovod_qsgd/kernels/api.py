@@ -17,12 +17,13 @@ from . import select as _sel
 from . import select_device as _dev
 from .rng import seed_word
 from .scan import inclusive_sums
-from ._arrays import copy_to, device_view, empty, float_bits, to_host, zeros
+from ._arrays import copy_to, split_residual, device_view, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = [
     "qsgd_encode", "qsgd_decode_accumulate", "elias_encode", "elias_decode_accumulate", "elias_decode_chained",
     "randomk_indices", "randomk_gather", "randomk_scatter_accumulate", "widen_f16", "move_into_own_chunk",
+    "finish_sum",
 ]
 
 _TARGET_CHUNK = 1 << 16  # elements per CPU work item for the QSGD launchers
@@ -217,24 +218,26 @@ def randomk_gather(x, residual, values, *, base, error_feedback, half, factor):
 
     If acc (x, or x + residual with error feedback) holds inf or NaN anywhere,
     values[0] is NaN: the allreduced sum is then non-finite on every rank, as
-    an uncompressed one would be, wherever the strata fell.
+    an uncompressed one would be, wherever the strata fell. ``residual``: updated
+    in place, or a :class:`._arrays.CarriedResidual`.
     """
+    ef = bool(error_feedback)
+    residual, carried = split_residual(residual) if ef else (None, None)
     gpu = on_cuda(x, residual, values)
     if values.size == 0:
         return
     if gpu:
         x, residual, values = device_view(x), device_view(residual), device_view(values)
-    ef = bool(error_feedback)
     r = residual if ef else x
     f = np.float32(factor)
     if gpu:
         if ef:
-            _dev.accumulate(x, r)
+            _dev.accumulate(x, r, carried)
         _sel.randomk_gather_kernel[values.size](x, r, ef, half, f, base, values)
         _sel.poison_if_nonfinite_kernel[r.size](r, values)
     else:
         if ef:
-            cpu_launch(_sel.ef_accumulate_cpu, x.size, x, r)
+            cpu_launch(_sel.ef_accumulate_cpu, x.size, x, r, *carried)
         cpu_launch(_sel.randomk_gather_cpu, values.size, x, r, ef, half, f, base, values)
         if not all_finite(r):
             values[0] = np.nan
@@ -253,8 +256,10 @@ def narrow_f16(values, out_u16):
 
 def move_into_own_chunk(x, residual, out):
     """out = x + residual and residual = 0 (float32, equal sizes; ``residual`` None: out = x), on their device:
-    the owner's own chunk of a two-stage exchange, which takes the mass its error-feedback residual holds there."""
-    gpu = on_cuda(x, out) if residual is None else on_cuda(x, residual, out)
+    the owner's own chunk of a two-stage exchange, which takes the mass its error-feedback residual holds there.
+    ``residual``: an array, or a :class:`._arrays.CarriedResidual` (whose ``previous`` is left as it was)."""
+    residual, carried = (None, None) if residual is None else split_residual(residual)
+    gpu = on_cuda(x, out, residual)
     if out.size == 0:
         return
     if residual is None:
@@ -262,10 +267,32 @@ def move_into_own_chunk(x, residual, out):
             copy_to(device_view(out), device_view(x))
         else:
             out[:] = x
-    elif gpu:
-        _sel.own_chunk_kernel[out.size](device_view(x), device_view(residual), device_view(out))
+        return
+    if gpu:
+        _sel.own_chunk_kernel[out.size](device_view(x), device_view(residual), *carried, device_view(out))
     else:
-        cpu_launch(_sel.own_chunk_cpu, out.size, x, residual, out)
+        cpu_launch(_sel.own_chunk_cpu, out.size, x, residual, *carried, out)
+
+
+def finish_sum(total, scale, *, stamps=None, stamp=0, counter=None):
+    """Multiplies a decoded sum by the optimizer's ``scale`` and finds whether it is finite, in one pass.
+
+    On the CPU: ``scale`` a float (1.0: ``total`` is only read); returns True where no element is inf or
+    NaN. On a device: ``scale`` a one-element float32 device array; nothing is read back: ``stamps`` (int64
+    [2], see :func:`horovod_qsgd.kernels.select.committed`) get ``stamp`` as written, and as not finite where
+    an element is inf or NaN, which adds 1 to ``counter[0]``; returns None.
+    """
+    if on_cuda(total):
+        if total.size:
+            total = device_view(total)
+            blocks = min(_dev.MAX_HIST_BLOCKS, -(-total.size // (_dev.B * _dev.HIST_ITEMS)))
+            _sel.finish_sum_kernel.blocks(blocks, _dev.B)(total, device_view(scale).reshape(1), device_view(stamps),
+                                                          np.int64(stamp), device_view(counter))
+        return None
+    counts = np.zeros(-(-total.size // _sel.CHUNK), np.int64)
+    if counts.size:
+        cpu_launch(_sel.finish_sum_cpu, total.size, total, np.float32(scale), float(scale) != 1.0, counts)
+    return not counts.any()
 
 
 def randomk_scatter_accumulate(values, out, *, base):

@@ -2,11 +2,19 @@
 
 Selection works on ``acc = x + residual`` (error feedback) or on ``x``.
 With error feedback the first pass over the data writes ``acc`` into the
-residual array in place; the compaction pass then sets
+residual array ``r``; the compaction pass then sets
 ``residual[i] = acc[i] - sent[i]`` for the entries it emits, where ``sent`` is
 the value as transmitted (float32, or float16 rounded to nearest even), so
 ``sent + residual_new == x + residual_old`` in float32 (exact: the fp16
 rounding error of ``acc`` is representable, Sterbenz).
+
+The residual the first pass adds may come from a second array ``c`` (the
+residual the last counted step left), so that ``c`` survives a step whose
+result turns out not to count (inf or NaN: see the adapters' settle step).
+``c`` may be ``r`` itself (in place). ``commit`` (int64 stamps, see
+:func:`committed`) lets a GPU decide on the device whether the last step's
+``r`` is that residual: then the first pass moves it into ``c`` before
+overwriting ``r``, in the same pass.
 
 All chunked passes use a fixed chunk size (``CHUNK`` elements) on every
 device, so the float64 moment sums of the Gaussian selector, and hence the
@@ -37,11 +45,26 @@ _NAN32 = np.float32(np.nan)
 
 # ------------------------------------------------------------------ cores --
 
+@core(inline=True)
+def committed(commit, stamp):
+    """True where the last step's ``r`` is the residual to add: ``commit`` holds [stamp of the last step whose
+    result was written, stamp of the last step whose result was not finite] (see ``finish_sum``), and that
+    step's stamp is ``stamp``. An empty ``commit``: never (the residual to add is ``c``'s)."""
+    return commit.size == 2 and commit[0] == stamp and commit[1] != stamp
+
+
 @core
-def ef_accumulate(xs, rs):
-    """rs[j] = xs[j] + rs[j] (the error-feedback accumulator, in place)."""
-    for j in range(xs.size):
-        rs[j] = xs[j] + rs[j]
+def ef_accumulate(xs, rs, cs, take_r):
+    """rs[j] = xs[j] + the residual to add (the error-feedback accumulator): cs's, or, with ``take_r``, rs's own,
+    which moves to cs first (cs may be rs: in place)."""
+    if take_r:
+        for j in range(xs.size):
+            v = rs[j]
+            cs[j] = v
+            rs[j] = xs[j] + v
+    else:
+        for j in range(xs.size):
+            rs[j] = xs[j] + cs[j]
 
 
 @core
@@ -261,10 +284,10 @@ def stratum_index(n, k, j, base):
 
 
 @core
-def gather_sample(x, r, ef, n, m, j, base, out):
-    """out[j] = |acc| at the j-th stratified sample index."""
+def gather_sample(x, r, c, take_r, ef, n, m, j, base, out):
+    """out[j] = |acc| at the j-th stratified sample index (before the first pass formed acc)."""
     i = stratum_index(n, m, j, base)
-    a = x[i] + r[i] if ef else x[i]
+    a = x[i] + (r[i] if take_r else c[i]) if ef else x[i]
     out[j] = abs(a)
 
 
@@ -293,6 +316,21 @@ def nonfinite_count(xs):
 
 
 @core
+def scale_counting_nonfinite(xs, scale, scaled):
+    """xs[j] *= scale where ``scaled`` (else xs is only read); returns the number of inf and NaN results."""
+    count = 0
+    if scaled:
+        for j in range(xs.size):
+            v = xs[j] * scale
+            xs[j] = v
+            count += 0 if abs(v) <= _FLT_MAX else 1
+    else:
+        for j in range(xs.size):
+            count += 0 if abs(xs[j]) <= _FLT_MAX else 1
+    return count
+
+
+@core
 def randomk_scatter(vals, n, k, j, base, out):
     i = stratum_index(n, k, j, base)
     out[i] = out[i] + vals[j]
@@ -310,28 +348,34 @@ def narrow_entry(vals, j, out16):
 
 
 @core
-def own_chunk_entry(x, residual, j, out):
-    """out[j] = x[j] + residual[j] and residual[j] = 0: a residual's mass moved into the owner's own chunk."""
-    out[j] = x[j] + residual[j]
+def own_chunk_entry(x, residual, c, take_r, j, out):
+    """out[j] = x[j] + the residual to add (c's, or residual's own, moved to c first, with ``take_r``) and
+    residual[j] = 0: a residual's mass moved into the owner's own chunk."""
+    if take_r:
+        v = residual[j]
+        c[j] = v
+    else:
+        v = c[j]
+    out[j] = x[j] + v
     residual[j] = np.float32(0.0)
 
 
 @core
-def hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows):
+def hist_item(x, r, rc, take_r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows):
     """Histogram of chunk c (with the error-feedback accumulation when ef)."""
     lo = c * chunk
     hi = min(bits.size, lo + chunk)
     if ef:
-        ef_accumulate(x[lo:hi], r[lo:hi])
+        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], take_r)
     hist_chunk(bits[lo:hi], prefix_shift, prefix, shift, mask, rows[c])
 
 
 @core
-def moments_item(x, r, ef, c, sums, lanes):
+def moments_item(x, r, rc, take_r, ef, c, sums, lanes):
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
     if ef:
-        ef_accumulate(x[lo:hi], r[lo:hi])
+        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], take_r)
         s1, s2 = moments_chunk(r[lo:hi], lanes)
     else:
         s1, s2 = moments_chunk(x[lo:hi], lanes)
@@ -355,12 +399,12 @@ def write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef):
 
 
 @core
-def count_item(x, r, ef, c, t, counts):
+def count_item(x, r, rc, take_r, ef, c, t, counts):
     """Count of chunk c at threshold t (after the error-feedback accumulation if ef)."""
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
     if ef:
-        ef_accumulate(x[lo:hi], r[lo:hi])
+        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], take_r)
         counts[c] = count_chunk(r[lo:hi], t)
     else:
         counts[c] = count_chunk(x[lo:hi], t)
@@ -374,36 +418,36 @@ def compact_item(src, c, t, starts, cand):
 
 
 @core
-def ef_accumulate_item(x, r, c):
+def ef_accumulate_item(x, r, rc, take_r, c):
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
-    ef_accumulate(x[lo:hi], r[lo:hi])
+    ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], take_r)
 
 
 # ------------------------------------------------------------ CPU launchers --
 
 @cpu_launcher
-def ef_accumulate_cpu(x, r):
+def ef_accumulate_cpu(x, r, rc, take_r):
     for c in numba.prange((x.size + CHUNK - 1) // CHUNK):
-        ef_accumulate_item(x, r, c)
+        ef_accumulate_item(x, r, rc, take_r, c)
 
 
 @cpu_launcher
-def hist_cpu(x, r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
+def hist_cpu(x, r, rc, take_r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
     for c in numba.prange(rows.shape[0]):
-        hist_item(x, r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
+        hist_item(x, r, rc, take_r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
 
 
 @cpu_launcher
-def moments_cpu(x, r, ef, sums):
+def moments_cpu(x, r, rc, take_r, ef, sums):
     for c in numba.prange(sums.shape[0]):
-        moments_item(x, r, ef, c, sums, np.empty(2 * _LANES, np.float64))
+        moments_item(x, r, rc, take_r, ef, c, sums, np.empty(2 * _LANES, np.float64))
 
 
 @cpu_launcher
-def count_cpu(x, r, ef, t, counts):
+def count_cpu(x, r, rc, take_r, ef, t, counts):
     for c in numba.prange(counts.size):
-        count_item(x, r, ef, c, t, counts)
+        count_item(x, r, rc, take_r, ef, c, t, counts)
 
 
 @cpu_launcher
@@ -442,11 +486,11 @@ def scatter_cpu(idx, val32, val16, half, out, chunk):
 
 
 @cpu_launcher
-def gather_sample_cpu(x, r, ef, base, out):
+def gather_sample_cpu(x, r, rc, take_r, ef, base, out):
     n = x.size
     m = out.size
     for j in numba.prange(m):
-        gather_sample(x, r, ef, n, m, j, base, out)
+        gather_sample(x, r, rc, take_r, ef, n, m, j, base, out)
 
 
 @cpu_launcher
@@ -461,6 +505,12 @@ def randomk_gather_cpu(x, r, ef, half, factor, base, vals):
 def nonfinite_counts_cpu(src, counts):
     for c in numba.prange(counts.size):
         counts[c] = nonfinite_count(src[c * CHUNK:min(src.size, (c + 1) * CHUNK)])
+
+
+@cpu_launcher
+def finish_sum_cpu(src, scale, scaled, counts):
+    for c in numba.prange(counts.size):
+        counts[c] = scale_counting_nonfinite(src[c * CHUNK:min(src.size, (c + 1) * CHUNK)], scale, scaled)
 
 
 @cpu_launcher
@@ -479,9 +529,9 @@ def narrow_f16_cpu(vals, out16):
 
 
 @cpu_launcher
-def own_chunk_cpu(x, residual, out):
+def own_chunk_cpu(x, residual, rc, take_r, out):
     for j in numba.prange(out.size):
-        own_chunk_entry(x, residual, j, out)
+        own_chunk_entry(x, residual, rc, take_r, j, out)
 
 
 @cpu_launcher
@@ -510,10 +560,10 @@ def scatter_kernel(idx, val32, val16, half, out, bad, slot):
 
 
 @cuda_kernel
-def gather_sample_kernel(x, r, ef, base, out):
+def gather_sample_kernel(x, r, rc, commit, stamp, ef, base, out):
     j = cuda.grid(1)  # noqa: F821
     if j < out.size:
-        gather_sample(x, r, ef, x.size, out.size, j, base, out)
+        gather_sample(x, r, rc, committed(commit, stamp), ef, x.size, out.size, j, base, out)
 
 
 @cuda_kernel
@@ -531,6 +581,25 @@ def poison_if_nonfinite_kernel(src, vals):
 
 
 @cuda_kernel
+def finish_sum_kernel(src, scale, stamps, stamp, counter):
+    """src *= scale[0], grid-stride; stamps[0] = stamp, and stamps[1] = stamp where a result is inf or NaN, which
+    the call that raises stamps[1] first counts once in counter[0]."""
+    i = cuda.grid(1)  # noqa: F821
+    stride = cuda.gridsize(1)  # noqa: F821
+    factor = scale[0]
+    bad = False
+    while i < src.size:
+        v = src[i] * factor
+        src[i] = v
+        bad = bad or not (abs(v) <= _FLT_MAX)
+        i += stride
+    if cuda.grid(1) == 0:  # noqa: F821
+        stamps[0] = stamp
+    if bad and cuda.atomic.max(stamps, 1, stamp) < stamp:  # noqa: F821
+        cuda.atomic.add(counter, 0, 1)  # noqa: F821
+
+
+@cuda_kernel
 def randomk_scatter_payload_kernel(vals, meta, seed_w, purpose, out):
     j = cuda.grid(1)  # noqa: F821
     if j < vals.size:
@@ -545,10 +614,10 @@ def narrow_f16_kernel(vals, out16):
 
 
 @cuda_kernel
-def own_chunk_kernel(x, residual, out):
+def own_chunk_kernel(x, residual, rc, commit, stamp, out):
     j = cuda.grid(1)  # noqa: F821
     if j < out.size:
-        own_chunk_entry(x, residual, j, out)
+        own_chunk_entry(x, residual, rc, committed(commit, stamp), j, out)
 
 
 @cuda_kernel

@@ -33,7 +33,7 @@ import numpy as np
 from ._arrays import empty, float_bits, to_host
 from ._dual import cuda_kernel, fmul64, gpu_only
 from .scan import _SIMULATED, B, block_exclusive_scan
-from .select import CHUNK, _LANES, closer_to, emit, gather_sample_kernel
+from .select import CHUNK, _LANES, closer_to, committed, emit, gather_sample_kernel
 
 __all__ = ["accumulate", "select_exact", "select_by_threshold", "exact_threshold", "RADIX_DIGITS", "REFINEMENTS"]
 
@@ -102,13 +102,25 @@ def init_state_kernel(st, ft, mode, count, rank, used, hist):
         st[S_USED] = used
 
 
+@gpu_only
+def residual_to_add(r, rc, take_r, i):
+    """The residual the first pass adds at i: rc's, or with ``take_r`` r's own, moved to rc first
+    (:func:`.select.committed`)."""
+    if take_r:
+        v = r[i]
+        rc[i] = v
+        return v
+    return rc[i]
+
+
 @cuda_kernel
-def accumulate_kernel(x, r):
-    """r = x + r (the error-feedback accumulator), grid-stride."""
+def accumulate_kernel(x, r, rc, commit, stamp):
+    """r = x + the residual to add (the error-feedback accumulator), grid-stride."""
+    take_r = committed(commit, stamp)
     i = cuda.grid(1)  # noqa: F821
     stride = cuda.gridsize(1)  # noqa: F821
     while i < r.size:
-        r[i] = x[i] + r[i]
+        r[i] = x[i] + residual_to_add(r, rc, take_r, i)
         i += stride
 
 
@@ -202,29 +214,31 @@ def exact_count_kernel(keys, cand_keys, st, tiles):
 # -------------------------------------------- candidates (exact selector) --
 
 @gpu_only
-def thread_count_at_least(x, r, accumulate, bound, tile, t):
+def thread_count_at_least(x, r, rc, take_r, accumulate, bound, tile, t):
     """Of thread t's elements of the tile: how many have not (|acc| < bound); with ``accumulate``,
-    r = x + r first."""
+    r = x + the residual to add first."""
     c = 0
     for u in range(ITEMS):
         i = tile * TILE + t * ITEMS + u
         if i < r.size:
-            a = r[i]
             if accumulate:
-                a = x[i] + a
+                a = x[i] + residual_to_add(r, rc, take_r, i)
                 r[i] = a
+            else:
+                a = r[i]
             c += 0 if abs(a) < bound else 1
     return c
 
 
 @cuda_kernel
-def bound_count_kernel(x, r, accumulate, low, tiles, st):
+def bound_count_kernel(x, r, rc, commit, stamp, accumulate, low, tiles, st):
     """Per tile: entries with not (|acc| < low[0]) (the sampled lower bound), row R_BOUND, and their
-    total; with ``accumulate``, first r = x + r (acc)."""
+    total; with ``accumulate``, first r = x + the residual to add (acc)."""
     buf = cuda.shared.array(B, numba.int64)  # noqa: F821
     t = cuda.threadIdx.x  # noqa: F821
     tile = cuda.blockIdx.x  # noqa: F821
-    _, total = block_exclusive_scan(buf, t, thread_count_at_least(x, r, accumulate, low[0], tile, t))
+    take_r = committed(commit, stamp)
+    _, total = block_exclusive_scan(buf, t, thread_count_at_least(x, r, rc, take_r, accumulate, low[0], tile, t))
     if t == 0:
         tiles[R_BOUND, tile] = total
         cuda.atomic.add(st, S_BOUND_TOTAL, total)  # noqa: F821
@@ -267,17 +281,17 @@ def compact_kernel(r, keys, low, starts, st, cand_idx, cand_keys):
 # ------------------------------------------ thresholds (approximate) --
 
 @gpu_only
-def acc_value(x, r, ef, i):
-    """acc[i] in float64; with ``ef``, r[i] = x[i] + r[i] (float32) first."""
+def acc_value(x, r, rc, take_r, ef, i):
+    """acc[i] in float64; with ``ef``, r[i] = x[i] + the residual to add (float32) first."""
     a = x[i]
     if ef:
-        a = a + r[i]
+        a = a + residual_to_add(r, rc, take_r, i)
         r[i] = a
     return np.float64(a)
 
 
 @cuda_kernel
-def moments_block_kernel(x, r, ef, sums):
+def moments_block_kernel(x, r, rc, commit, stamp, ef, sums):
     """sums[c] = (sum, sum of squares) of chunk c of acc in float64, in :func:`.select.moments_chunk`'s order.
 
     One block of 64 threads per chunk: thread u is lane u (elements u mod 64, in index order); thread 0
@@ -290,10 +304,11 @@ def moments_block_kernel(x, r, ef, sums):
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
     blocks = (hi - lo) // _LANES
+    take_r = committed(commit, stamp)
     s1 = _ZERO64
     s2 = _ZERO64
     for q in range(blocks):
-        v = acc_value(x, r, ef, lo + q * _LANES + u)
+        v = acc_value(x, r, rc, take_r, ef, lo + q * _LANES + u)
         s1 += v
         s2 += fmul64(v, v)
     lane_sum[u] = s1
@@ -306,7 +321,7 @@ def moments_block_kernel(x, r, ef, sums):
             s1 += lane_sum[w]
             s2 += lane_sq[w]
         for i in range(lo + blocks * _LANES, hi):
-            v = acc_value(x, r, ef, i)
+            v = acc_value(x, r, rc, take_r, ef, i)
             s1 += v
             s2 += fmul64(v, v)
         sums[c, 0] = s1
@@ -347,16 +362,16 @@ def sample_threshold_kernel(threshold, st, ft):
 
 
 @cuda_kernel
-def round_count_kernel(x, r, accumulate, st, ft, rnd, tiles):
+def round_count_kernel(x, r, rc, commit, stamp, accumulate, st, ft, rnd, tiles):
     """Per tile: entries with not (|acc| < float32(t)), row R_ROUND + rnd, and their total, while the
-    refinement runs; with ``accumulate``, r = x + r first (always)."""
+    refinement runs; with ``accumulate``, r = x + the residual to add first (always)."""
     buf = cuda.shared.array(B, numba.int64)  # noqa: F821
     t = cuda.threadIdx.x  # noqa: F821
     tile = cuda.blockIdx.x  # noqa: F821
     active = st[S_MODE] == MODE_THRESHOLD and st[S_DONE] == 0
     if not (accumulate or active):
         return
-    c = thread_count_at_least(x, r, accumulate, np.float32(ft[F_T]), tile, t)
+    c = thread_count_at_least(x, r, rc, committed(commit, stamp), accumulate, np.float32(ft[F_T]), tile, t)
     if active:
         _, total = block_exclusive_scan(buf, t, c)
         if t == 0:
@@ -526,10 +541,10 @@ def _radix(keys, cand_keys, state, hist, bits_out):
         prefix_shift, start = shift, start + (1 << width)
 
 
-def _sample_threshold(x, r, ef, w, m, rank, base):
+def _sample_threshold(x, r, carried, ef, w, m, rank, base):
     """The rank-th largest of m stratified samples of |acc| into w.bits (a float32's bits)."""
     sample = empty(m, np.float32, True)
-    gather_sample_kernel[m](x, r, ef, base, sample)
+    gather_sample_kernel[m](x, r, *carried, ef, base, sample)
     _init(w.sample, w.fstate, MODE_FULL, m, rank, 0, w.hist[RADIX_BINS:])
     keys = float_bits(sample)
     _radix(keys, keys, w.sample, w.hist[RADIX_BINS:], w.bits)
@@ -545,31 +560,41 @@ def _write(w, r, cand_idx, cand_keys, idx, val32, val16, half, ef, padded):
         pad_kernel[idx.size](w.main, idx, val32, val16, half)
 
 
-def accumulate(x, r):
-    """r = x + r on the device (the error-feedback accumulator)."""
-    accumulate_kernel.blocks(min(MAX_HIST_BLOCKS, -(-r.size // (B * HIST_ITEMS))), B)(x, r)
+def in_place(r):
+    """``carried`` for a residual ``r`` updated in place: (r, no commit stamps, stamp 0)."""
+    return r, empty(0, np.int64, True), np.int64(0)
 
 
-def select_exact(x, r, idx, val32, val16, *, k, ef, half, sample=None):
-    """Exact top-k of acc = x (+ r) on the device, as :func:`.topk._exact_sampled` selects on the CPU.
+def accumulate(x, r, carried=None):
+    """r = x + the residual to add on the device (the error-feedback accumulator); ``carried``:
+    (the residual array to add, commit stamps, this step's stamp of the last step), see :mod:`.select`;
+    None: r's own, in place."""
+    carried = in_place(r) if carried is None else carried
+    accumulate_kernel.blocks(min(MAX_HIST_BLOCKS, -(-r.size // (B * HIST_ITEMS))), B)(x, r, *carried)
+
+
+def select_exact(x, r, idx, val32, val16, *, k, ef, half, sample=None, carried=None):
+    """Exact top-k of acc = x (+ residual) on the device, as :func:`.topk._exact_sampled` selects on the CPU.
 
     ``sample``: None for the radix select over all of acc, or (m, j, base): the j-th largest of m
     samples bounds the threshold from below and the select runs over the candidates above it (over
-    all of acc if the bound turns out not finite, too high or too loose).
+    all of acc if the bound turns out not finite, too high or too loose). ``carried``: as for
+    :func:`accumulate`.
     """
+    carried = in_place(r) if carried is None else carried
     n = r.size
     w = _Scratch(n)
     keys = float_bits(r)
     _init(w.main, w.fstate, MODE_FULL, n, k, min(k, idx.size), w.hist[:RADIX_BINS])
     if sample is None:
         if ef:
-            accumulate(x, r)
+            accumulate(x, r, carried)
         cand_idx, cand_keys = w.no_candidates, keys
     else:
         m, j, base = sample
-        _sample_threshold(x, r, ef, w, m, j, base)
+        _sample_threshold(x, r, carried, ef, w, m, j, base)
         low = w.bits.view(np.float32)
-        bound_count_kernel.blocks(w.ntiles, B)(x, r, ef, low, w.tiles, w.main)  # acc now lives in r
+        bound_count_kernel.blocks(w.ntiles, B)(x, r, *carried, ef, low, w.tiles, w.main)  # acc now lives in r
         tile_scan_kernel.blocks(1, B)(w.tiles, w.main, np.int64(R_BOUND), w.starts)
         capacity = min(n // 4, 2 * k + 4096)  # ~1.6k expected
         bound_decide_kernel[1](low, w.main, np.int64(k), np.int64(capacity))
@@ -579,29 +604,31 @@ def select_exact(x, r, idx, val32, val16, *, k, ef, half, sample=None):
     _write(w, r, cand_idx, cand_keys, idx, val32, val16, half, ef, padded=idx.size > k)
 
 
-def select_by_threshold(x, r, idx, val32, val16, *, k, ef, half, gaussian_z=None, sample=None):
+def select_by_threshold(x, r, idx, val32, val16, *, k, ef, half, gaussian_z=None, sample=None, carried=None):
     """Approximate top-k on the device, as :func:`.topk._select_cpu` selects on the CPU.
 
     ``gaussian_z``: Gaussian-k, t = |mu| + sigma * gaussian_z; ``sample`` = (m, rank, base): DGC's
     sampled threshold.  Then up to REFINEMENTS refinements, every one launched (each returns at once
     once the band is reached); the exact select, launched too, runs only when the first threshold is
-    not finite.
+    not finite. ``carried``: as for :func:`accumulate`.
     """
+    carried = in_place(r) if carried is None else carried
     n = r.size
     w = _Scratch(n)
     _init(w.main, w.fstate, MODE_THRESHOLD, n, k, min(k, idx.size), w.hist[:RADIX_BINS])
     if gaussian_z is not None:
         sums = empty((-(-n // CHUNK), 2), np.float64, True)
-        moments_block_kernel.blocks(sums.shape[0], _LANES)(x, r, ef, sums)  # acc now lives in r
+        moments_block_kernel.blocks(sums.shape[0], _LANES)(x, r, *carried, ef, sums)  # acc now lives in r
         gaussian_threshold_kernel[1](sums, np.int64(n), np.float64(gaussian_z), w.main, w.fstate)
         pending = False
     else:
         m, rank, base = sample
-        _sample_threshold(x, r, ef, w, m, rank, base)
+        _sample_threshold(x, r, carried, ef, w, m, rank, base)
         sample_threshold_kernel[1](w.bits.view(np.float32), w.main, w.fstate)
         pending = ef  # the first count forms acc
     for rnd in range(REFINEMENTS + 1):
-        round_count_kernel.blocks(w.ntiles, B)(x, r, pending and rnd == 0, w.main, w.fstate, np.int64(rnd), w.tiles)
+        round_count_kernel.blocks(w.ntiles, B)(x, r, *carried, pending and rnd == 0, w.main, w.fstate, np.int64(rnd),
+                                               w.tiles)
         refine_kernel[1](w.main, w.fstate, np.int64(rnd), np.int64(k), np.int64(idx.size), np.int64(REFINEMENTS))
     keys = float_bits(r)
     _radix(keys, keys, w.main, w.hist[:RADIX_BINS], w.bits)

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import select as _sel
 from . import select_device as _dev
-from ._arrays import device_view, empty, float_bits, to_host, zeros
+from ._arrays import device_view, split_residual, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = ["topk_select", "sparse_accumulate", "exact_threshold", "acklam_ppf"]
@@ -25,12 +25,14 @@ _EXACT_SAMPLE_MIN = 4096  # samples for the exact selector's lower bound
 _DIGITS = _dev.RADIX_DIGITS
 
 
-def _radix_select(x, r, bits, ef, k, chunk=_EXACT_CHUNK):
+def _radix_select(x, r, bits, ef, k, chunk=_EXACT_CHUNK, carried=None):
     """Exact k-th largest key of ``bits & 0x7fffffff`` by 3 histogram passes (CPU).
 
     Returns (thresh, gt, eq) with per-chunk counts of keys > thresh and == thresh.
-    The first pass also does the error-feedback accumulation when ``ef``.
+    The first pass also does the error-feedback accumulation when ``ef``, adding ``carried``'s residual
+    (:func:`._arrays.carried_residual`; None: r's own).
     """
+    carried = (r, False) if carried is None else carried
     n = bits.size
     nch = (n + chunk - 1) // chunk
     prefix, prefix_shift, kk = 0, 31, k
@@ -39,7 +41,7 @@ def _radix_select(x, r, bits, ef, k, chunk=_EXACT_CHUNK):
     for shift, width in _DIGITS:
         nbins = 1 << width
         rows = np.zeros((nch, 4 * nbins), np.int32)  # 4 sub-histograms per chunk
-        cpu_launch(_sel.hist_cpu, n, x, r, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
+        cpu_launch(_sel.hist_cpu, n, x, r, *carried, bits, ef, prefix_shift, prefix, shift, nbins - 1, rows, chunk)
         ef = False
         rows = rows.astype(np.int64).reshape(nch, 4, nbins).sum(axis=1)
         total = rows.sum(axis=0)
@@ -93,14 +95,16 @@ def acklam_ppf(p):
            (((((b[0] * rr + b[1]) * rr + b[2]) * rr + b[3]) * rr + b[4]) * rr + 1)
 
 
-def _count(src, t, x=None, ef=False):
-    """Per-chunk counts of not (|src| < t); with ef, first src = x + src in place."""
+def _count(src, t, x=None, ef=False, carried=None):
+    """Per-chunk counts of not (|src| < t); with ef, first src = x + ``carried``'s residual (None: src's own)."""
     counts = np.empty((src.size + _sel.CHUNK - 1) // _sel.CHUNK, np.int64)
-    cpu_launch(_sel.count_cpu, src.size, x if ef else src, src, ef, t, counts)  # counts its first array unless ef
+    carried = (src, False) if carried is None else carried
+    # counts its first array unless ef
+    cpu_launch(_sel.count_cpu, src.size, x if ef else src, src, *carried, ef, t, counts)
     return counts
 
 
-def _refine(src, t, k, max_refinements=_dev.REFINEMENTS, x=None, ef_pending=False):
+def _refine(src, t, k, max_refinements=_dev.REFINEMENTS, x=None, ef_pending=False, carried=None):
     """(threshold, per-chunk counts) after at most 3 refinements of t.
 
     A refinement halves t when fewer than 2k/3 entries pass and multiplies
@@ -109,11 +113,11 @@ def _refine(src, t, k, max_refinements=_dev.REFINEMENTS, x=None, ef_pending=Fals
     the steps cannot overshoot back and forth across the band.  If no
     threshold lands in the band, the one whose count is closest to k (in
     ratio) is used.  ``ef_pending``: the first count pass also forms
-    acc = x + src in place.  The device runs the same steps in
+    acc = x + ``carried``'s residual in src.  The device runs the same steps in
     :func:`.select_device.refine_kernel`.
     """
     lo = hi = None  # thresholds known to pass too many / too few
-    counts = _count(src, np.float32(t), x=x, ef=ef_pending)
+    counts = _count(src, np.float32(t), x=x, ef=ef_pending, carried=carried)
     best = (int(counts.sum()), t, counts)
     for _ in range(max_refinements):
         total = int(counts.sum())
@@ -161,48 +165,53 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
     ``idx.size`` is the capacity; emitted entries come first in index order,
     the unused slots get index -1 and value 0.  ``values`` is float32, or
     uint16 fp16 bits when ``half``.  With ``error_feedback`` the residual is
-    updated in place.  On a CUDA device every step runs there
-    (:mod:`.select_device`): no host copy.
+    updated in place, or is a :class:`._arrays.CarriedResidual`.  On a CUDA
+    device every step runs there (:mod:`.select_device`): no host copy.
     """
+    ef = bool(error_feedback)
+    residual, carried = split_residual(residual) if ef else (None, None)
     gpu = on_cuda(x, residual, idx, values)
     n = x.size
     cap = idx.size
     if n == 0 or cap == 0:
         return
-    ef = bool(error_feedback)
     if gpu:
         x, residual, idx, values = device_view(x), device_view(residual), device_view(idx), device_view(values)
         r = residual if ef else x
+        carried = carried if ef else _dev.in_place(r)
         val32, val16 = (empty(1, np.float32, True), values) if half else (values, empty(1, np.uint16, True))
         if selector == "exact":
             m = exact_sample_size(k, n)
             j = exact_sample_rank(k, n, m)
             _dev.select_exact(x, r, idx, val32, val16, k=k, ef=ef, half=half,
-                              sample=None if j is None else (m, j, sample_base))
+                              sample=None if j is None else (m, j, sample_base), carried=carried)
         elif selector == "gaussian":
-            _dev.select_by_threshold(x, r, idx, val32, val16, k=k, ef=ef, half=half, gaussian_z=gaussian_z(k, n))
+            _dev.select_by_threshold(x, r, idx, val32, val16, k=k, ef=ef, half=half, gaussian_z=gaussian_z(k, n),
+                                     carried=carried)
         elif selector == "sample":
             _dev.select_by_threshold(x, r, idx, val32, val16, k=k, ef=ef, half=half,
-                                     sample=(sample_size, sample_rank(k, n, sample_size), sample_base))
+                                     sample=(sample_size, sample_rank(k, n, sample_size), sample_base),
+                                     carried=carried)
         else:
             raise ValueError(f"unknown selector {selector!r}")
         return
     r = residual if ef else x
+    carried = carried if ef else (r, False)
     val32, val16 = (np.empty(1, np.float32), values) if half else (values, np.empty(1, np.uint16))
-    used = _select_cpu(x, r, idx, val32, val16, half, ef, k, selector, sample_base, sample_size)
+    used = _select_cpu(x, r, carried, idx, val32, val16, half, ef, k, selector, sample_base, sample_size)
     idx[used:] = -1
     values[used:] = 0
 
 
-def _select_cpu(x, r, idx, val32, val16, half, ef, k, selector, sample_base, sample_size):
+def _select_cpu(x, r, carried, idx, val32, val16, half, ef, k, selector, sample_base, sample_size):
     n = x.size
     cap = idx.size
     src = r  # acc lives in the residual after the first pass (or is x)
     if selector == "exact":
-        return _exact_sampled(x, r, idx, val32, val16, half, ef, k, sample_base)
+        return _exact_sampled(x, r, carried, idx, val32, val16, half, ef, k, sample_base)
     if selector == "gaussian":
         sums = np.empty(((n + _sel.CHUNK - 1) // _sel.CHUNK, 2), np.float64)
-        cpu_launch(_sel.moments_cpu, n, x, r, ef, sums)
+        cpu_launch(_sel.moments_cpu, n, x, r, *carried, ef, sums)
         s1, s2 = 0.0, 0.0
         for a, b in sums:  # fixed order on every device
             s1 += float(a)
@@ -210,20 +219,20 @@ def _select_cpu(x, r, idx, val32, val16, half, ef, k, selector, sample_base, sam
         mu = s1 / n
         sigma = math.sqrt(max(s2 / n - mu * mu, 0.0)) if math.isfinite(s2) else float("nan")
         if not (math.isfinite(mu) and math.isfinite(sigma)):  # NaN/inf: select exactly
-            return _exact_full(x, r, False, idx, val32, val16, half, ef, k)
+            return _exact_full(x, r, None, False, idx, val32, val16, half, ef, k)
         t = abs(mu) + sigma * gaussian_z(k, n)
         pending = False  # the moments pass formed acc
     elif selector == "sample":
         m = sample_size
         sample = np.empty(m, np.float32)
-        cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, sample_base, sample)
+        cpu_launch(_sel.gather_sample_cpu, m, x, r, *carried, ef, sample_base, sample)
         t = float(exact_threshold(sample, sample_rank(k, n, m)))
         if not math.isfinite(t):
-            return _exact_full(x, r, ef, idx, val32, val16, half, ef, k)
+            return _exact_full(x, r, carried, ef, idx, val32, val16, half, ef, k)
         pending = ef  # the first count pass forms acc
     else:
         raise ValueError(f"unknown selector {selector!r}")
-    t32, counts = _refine(src, t, k, x=x, ef_pending=pending)
+    t32, counts = _refine(src, t, k, x=x, ef_pending=pending, carried=carried)
     cpu_launch(_sel.write_thresh_cpu, n, src, t32, _exclusive(counts), cap, idx, val32, val16, half, ef)
     return min(int(counts.sum()), cap)
 
@@ -233,14 +242,14 @@ def sample_rank(k, n, m):
     return max(1, (k * m + n // 2) // n)
 
 
-def _exact_full(x, r, ef_pending, idx, val32, val16, half, ef, k):
+def _exact_full(x, r, carried, ef_pending, idx, val32, val16, half, ef, k):
     """Exact top-k by 3 radix histogram passes over all of acc, then compaction.
 
     ``r`` holds acc (or is x); ``ef_pending``: the first pass still has to
-    form acc = x + r in place.  ``ef``: leave acc - sent in r.
+    form acc = x + ``carried``'s residual in r.  ``ef``: leave acc - sent in r.
     """
     src = r
-    thresh, gt, eq = _radix_select(x, r, float_bits(src), ef_pending, k)
+    thresh, gt, eq = _radix_select(x, r, float_bits(src), ef_pending, k, carried=carried)
     eq_take = np.clip(k - int(gt.sum()) - _exclusive(eq), 0, eq)
     starts = _exclusive(gt + eq_take)
     cpu_launch(_sel.write_exact_cpu, src.size, src, float_bits(src), thresh, eq_take, starts, idx, val32, val16,
@@ -248,7 +257,7 @@ def _exact_full(x, r, ef_pending, idx, val32, val16, half, ef, k):
     return min(k, idx.size)
 
 
-def _exact_sampled(x, r, idx, val32, val16, half, ef, k, base):
+def _exact_sampled(x, r, carried, idx, val32, val16, half, ef, k, base):
     """Exact top-k: a sampled lower bound on the threshold filters candidates.
 
     The j-th largest of m stratified samples of |acc| (j = kk + 4 sqrt(kk) + 4
@@ -263,16 +272,16 @@ def _exact_sampled(x, r, idx, val32, val16, half, ef, k, base):
     m = exact_sample_size(k, n)
     j = exact_sample_rank(k, n, m)
     if j is None:
-        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k)
+        return _exact_full(x, r, carried, ef, idx, val32, val16, half, ef, k)
     sample = np.empty(m, np.float32)
-    cpu_launch(_sel.gather_sample_cpu, m, x, r, ef, base, sample)
+    cpu_launch(_sel.gather_sample_cpu, m, x, r, *carried, ef, base, sample)
     t_low = exact_threshold(sample, j)
     if not np.isfinite(t_low):
-        return _exact_full(x, r, ef, idx, val32, val16, half, ef, k)
-    counts = _count(r, t_low, x=x, ef=ef)  # acc now lives in r
+        return _exact_full(x, r, carried, ef, idx, val32, val16, half, ef, k)
+    counts = _count(r, t_low, x=x, ef=ef, carried=carried)  # acc now lives in r
     total = int(counts.sum())
     if total < k or total > n // 4:
-        return _exact_full(x, r, False, idx, val32, val16, half, ef, k)
+        return _exact_full(x, r, None, False, idx, val32, val16, half, ef, k)
     starts = _exclusive(counts)
     cand = np.empty(total, np.int64)
     cvals = np.empty(total, np.float32)

@@ -70,3 +70,28 @@ def test_scratch_comes_from_the_callers_allocator_when_it_names_one(report):
     assert {name: entry["alloc"] for name, entry in on_a_stream.items() if entry["alloc"]} == {}
     assert sum(entry["allocator"] for entry in on_a_stream.values()) >= 20
     assert all(entry["allocator"] == 0 for name, entry in report.items() if name not in on_a_stream)
+
+
+SETTLED = ["topk-1% settled", "topk-5% settled (sampled candidates)", "gaussiank-1% settled", "randomk-1% settled"]
+
+
+@pytest.mark.parametrize("case", SETTLED)
+def test_a_step_that_may_not_count_costs_no_extra_pass_and_no_host_read_on_a_device(report, case):
+    """Issue #49: a step reads the residual through a CarriedResidual (no copy) and its verdict is stamped by the
+    pass that scales the result (no check, no torch.where, no host read): the carried encode launches exactly the
+    in-place encode's kernels, the finish is one kernel, and nothing crosses between host and device."""
+    steps = [name for name in report if name.startswith(case + " step ")]
+    assert len(steps) == 12
+    for step in range(4):
+        carried, in_place = report[f"{case} step {step}: carried encode"], report[f"{case} step {step}: in-place encode"]
+        finish = report[f"{case} step {step}: finish"]
+        assert carried["launch"] == in_place["launch"]
+        assert (carried["h2d"], carried["d2h"], finish["h2d"], finish["d2h"], finish["launch"]) == (0, 0, 0, 0, 1)
+
+
+@pytest.mark.parametrize("case", SETTLED)
+def test_the_device_keeps_what_the_host_keeps_through_non_finite_steps(report, case):
+    """Every payload, the residual after 4 steps (one or two of them non-finite, decided on the device by the
+    stamps) and the non-finite count equal the CPU's, which copies the residual and decides on the host."""
+    entry = report[f"{case}: after 4 steps"]
+    assert entry["nonfinite"] >= 1 and entry["matches_cpu"]

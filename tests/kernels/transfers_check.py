@@ -147,6 +147,50 @@ def two_stage_case(name, codec, numel=5000, ranks=3):
             lambda: (stages[0].decode_gathered(d_gathered, d_result), d_result)[1], expected)
 
 
+def settled_steps_case(name, codec, x, nonfinite_steps=(1,), steps=4):
+    """Error feedback across steps as the PyTorch adapter runs it on a device: each encode reads the residual
+    through a CarriedResidual with the tensor's commit stamps, each result is scaled by finish_sum, which stamps
+    its verdict; nothing is read back. Against the CPU, which copies the residual and decides on the host:
+    every payload, the residual left and the count of non-finite steps, bitwise. Entries: the carried encode
+    and the in-place encode of the same step (launches must agree: no extra pass), and the finish."""
+    rng = np.random.default_rng(7)
+    grads = [(x * (1 + s) + rng.standard_normal(x.size).astype(np.float32)).astype(np.float32) for s in range(steps)]
+    for s in nonfinite_steps:
+        grads[s][123] = np.inf
+    cap = codec.max_payload_nbytes(x.size)
+    host_residual, host_nonfinite, payloads_match = np.zeros(x.size, np.float32), 0, True
+    kept, spare = device(np.zeros(x.size, np.float32)), device(np.zeros(x.size, np.float32))
+    stamps, counter = device(np.zeros(2, np.int64)), device(np.zeros(1, np.int64))
+    scale = device(np.full(1, 0.5, np.float32))
+    for step, grad in enumerate(grads):
+        new_residual, host_out = host_residual.copy(), np.zeros(cap, np.uint8)
+        used = codec.encode(grad, host_out, step=step, key=11, residual=new_residual)
+        total = np.zeros(x.size, np.float32)
+        codec.decode_accumulate(host_out[:used], total)
+        if K.finish_sum(total, 0.5):
+            host_residual = new_residual
+        else:
+            host_nonfinite += 1
+        d_grad, d_out = device(grad), device(np.zeros(cap, np.uint8))
+        carried = K.CarriedResidual(spare, kept, stamps, step)
+        measure(f"{name} step {step}: carried encode", lambda: codec.encode(d_grad, d_out, step=step, key=11,
+                                                                           residual=carried))
+        payloads_match &= bool(np.array_equal(d_out.copy_to_host()[:used], host_out[:used]))
+        d_total = device(np.zeros(x.size, np.float32))
+        codec.decode_accumulate(d_out[:used], d_total)
+        measure(f"{name} step {step}: finish", lambda: K.finish_sum(d_total, scale, stamps=stamps, stamp=step + 1,
+                                                                     counter=counter))
+        in_place, d_out = device(host_residual), device(np.zeros(cap, np.uint8))
+        measure(f"{name} step {step}: in-place encode", lambda: codec.encode(d_grad, d_out, step=step, key=11,
+                                                                             residual=in_place))
+    written, not_finite = stamps.copy_to_host()
+    residual = (spare if written == steps and not_finite != steps else kept).copy_to_host()
+    same_residual = bool(np.array_equal(residual.view(np.uint32), host_residual.view(np.uint32)))
+    same_count = int(counter.copy_to_host()[0]) == host_nonfinite
+    report[f"{name}: after {steps} steps"] = dict({kind: 0 for kind in counts}, nonfinite=host_nonfinite,
+                                                  matches_cpu=payloads_match and same_residual and same_count)
+
+
 def main():
     rng = np.random.default_rng(0)
     x = rng.standard_normal(20_000).astype(np.float32)
@@ -167,6 +211,10 @@ def main():
                 residual=zeros)
     encode_case("sample-k 1% encode", TopKCodec(ratio=0.01, selector="sample"), x, residual=zeros)
     decode_case("topk-1% decode of 3 ranks", topk, rows, residual=True)
+    settled_steps_case("topk-1% settled", topk, x)
+    settled_steps_case("topk-5% settled (sampled candidates)", TopKCodec(ratio=0.05), x, nonfinite_steps=(1, 2))
+    settled_steps_case("gaussiank-1% settled", TopKCodec(ratio=0.01, selector="gaussian"), x)
+    settled_steps_case("randomk-1% settled", RandomKCodec(ratio=0.01, error_feedback=True), x)
     randomk = RandomKCodec(ratio=0.01)
     encode_case("randomk-1% encode", randomk, x)
     decode_case("randomk-1% decode of 3 ranks", randomk, rows)
