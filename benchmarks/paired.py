@@ -1,22 +1,22 @@
-"""A base revision against the working tree, interleaved: step, encode and decode time ratios from one run.
+"""Base revisions against the working tree, interleaved: step, encode and decode time ratios from one run.
 
-    python benchmarks/paired.py --base df9f74d
-    python benchmarks/paired.py --base main~3 --compressors qsgd-4bit,topk-1% --model mlp10m --rate none \\
+    python benchmarks/paired.py --base main
+    python benchmarks/paired.py --base df9f74d,main --compressors qsgd-4bit,topk-1% --model mlp10m --rate none \
         --rounds 5 --out benchmarks/results/paired/my-change
 
 Run it before landing anything on a hot path (compress and decompress, an exchange, a codec, a kernel): the
 VM's speed drifts by up to 30% between hours, so a revision is only ever compared with runs taken beside it.
 
-The base revision is exported from git (``git archive``) into a temporary directory; each side runs its own
+Each base revision is exported from git (``git archive``) into a temporary directory; each side runs its own
 copy of the synthetic benchmark under ``horovodrun``, which imports the ``horovod_qsgd`` of its own tree (the
 benchmark puts its tree first on ``sys.path``; this script checks where the package came from before timing
-anything). Both sides share the installed Horovod and frameworks. Each round runs every compressor once on
-each side, the side that goes first alternating between rounds (ABBA), in a fresh network namespace shaped
+anything). All sides share the installed Horovod and frameworks. Each round runs every compressor once on
+each side, the order of the sides reversed every other round (ABBA), in a fresh network namespace shaped
 to ``--rate`` as ``benchmarks/compare.py`` does.
 
-Prints, per compressor, the ratio working tree / base of the median step, encode and decode seconds (below 1:
-the working tree is faster) with every round's values, and writes them to ``--out/paired.json`` with the
-revisions measured.
+Prints, per base and compressor, the ratio working tree / base of the median step, encode and decode seconds
+(below 1: the working tree is faster) with every round's values, and writes them to ``--out/paired.json`` with
+the revisions measured.
 """
 import argparse
 import json
@@ -48,6 +48,8 @@ def export(revision, into):
         raise SystemExit(f"paired: {revision!r} is not a commit of {ROOT}; give a commit, tag or branch of its "
                          "history (a shallow clone may need 'git fetch --unshallow')")
     tree = os.path.join(into, commit[:12])
+    if os.path.isdir(tree):  # the same revision named twice
+        return tree, commit
     os.makedirs(tree)
     archive = subprocess.run(["git", "-C", ROOT, "archive", commit], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
@@ -85,28 +87,29 @@ def measure(tree, framework, name, args, shaped):
     return {label: result[key] for label, key in MEASURES}
 
 
-def ratio_rows(runs, compressors, frameworks):
-    """Per framework and compressor: each measure's median ratio (working tree / base) and every round's values."""
+def ratio_rows(runs, bases, compressors, frameworks):
+    """Per base, framework and compressor: each measure's median ratio (working tree / base) and every round's
+    values."""
     rows = []
-    for framework in frameworks:
-        for name in compressors:
-            mine = [r for r in runs if r["framework"] == framework and r["compressor"] == name]
-            row = {"framework": framework, "compressor": name}
-            for label, _ in MEASURES:
-                base = [r[label] for r in mine if r["side"] == "base"]
-                work = [r[label] for r in mine if r["side"] == "work"]
-                row[label] = {"base": base, "work": work,
-                              "ratio": statistics.median(work) / statistics.median(base)
-                              if statistics.median(base) > 0 else None}
-            rows.append(row)
+    for base_commit in bases:
+        for framework in frameworks:
+            for name in compressors:
+                mine = [r for r in runs if r["framework"] == framework and r["compressor"] == name]
+                row = {"base": base_commit, "framework": framework, "compressor": name}
+                for label, _ in MEASURES:
+                    base = [r[label] for r in mine if r["side"] == base_commit]
+                    work = [r[label] for r in mine if r["side"] == "work"]
+                    row[label] = {"base": base, "work": work,
+                                  "ratio": statistics.median(work) / statistics.median(base)
+                                  if statistics.median(base) > 0 else None}
+                rows.append(row)
     return rows
 
 
-def print_rows(rows, base_commit, work_commit):
-    print(f"\nworking tree {work_commit[:12]} / base {base_commit[:12]}: ratio of medians (below 1: faster), "
-          "then each round's seconds per step, base | working tree")
+def print_rows(rows, work_commit):
     for row in rows:
-        print(f"{row['framework']} {row['compressor']}")
+        print(f"\nworking tree {work_commit[:12]} / base {row['base'][:12]}, {row['framework']} {row['compressor']}: "
+              "ratio of medians (below 1: faster), then each round's seconds per step, base | working tree")
         for label, _ in MEASURES:
             values = row[label]
             ratio = "-" if values["ratio"] is None else f"{values['ratio']:.3f}"
@@ -117,7 +120,8 @@ def print_rows(rows, base_commit, work_commit):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="the revision to compare against (commit, tag, branch)")
+    parser.add_argument("--base", required=True,
+                        help="the revisions to compare against (commits, tags, branches), comma-separated")
     parser.add_argument("--compressors", type=names_argument, default=names_argument("none,qsgd-4bit,topk-1%"))
     parser.add_argument("--frameworks", default="pytorch", help="pytorch, tensorflow or both, comma-separated")
     parser.add_argument("--model", default="mlp25m")
@@ -138,25 +142,26 @@ def main():
         print(f"note: {reason}; running unshaped on the host loopback")
         args.rate = "none"
     with tempfile.TemporaryDirectory(prefix="paired-") as tmp:
-        base_tree, base_commit = export(args.base, tmp)
+        sides = {commit: tree for tree, commit in (export(base, tmp) for base in args.base.split(","))}
+        bases = list(sides)
+        sides["work"] = ROOT
         work_commit = working_tree_commit()
-        for tree in (base_tree, ROOT):
+        for tree in sides.values():
             check_imports_from(tree)
-        sides = {"base": base_tree, "work": ROOT}
         runs = []
         for round_index in range(args.rounds):
-            order = ("base", "work") if round_index % 2 == 0 else ("work", "base")
+            order = list(sides) if round_index % 2 == 0 else list(sides)[::-1]
             for framework in frameworks:
                 for name in args.compressors:
                     for side in order:
-                        print(f"round {round_index + 1}/{args.rounds}: {framework} {name}, {side}", flush=True)
+                        print(f"round {round_index + 1}/{args.rounds}: {framework} {name}, {side[:12]}", flush=True)
                         runs.append(dict(measure(sides[side], framework, name, args, reason is None),
                                          side=side, round=round_index, framework=framework, compressor=name))
-    rows = ratio_rows(runs, args.compressors, frameworks)
-    print_rows(rows, base_commit, work_commit)
+    rows = ratio_rows(runs, bases, args.compressors, frameworks)
+    print_rows(rows, work_commit)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        record = {"base": base_commit, "work": work_commit, "command": " ".join(sys.argv), "model": args.model,
+        record = {"bases": bases, "work": work_commit, "command": " ".join(sys.argv), "model": args.model,
                   "rate": args.rate, "ranks": args.ranks, "rounds": args.rounds, "cores": os.cpu_count(),
                   "rows": rows, "runs": runs}
         with open(os.path.join(args.out, "paired.json"), "w") as f:

@@ -6,11 +6,17 @@ import contextlib
 
 import torch
 
-from horovod_qsgd.kernels import launch_stream
+from horovod_qsgd.kernels import CarriedResidual, launch_stream
 
 
 def as_array(tensor):
-    """A zero-copy numpy (CPU) or CUDA-array-interface (GPU) view of a contiguous tensor."""
+    """A zero-copy numpy (CPU) or CUDA-array-interface (GPU) view of a contiguous tensor, or the same of each
+    tensor of a :class:`~horovod_qsgd.kernels.CarriedResidual`; None stays None."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, CarriedResidual):
+        return CarriedResidual(as_array(tensor.target), as_array(tensor.previous), as_array(tensor.commit),
+                               tensor.stamp)
     if tensor.is_cuda:
         from numba import cuda
         return cuda.as_cuda_array(tensor)

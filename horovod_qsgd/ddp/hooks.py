@@ -99,8 +99,9 @@ from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, qsgd_codecs
-from horovod_qsgd.kernels import all_finite
+from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_feedback import KeptResidual
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
@@ -128,6 +129,7 @@ class _PayloadState:
         self._verified = False
         self._keys = {}             # id(parameter) -> its key: the order the hook first saw it in
         self._residuals = {}        # key -> flat float32 residual (error feedback)
+        self._bucket_residuals = {}  # bucket index -> KeptResidual whose views the residuals of its parameters are
         self._spilled = {}          # key -> owner-residual mass moved here, added at the parameter's next read
         self._owner_residuals = {}  # bucket index -> _OwnerResidual
         self._shard_residuals = {}  # node-aware: bucket index -> _OwnerResidual of this rank's node-summed shard
@@ -169,6 +171,7 @@ class _PayloadState:
             self.iteration = int(state["iteration"])
             self._keys = {}  # keys are given again, in the order the next iteration meets the parameters
             self._residuals = {int(key): r.clone() for key, r in state["residuals"].items()}
+            self._bucket_residuals = {}
             self._spilled = {}
             self._owner_residuals = {int(index): _OwnerResidual.from_dict(o)
                                      for index, o in state["owner_residuals"].items()}
@@ -197,10 +200,16 @@ class _PayloadState:
             keys = [self._keys.setdefault(id(p), len(self._keys)) for p in bucket.parameters()]
         return _Split(keys, [p.numel() for p in bucket.parameters()], self.min_numel, chunk_unit(self.codec))
 
-    def _residual(self, layout, staged_numel, device):
-        """A fresh copy of the staged tensor's residual, gathered from its parameters' residuals."""
-        staged = torch.zeros(staged_numel, dtype=torch.float32, device=device)
+    def _residual(self, index, layout, staged_numel, device):
+        """What bucket ``index``'s step reads its staged residual through and writes the new one into
+        (:class:`~horovod_qsgd.kernels.CarriedResidual`): the bucket's own buffers while its parameters' residuals
+        are still the views :meth:`_keep_residual` left, else gathered from them into new ones (the first step,
+        a rebuilt bucket, spilled mass, a loaded checkpoint)."""
         with self._lock:
+            kept = self._bucket_residuals.get(index)
+            if kept is not None and self._views_of(kept.kept, layout, staged_numel, device):
+                return kept.for_step()
+            staged = torch.zeros(staged_numel, dtype=torch.float32, device=device)
             for key, offset, numel in layout:
                 residual = self._residuals.get(key)
                 if residual is None:
@@ -212,12 +221,30 @@ class _PayloadState:
                 if key in self._spilled:
                     residual = self._residuals[key] = residual + self._spilled.pop(key).to(residual.device)
                 staged[offset:offset + numel] = residual
-        return staged
+            kept = self._bucket_residuals[index] = KeptResidual(staged)
+            return kept.for_step()
 
-    def _keep_residual(self, layout, residual):
+    def _views_of(self, staged, layout, staged_numel, device):
+        """True where every parameter of ``layout`` has a residual that is the view of ``staged`` at its offset,
+        with no spilled mass waiting."""
+        if staged.numel() != staged_numel or staged.device != device:
+            return False
+        base, size = staged.data_ptr(), staged.element_size()
+        for key, offset, numel in layout:
+            residual = self._residuals.get(key)
+            if (residual is None or key in self._spilled or residual.data_ptr() != base + offset * size
+                    or residual.numel() != numel):
+                return False
+        return True
+
+    def _keep_residual(self, index, layout, written):
+        """Bucket ``index``'s step that wrote through ``written`` counts: its residual is kept, and its
+        parameters' residuals are views of it."""
         with self._lock:
+            kept = self._bucket_residuals[index]
+            kept.keep(written)
             for key, offset, numel in layout:
-                self._residuals[key] = residual[offset:offset + numel]
+                self._residuals[key] = kept.kept[offset:offset + numel]
 
     def _spill_stale_owner_residual(self, index, layout, plan):
         """Moves the owner-side residual of bucket ``index`` into its parameters' residuals unless this call's
@@ -233,9 +260,10 @@ class _PayloadState:
                 self._shard_residuals.pop(index).spill(self._spilled, self._residuals)
 
     def _kept_residual(self, store, index, layout, owned, device):
-        """A fresh copy of what ``store`` (a dict of _OwnerResidual by bucket index) keeps of bucket ``index``
-        for staged range ``owned`` (zeros at first). One kept for another layout or range (DDP rebuilt the
-        bucket, the exchange changed) is spilled into its parameters' residuals first."""
+        """What the step reads what ``store`` (a dict of _OwnerResidual by bucket index) keeps of bucket ``index``
+        for staged range ``owned`` (zeros at first) through, and writes the new one into. One kept for another
+        layout or range (DDP rebuilt the bucket, the exchange changed) is spilled into its parameters'
+        residuals first."""
         with self._lock:
             saved = store.get(index)
             if saved is not None and (saved.layout != [tuple(p) for p in layout] or saved.owned != tuple(owned)):
@@ -244,7 +272,7 @@ class _PayloadState:
             if saved is None:
                 saved = store[index] = _OwnerResidual(
                     layout, owned, torch.zeros(owned[1] - owned[0], dtype=torch.float32, device=device))
-            return saved.residual.to(device).clone()
+            return saved.for_step(device)
 
     def _take_parameter_residuals(self, layout, staged_numel, device):
         """The node-aware exchange keeps error feedback per shard: residuals left per parameter (spilled by a
@@ -369,7 +397,19 @@ class _OwnerResidual:
     """What an owner did not send of its chunk ``owned`` of a bucket laid out as ``layout``."""
 
     def __init__(self, layout, owned, residual):
-        self.layout, self.owned, self.residual = [tuple(p) for p in layout], tuple(owned), residual
+        self.layout, self.owned, self._kept = [tuple(p) for p in layout], tuple(owned), KeptResidual(residual)
+
+    @property
+    def residual(self):
+        return self._kept.kept
+
+    def for_step(self, device):
+        """What a step reads this residual through and writes the new one into."""
+        return self._kept.to(device).for_step()
+
+    def keep(self, written):
+        """The step that wrote through ``written`` counts."""
+        self._kept.keep(written)
 
     def fits(self, layout, plan):
         return (plan.kind == "two_stage" and self.layout == [tuple(p) for p in layout]
@@ -447,13 +487,13 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
     residual = None
     if state.error_feedback:
         state._spill_stale_owner_residual(bucket.index(), split.layout, plan)
-        residual = state._residual(split.layout, flat.numel(), flat.device)
+        residual = state._residual(bucket.index(), split.layout, flat.numel(), flat.device)
     exchange = _Exchange(state, bucket, group, plan, split, flat, residual, _new_future(flat.device))
     future = _with_small(exchange.future, small_future, split, bucket_flat)
     out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
     with kernel_stream(flat.device):
         if plan.kind == "allgather":
-            used = plan.encode(as_array(flat), as_array(out), exchange.step, _array(residual))
+            used = plan.encode(as_array(flat), as_array(out), exchange.step, as_array(residual))
             # fixed-size payloads: every rank's is ``capacity`` bytes, as all_gather_single needs
             gathered = torch.empty(num_ranks * used, dtype=torch.uint8, device=flat.device)
             work = _all_gather_single(gathered, out[:used], group=group, async_op=True)
@@ -462,7 +502,7 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
             work.get_future().then(lambda _: _finish(exchange, gathered))
             return future
         exchange.own = torch.empty(plan.own_numel(), dtype=torch.float32, device=flat.device)
-        splits = plan.encode(as_array(flat), as_array(out), as_array(exchange.own), exchange.step, _array(residual))
+        splits = plan.encode(as_array(flat), as_array(out), as_array(exchange.own), exchange.step, as_array(residual))
     arriving = [0 if sender == plan.rank else plan.first.max_payload_nbytes(plan.own_numel())
                 for sender in range(num_ranks)]
     exchange.received = torch.empty(sum(arriving), dtype=torch.uint8, device=flat.device)
@@ -516,13 +556,13 @@ def _node_aware(state, bucket, group, buffer, split):
     refusal = None
     with kernel_stream(device):
         if plan.kind == "allgather":
-            used = plan.encode(as_array(node_sum), as_array(out), step, _array(residual))
+            used = plan.encode(as_array(node_sum), as_array(out), step, as_array(residual))
             gathered = torch.empty(nodes.count * used, dtype=torch.uint8, device=device)
             _all_gather_single(gathered, out[:used], group=nodes.cross)
             collectives = 3
         else:
             own = torch.empty(plan.own_numel(), dtype=torch.float32, device=device)
-            splits = plan.encode(as_array(node_sum), as_array(out), as_array(own), step, _array(residual))
+            splits = plan.encode(as_array(node_sum), as_array(out), as_array(own), step, as_array(residual))
             arriving = [0 if sender == plan.rank else plan.first.max_payload_nbytes(plan.own_numel())
                         for sender in range(nodes.count)]
             received = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
@@ -530,7 +570,7 @@ def _node_aware(state, bucket, group, buffer, split):
             capacity = plan.owned_capacity()
             owned = torch.zeros(capacity, dtype=torch.uint8, device=device)
             _, refusal = plan.sum_and_encode(as_array(received), as_array(own), as_array(owned), step,
-                                             _array(owner_residual))
+                                             as_array(owner_residual))
             arriving = [plan.second.max_payload_nbytes(end - begin) for begin, end in plan.bounds]
             gathered = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
             dist.all_to_all_single(gathered, owned.repeat(nodes.count), arriving, [capacity] * nodes.count,
@@ -553,7 +593,7 @@ def _node_aware(state, bucket, group, buffer, split):
                 as_array(rows), [(j, j * row.numel(), row.numel()) for j in range(nodes.local_size)],
                 lambda j, forwarded: plans[j].decode(forwarded, as_array(shards[j * shard:(j + 1) * shard])),
                 f"bucket {bucket.index()}", ranks_named="local rank")
-        shards.mul_(1.0 / group.size())
+        finite = _scaled_and_finite(shards[:flat.numel()], 1.0 / group.size())
     state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
     future = _new_future(device)
     if error is not None:
@@ -563,12 +603,12 @@ def _node_aware(state, bucket, group, buffer, split):
         return future
     result = shards[:flat.numel()]
     # every rank holds the whole bucket's result: all decide alike whether the step's residuals stay
-    if _all_finite(result):
+    if finite:
         if state.error_feedback:
             with state._lock:
-                state._shard_residuals[bucket.index()].residual = residual
+                state._shard_residuals[bucket.index()].keep(residual)
                 if owner_residual is not None:
-                    state._owner_residuals[bucket.index()].residual = owner_residual
+                    state._owner_residuals[bucket.index()].keep(owner_residual)
     else:
         state._stats.add(tensors_nonfinite=1)
         if restore is not None:
@@ -627,7 +667,7 @@ def _start_second_stage(state):
                                                        plan.owned, device)
     with kernel_stream(device):
         _, exchange.refusal = plan.sum_and_encode(as_array(exchange.received), as_array(exchange.own),
-                                                  as_array(out), exchange.step, _array(exchange.owner_residual))
+                                                  as_array(out), exchange.step, as_array(exchange.owner_residual))
     # Every owner sends its whole capacity (a refusal notice is zero-padded to it): the receivers' sizes
     # are fixed in advance, so a refusal reaches every rank as a header to raise on, never a size mismatch.
     arriving = [plan.second.max_payload_nbytes(end - begin) for begin, end in plan.bounds]
@@ -649,13 +689,13 @@ def _finish(exchange, gathered):
         total = exchange.flat.zero_()
         with kernel_stream(total.device):
             plan.decode(as_array(gathered), as_array(total))
-        total.mul_(1.0 / plan.num_ranks)  # as the Horovod adapter scales an average: the same bits
-        if _all_finite(total):
+        # as the Horovod adapter scales an average: the same bits
+        if _scaled_and_finite(total, 1.0 / plan.num_ranks):
             if exchange.residual is not None:
-                state._keep_residual(exchange.layout, exchange.residual)
+                state._keep_residual(exchange.index, exchange.layout, exchange.residual)
             if exchange.owner_residual is not None:
                 with state._lock:
-                    state._owner_residuals[exchange.index].residual = exchange.owner_residual
+                    state._owner_residuals[exchange.index].keep(exchange.owner_residual)
         else:
             state._stats.add(tensors_nonfinite=1)
         exchange.split.unstage(total, exchange.buffer.reshape(-1))
@@ -665,12 +705,14 @@ def _finish(exchange, gathered):
         exchange.future.set_exception(exc)
 
 
-def _all_finite(tensor):
-    return bool(torch.isfinite(tensor).all()) if tensor.is_cuda else all_finite(as_array(tensor))
+def _scaled_and_finite(total, scale):
+    """Multiplies ``total`` by ``scale``; whether the result is finite: found by the same pass on the CPU, by a
+    check and one host read on a GPU (the hooks decide on the host)."""
+    if total.is_cuda:
+        total.mul_(scale)
+        return bool(torch.isfinite(total).all())
+    return finish_sum(as_array(total), scale)
 
-
-def _array(tensor):
-    return None if tensor is None else as_array(tensor)
 
 
 class QSGDState(_PayloadState):

@@ -64,6 +64,7 @@ from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_ST
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.two_stage import chunk_unit, moved_owner_chunk
+from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
                                                      ExchangeContext, adapter_method, decode_scaled, op_name)
 from horovod_qsgd.tensorflow import hvd_join
@@ -437,10 +438,10 @@ class PayloadCompressor(CompressorBase):
             num_ranks = plan.num_ranks
             start = time.perf_counter()
             total = np.zeros(plan.numel, dtype=np.float32)
-            decode_scaled(lambda: plan.decode(gathered, total), [total], refusals.pop(plan.name, None), placeholder,
-                          num_ranks)
+            [finite] = decode_scaled(lambda: plan.decode(gathered, total), [total], refusals.pop(plan.name, None),
+                                     placeholder, num_ranks)
             stats.add(decode_seconds=time.perf_counter() - start)
-            return total, self._finite_flag(total)
+            return total, self._finite_flag(finite)
 
         total = self._settle(ctx, tf.numpy_function(decode, [gathered, tensor], [tf.float32, tf.bool],
                                                    stateful=False, name="horovod_qsgd_decode"))
@@ -508,10 +509,11 @@ class RandomK(CompressorBase):
         def scatter(values, step_value):
             start = time.perf_counter()
             total = np.zeros(numel, dtype=np.float32)
-            codec.scatter_accumulate(np.ascontiguousarray(values, dtype=np.float32), total,
-                                     step=int(step_value), key=key)
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            codec.scatter_accumulate(values, total, step=int(step_value), key=key)
             stats.add(decode_seconds=time.perf_counter() - start)
-            return total, self._finite_flag(total)
+            # the total is finite where the k values are: the rest is zeros
+            return total, self._finite_flag(finish_sum(values, 1.0))
 
         total = self._settle(ctx, tf.numpy_function(scatter, [tensor, ctx.step], [tf.float32, tf.bool],
                                                    stateful=False, name="horovod_qsgd_scatter"))

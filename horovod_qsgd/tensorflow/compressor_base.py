@@ -28,7 +28,7 @@ from horovod_qsgd.common.naming import HANDSHAKE_NAME
 from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT, check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
-from horovod_qsgd.kernels import all_finite
+from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.call_site import find_call_site
 from horovod_qsgd.tensorflow.host_ops import flat_fp32, host_op
@@ -55,7 +55,8 @@ def _meaning(settings_json):
 
 def decode_scaled(decode, totals, refusal, placeholder, num_ranks):
     """A decode host op's work: ``decode()`` adds the received payloads to ``totals`` (zeroed float32 arrays),
-    which are then scaled as the allreduced ``placeholder`` says (sum or average).
+    which are then scaled as the allreduced ``placeholder`` says (sum or average); returns whether each total
+    is finite, found by the pass that scales it.
 
     ``refusal``: the mismatch this rank found in the step's first stage, raised instead. hvd.join()'s
     notices make the totals NaN: the step finishes (see hvd_join) and is discarded as non-finite.
@@ -68,10 +69,8 @@ def decode_scaled(decode, totals, refusal, placeholder, num_ranks):
         hvd_join.note_refused(exc.joined)
         for total in totals:
             total[:] = np.nan
-    scale = np.float32(reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks))
-    if scale != 1.0:
-        for total in totals:
-            total *= scale
+    scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
+    return [finish_sum(total, scale) for total in totals]
 
 
 def _new_variable(initial_value, name, dtype):
@@ -96,9 +95,7 @@ def in_legacy_graph():
 
 def _kept_unless(finite, new_value, variable):
     """``new_value`` where ``finite``, else the variable's value (which may differ in length: an elastic
-    job's owner residual)."""
-    if variable.shape.is_fully_defined():
-        return tf.where(finite, new_value, variable.read_value())
+    job's owner residual). A choice of one tensor, not an element-wise select: no pass over the residual."""
     return tf.cond(finite, lambda: new_value, variable.read_value)
 
 
@@ -510,9 +507,9 @@ class CompressorBase(tf.Module):
         with tf.control_dependencies(updates):  # run by a tf.compat.v1 Session too, which fetches only the result
             return tf.identity(total)
 
-    def _finite_flag(self, total):
-        """A host fn's verdict on its decoded result (counted in the statistics when it is not finite)."""
-        finite = all_finite(total)
+    def _finite_flag(self, finite):
+        """A host fn's verdict on its decoded result, ``finite`` as :func:`decode_scaled` or
+        :func:`~horovod_qsgd.kernels.finish_sum` found it (counted in the statistics when it is not finite)."""
         if not finite:
             self._runtime.stats.add(tensors_nonfinite=1)
         return np.bool_(finite)

@@ -132,10 +132,10 @@ class FusedRound:
         def decode(gathered, placeholder):
             start = time.perf_counter()
             totals = [np.zeros(numel, np.float32) for numel in numels]
-            decode_scaled(lambda: fused.decode_gathered(gathered, totals), totals, refusals.pop(group, None),
-                          placeholder, num_ranks)
+            finite = decode_scaled(lambda: fused.decode_gathered(gathered, totals), totals, refusals.pop(group, None),
+                                   placeholder, num_ranks)
             stats.add(decode_seconds=time.perf_counter() - start)
-            return totals + [finite_flag(total) for total in totals]
+            return totals + [finite_flag(flag) for flag in finite]
 
         outputs = tf.numpy_function(decode, [gathered, placeholder],
                                     [tf.float32] * len(numels) + [tf.bool] * len(numels),

@@ -30,6 +30,7 @@ from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.fusion import join_host_pieces
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
 from horovod_qsgd.common.node_aware import NodeAwareGroup, collective_names
+from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.tensorflow.compressor_base import op_name
 
 
@@ -40,8 +41,8 @@ class NodeAwareOps:
     ``plans``: its members' :class:`~horovod_qsgd.common.node_aware.NodeAwarePlan` s; ``group_name``: None for
     one tensor alone (its own collectives' names), else the fused group's name, the same on every rank;
     ``errors``: exchange name -> what this rank raises for it once its collectives are sent (shared by the
-    compressor's exchanges); ``finite_flag(total)``: the compressor's verdict on a result; ``error_feedback``:
-    whether residuals go in (top-k).
+    compressor's exchanges); ``finite_flag(finite)``: the compressor's verdict on a result found finite or not;
+    ``error_feedback``: whether residuals go in (top-k).
     """
 
     def __init__(self, plans, group_name, stats, errors, finite_flag, error_feedback):
@@ -204,16 +205,12 @@ class NodeAwareOps:
         if error is not None:
             raise error
         scale = reduction_scale(float(placeholder.reshape(-1)[0]), plans[0].layout.num_ranks)
-        totals = []
-        for plan, values in zip(plans, padded):
-            total = values[:plan.numel]
-            if scale != 1.0:
-                total *= np.float32(scale)
-            totals.append(total)
+        totals = [values[:plan.numel] for plan, values in zip(plans, padded)]
+        finite = [finish_sum(total, scale) for total in totals]
         residuals = []
         for plan, shard_residual in zip(plans, shard_residuals):
             residual = np.zeros(plan.numel, np.float32)
             begin, end = plan.own_span()
             residual[begin:end] = shard_residual[:end - begin]
             residuals.append(residual)
-        return totals + [self.finite_flag(total) for total in totals] + residuals
+        return totals + [self.finite_flag(flag) for flag in finite] + residuals

@@ -53,8 +53,9 @@ from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_ST
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import chunk_unit, moved_owner_chunk
-from horovod_qsgd.kernels import all_finite
+from horovod_qsgd.kernels import finish_sum, move_into_own_chunk
 from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
+from horovod_qsgd.torch_feedback import KeptResidual, step_stamps
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
@@ -70,6 +71,10 @@ def _clone(tensor):
     return None if tensor is None else tensor.clone()
 
 
+def _kept(tensor):
+    return None if tensor is None else KeptResidual(tensor.clone())
+
+
 def _flat_fp32(tensor):
     flat = tensor.detach().reshape(-1)
     return flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
@@ -78,9 +83,10 @@ def _flat_fp32(tensor):
 class _TensorState:
     """What training depends on per tensor: the RNG step counter and the error-feedback residuals.
 
-    ``owner_residual``: with the two-stage exchange and error feedback, what
-    this rank's owned chunk of the sum did not send; ``owner_layout`` the
-    (ranks, rank) it belongs to.
+    ``residual`` and ``owner_residual`` are :class:`~horovod_qsgd.torch_feedback.KeptResidual`; ``owner_residual``:
+    with the two-stage exchange and error feedback, what this rank's owned chunk of the sum did not send;
+    ``owner_layout`` the (ranks, rank) it belongs to. ``stamps``: on a GPU, whether the last step counted, as
+    the device knows it (:mod:`horovod_qsgd.torch_feedback`).
     """
 
     def __init__(self, step=0, residual=None, owner_residual=None, owner_layout=None):
@@ -88,13 +94,33 @@ class _TensorState:
         self.residual = residual
         self.owner_residual = owner_residual
         self.owner_layout = owner_layout
+        self.stamps = None
+
+    def residuals(self):
+        return [r for r in (self.residual, self.owner_residual) if r is not None]
+
+    def stamps_on(self, device):
+        """The stamps of this tensor on ``device`` (None on the CPU); the residuals settled on the host first if
+        they were on another device."""
+        if self.stamps is None or self.stamps.device != device:
+            self.settle_on_host()
+            self.stamps = step_stamps(device)
+        return self.stamps
+
+    def settle_on_host(self):
+        """``kept`` is each residual and the stamps say nothing, after one host read: before a residual is
+        changed, saved or moved outside a step, or the step counter is set."""
+        if self.stamps is not None:
+            for residual in self.residuals():
+                residual.settle_on_host(self.stamps, self.step)
+            self.stamps.zero_()
 
 
 class _InFlight:
     """A compressed tensor between ``compress`` and ``decompress``.
 
-    ``residual`` and ``owner_residual`` are this step's updated error-feedback
-    state, kept aside until the result shows whether the step counts (see
+    ``residual`` and ``owner_residual`` are the :class:`~horovod_qsgd.kernels.CarriedResidual` this step
+    writes its error-feedback state through, kept only if the result shows that the step counts (see
     ``_settle``); ``state`` holds what the last counted step left.
     """
     __slots__ = ("handle", "name", "shape", "dtype", "num_ranks", "step", "out", "state", "residual",
@@ -171,16 +197,16 @@ class _CompressorBase:
             state = self._states.get(name)
             if state is None:
                 state = self._states[name] = _TensorState()
+        state.stamps_on(device)
         if needs_residual:
             if state.residual is None:
-                state.residual = torch.zeros(numel, dtype=torch.float32, device=device)
+                state.residual = KeptResidual.zeros(numel, device)
             elif state.residual.numel() != numel:
                 raise CompressionMismatchError(
                     f"horovod_qsgd: tensor {name!r} now has {numel} elements but its error-feedback "
                     f"residual has {state.residual.numel()}; a checkpoint from another model was loaded, "
                     "or two tensors share a name.")
-            elif state.residual.device != device:
-                state.residual = state.residual.to(device)
+            state.residual.to(device)
         return state
 
     def _owner_layout(self, site, tensor):
@@ -195,11 +221,13 @@ class _CompressorBase:
             return
         if list(state.owner_layout or []) == layout:
             return
+        state.settle_on_host()
         chunk = moved_owner_chunk(site.name, numel, chunk_unit(self.codec), state.owner_layout,
                                   state.owner_residual.numel(), layout)
         if chunk is not None:
             begin, end = chunk
-            state.residual[begin:end].add_(state.owner_residual[:end - begin].to(state.residual.device))
+            residual = state.residual.kept
+            residual[begin:end].add_(state.owner_residual.kept[:end - begin].to(residual.device))
         state.owner_residual, state.owner_layout = None, None
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -210,14 +238,17 @@ class _CompressorBase:
         (e.g. ``torch.save(c.state_dict(), f"compressor.{hvd.rank()}.pt")``)
         to resume bit-exactly.
         """
-        return dict(state_header(type(self).__name__, self.settings()), tensors={
-            name: {"step": s.step, "residual": _clone(s.residual), "owner_residual": _clone(s.owner_residual),
-                   "owner_layout": s.owner_layout}
-            for name, s in self._states.items()})
+        tensors = {}
+        for name, s in self._states.items():
+            s.settle_on_host()
+            tensors[name] = {"step": s.step, "residual": _clone(s.residual and s.residual.kept),
+                             "owner_residual": _clone(s.owner_residual and s.owner_residual.kept),
+                             "owner_layout": s.owner_layout}
+        return dict(state_header(type(self).__name__, self.settings()), tensors=tensors)
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
-        self._states = {name: _TensorState(t["step"], _clone(t["residual"]), _clone(t.get("owner_residual")),
+        self._states = {name: _TensorState(t["step"], _kept(t["residual"]), _kept(t.get("owner_residual")),
                                            t.get("owner_layout"))
                         for name, t in state["tensors"].items()}
 
@@ -231,9 +262,8 @@ class _CompressorBase:
         otherwise the mass a residual holds counts once at the wrong scale.
         """
         for state in list(self._states.values()):
-            for residual in (state.residual, state.owner_residual):
-                if residual is not None:
-                    residual.mul_(factor)
+            for residual in state.residuals():
+                residual.scale(factor)
 
     # -- Horovod Elastic (horovod_qsgd.torch.elastic) ----------------------------------------
     def start_new_world(self, steps):
@@ -243,6 +273,8 @@ class _CompressorBase:
         self._verified_process_sets = set()
         self._forget_exchanges()
         with self._lock:
+            for state in self._states.values():
+                state.settle_on_host()  # the stamps name steps, which change here
             for name, step in steps.items():
                 self._states.setdefault(name, _TensorState()).step = int(step)
 
@@ -297,8 +329,8 @@ class _CompressorBase:
         flat = _flat_fp32(tensor)
         state = self._state(site.name, flat.numel(), tensor.device, self.error_feedback)
         self._spill_moved_owner_residual(site, state, flat.numel(), self._owner_layout(site, tensor))
-        # The step updates a copy: the state changes only once the result shows the step counts (_settle).
-        residual = None if state.residual is None else state.residual.clone()
+        # The step writes its residual into a second buffer, kept once the result shows the step counts (_settle).
+        residual = None if state.residual is None else state.residual.for_step(state.stamps, state.step)
         with kernel_stream(tensor.device):
             sent, handle = self._encode(tensor, flat, site, state.step, residual)
         note_allreduce(site, sent, self._join_stand_in)
@@ -317,8 +349,8 @@ class _CompressorBase:
         with kernel_stream(tensor.device):
             received = self._receive(ctx)
             received_at = time.perf_counter()
-            total = self._decode(tensor, ctx, received)
-            self._settle(ctx, total)
+            total, finite = self._decode(tensor, ctx, received)
+            self._settle(ctx, finite)
             result = total.view(ctx.shape).to(ctx.dtype)
         self._stats.add(wait_seconds=received_at - start, decode_seconds=time.perf_counter() - received_at)
         return result
@@ -326,7 +358,8 @@ class _CompressorBase:
     def _encode(self, tensor, flat, site, step, residual):
         """Returns (tensor for the optimizer's allreduce, what ``_make_context`` keeps of the exchange), counted.
 
-        ``residual``: this step's copy of the error-feedback residual (None without), updated in place.
+        ``residual``: the CarriedResidual this step reads the error-feedback residual through and writes the
+        new one into (None without).
         """
         raise NotImplementedError
 
@@ -335,34 +368,41 @@ class _CompressorBase:
         return _InFlight(handle, site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out,
                          state, residual)
 
-    def _settle(self, ctx, total):
-        """Keeps the step's error-feedback state if its result ``total`` is finite, else the state before it.
+    def _settle(self, ctx, finite):
+        """Keeps the step's error-feedback state if its result was ``finite``, else the state before it.
 
         A gradient with inf or NaN on any rank (a loss-scale overflow) makes
         the decoded result non-finite on every rank: QSGD gives the bucket a
         NaN scale, top-k sends non-finite values first, random-k sets its
         first value to NaN. Every rank decodes the same bits, so every rank
         decides alike, without a collective; the loss scaler skips the step
-        and nothing of it stays in the residuals. On a GPU the choice is
-        made on the device (no host read).
+        and nothing of it stays in the residuals. ``finite``: found by the
+        pass that scaled the result (:meth:`_finish`); None on a GPU, where
+        that pass stamped the verdict for the next step's kernels to read
+        (:mod:`horovod_qsgd.torch_feedback`): no host read.
         """
-        updates = [(attr, new) for attr, new in (("residual", ctx.residual), ("owner_residual", ctx.owner_residual))
-                   if new is not None]
-        if total.is_cuda:
-            finite = torch.isfinite(total).all()
-            for attr, new in updates:
-                setattr(ctx.state, attr, torch.where(finite, new, getattr(ctx.state, attr)))
-            with self._lock:
-                counter = self._nonfinite_on_device.get(total.device)
-                if counter is None:
-                    counter = self._nonfinite_on_device[total.device] = torch.zeros(
-                        (), dtype=torch.int64, device=total.device)
-            counter.add_(torch.logical_not(finite).to(torch.int64))
-        elif all_finite(as_array(total)):  # one vectorised pass; torch's isfinite().all() took 30x longer
-            for attr, new in updates:
-                setattr(ctx.state, attr, new)
-        else:
+        if finite is None:
+            return
+        if not finite:
             self._stats.add(tensors_nonfinite=1)
+            return
+        for kept, written in ((ctx.state.residual, ctx.residual), (ctx.state.owner_residual, ctx.owner_residual)):
+            if written is not None:
+                kept.keep(written)
+
+    def _finish(self, total, scale, ctx):
+        """(``total`` times ``scale``, whether it is finite) in one pass: ``scale`` a float, or on a GPU a float32
+        device tensor, where the verdict is stamped on ctx's tensor's stamps instead (None)."""
+        if not total.is_cuda:
+            return total, finish_sum(as_array(total), scale)
+        with self._lock:
+            counter = self._nonfinite_on_device.get(total.device)
+            if counter is None:
+                counter = self._nonfinite_on_device[total.device] = torch.zeros(
+                    1, dtype=torch.int64, device=total.device)
+        finish_sum(as_array(total), as_array(scale.reshape(1)), stamps=as_array(ctx.state.stamps),
+                   stamp=ctx.step + 1, counter=as_array(counter))
+        return total, None
 
     def _check_allreduced(self, tensor):
         """Runs on the optimizer's allreduced ``tensor`` before ``_receive`` waits for anything else."""
@@ -372,7 +412,8 @@ class _CompressorBase:
         return None
 
     def _decode(self, tensor, ctx, received):
-        """The flat fp32 result from the allreduced ``tensor``, ``_encode``'s ctx and ``_receive``'s result."""
+        """(the flat fp32 result from the allreduced ``tensor``, ``_encode``'s ctx and ``_receive``'s result,
+        whether it is finite), through :meth:`_finish`."""
         raise NotImplementedError
 
     @staticmethod
@@ -514,9 +555,8 @@ class PayloadCompressor(_CompressorBase):
                                             tensor.numel() * tensor.element_size())
         padded = torch.zeros(plan.padded_numel(), dtype=torch.float32, device=flat.device)
         shard_residual = owner_residual = None
-        if residual is not None:
-            torch.add(flat, residual, out=padded[:flat.numel()])
-            residual.zero_()
+        if residual is not None:  # padded = flat + the residual, and the step's new residual zero
+            move_into_own_chunk(as_array(flat), as_array(residual), as_array(padded[:flat.numel()]))
             shard_residual = torch.zeros(plan.shard, dtype=torch.float32, device=flat.device)
             if plan.cross.kind == "two_stage":
                 owner_residual = self._node_owner_residual(site.name, plan)
@@ -525,13 +565,13 @@ class PayloadCompressor(_CompressorBase):
         return NodeAwareMember(plan, step, padded, shard_residual, owner_residual)
 
     def _node_owner_residual(self, name, plan):
-        """This step's copy of the owner-side residual of the node-aware ``plan``'s chunk (top-k, from 3 nodes)."""
+        """What this step reads and writes the owner-side residual of the node-aware ``plan``'s chunk through
+        (top-k, from 3 nodes)."""
         state = self._states[name]
         if state.owner_residual is None:  # one of another layout was spilled by compress
-            state.owner_residual = torch.zeros(plan.cross.own_numel(), dtype=torch.float32,
-                                               device=state.residual.device)
+            state.owner_residual = KeptResidual.zeros(plan.cross.own_numel(), state.residual.kept.device)
             state.owner_layout = plan.owner_layout()
-        return state.owner_residual.clone()
+        return state.owner_residual.for_step(state.stamps, state.step)
 
     def _make_context(self, handle, site, tensor, state, out, residual):
         if isinstance(handle, NodeAwareMember):
@@ -622,8 +662,8 @@ class PayloadCompressor(_CompressorBase):
             raise refused
 
     def _owner_residual(self, ctx, total):
-        """This step's copy of the owner-side residual of ctx's tensor (error feedback only), reset if the
-        ranks changed."""
+        """What this step reads and writes the owner-side residual of ctx's tensor through (error feedback
+        only), reset if the ranks changed."""
         if not self.error_feedback:
             return None
         state, plan = ctx.state, ctx.stage
@@ -631,9 +671,9 @@ class PayloadCompressor(_CompressorBase):
                                                                               state.owner_residual.numel()):
             state.owner_residual = None
         if state.owner_residual is None:
-            state.owner_residual = torch.zeros_like(total)
+            state.owner_residual = KeptResidual.zeros(total.numel(), total.device)
             state.owner_layout = plan.owner_layout()
-        return state.owner_residual.clone()
+        return state.owner_residual.for_step(state.stamps, ctx.step)
 
     def _start_node_aware_groups(self):
         """Ends the round of node-aware tensors: starts the groups still waiting for a member (or never
@@ -668,12 +708,8 @@ class PayloadCompressor(_CompressorBase):
             total = ctx.zeroed_output(gathered.device)
             ctx.plan.decode(as_array(gathered), as_array(total))
         if tensor.is_cuda:
-            total.mul_(device_reduction_scale(tensor, ctx.num_ranks))
-        else:
-            scale = reduction_scale(tensor.reshape(-1)[0].item(), ctx.num_ranks)
-            if scale != 1.0:
-                total.mul_(scale)
-        return total
+            return self._finish(total, device_reduction_scale(tensor, ctx.num_ranks), ctx)
+        return self._finish(total, reduction_scale(tensor.reshape(-1)[0].item(), ctx.num_ranks), ctx)
 
     @staticmethod
     def _node_aware_result(ctx, result):
@@ -682,7 +718,7 @@ class PayloadCompressor(_CompressorBase):
         member = ctx.handle
         if member.shard_residual is not None:
             begin, end = member.plan.own_span()
-            ctx.residual[begin:end] = member.shard_residual[:end - begin]
+            ctx.residual.target[begin:end] = member.shard_residual[:end - begin]
         ctx.handle = None
         return result if ctx.out is None else ctx.out.copy_(result)
 
@@ -745,7 +781,10 @@ class RandomK(_CompressorBase):
         return values, None
 
     def _decode(self, tensor, ctx, received):
+        """The values scattered to their coordinates: the result is finite where the k allreduced values are
+        (the rest is zeros), which is checked on them, not on the whole result."""
+        values = tensor.float().contiguous()
         total = ctx.zeroed_output(tensor.device)
-        self.codec.scatter_accumulate(as_array(tensor.float().contiguous()), as_array(total),
-                                      step=ctx.step, key=tensor_key(ctx.name))
-        return total
+        self.codec.scatter_accumulate(as_array(values), as_array(total), step=ctx.step, key=tensor_key(ctx.name))
+        _, finite = self._finish(values, torch.ones(1, device=values.device) if values.is_cuda else 1.0, ctx)
+        return total, finite

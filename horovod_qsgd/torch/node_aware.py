@@ -27,10 +27,6 @@ _IN_NODE, _CROSS, _CROSS_SUMS, _GATHER, _DONE = range(5)
 _POLL_SECONDS = 50e-6
 
 
-def _array(tensor):
-    return None if tensor is None else as_array(tensor)
-
-
 class NodeAwareMember:
     """One tensor's part of a flight, between its compress and its result.
 
@@ -169,8 +165,8 @@ class NodeAwareExchanges:
                 for member in members:
                     member.own = torch.empty(member.plan.cross.own_numel(), dtype=torch.float32, device=device)
             pieces, counts = group.encode_between_nodes(
-                [as_array(m.node_sum) for m in members], [as_array(o) for o in outs], [_array(m.own) for m in members],
-                [m.step for m in members], [_array(m.shard_residual) for m in members])
+                [as_array(m.node_sum) for m in members], [as_array(o) for o in outs], [as_array(m.own) for m in members],
+                [m.step for m in members], [as_array(m.shard_residual) for m in members])
         for member in members:
             member.node_sum = None
         flight.stage = _CROSS
@@ -187,7 +183,7 @@ class NodeAwareExchanges:
                     for m in members]
             pieces, counts, flight.error = group.sum_between_nodes(
                 as_array(received), [as_array(m.own) for m in members], [as_array(o) for o in outs],
-                [m.step for m in members], [_array(m.owner_residual) for m in members])
+                [m.step for m in members], [as_array(m.owner_residual) for m in members])
         for member in members:
             member.own = None
         flight.stage = _CROSS_SUMS
