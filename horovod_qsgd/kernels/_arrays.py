@@ -2,6 +2,7 @@
 import numpy as np
 
 from ._dual import as_device, cuda_kernel, current_allocator, current_stream, on_cuda
+from .select import ADD_PREVIOUS, IN_PLACE, TAKE_TARGET
 
 
 def cuda_module():
@@ -121,15 +122,17 @@ def split_residual(residual):
     """(the array a kernel writes acc and the new residual into, what the error-feedback kernels take besides
     it) for an array updated in place or a :class:`CarriedResidual`, on the arrays' device.
 
-    What they take: on the CPU, (the array of the residual to add, whether the target's own content is that
-    residual instead, moving to it first: decided here); on a device, (that array, the commit stamps, the
-    stamp), decided by each kernel.
+    What they take: on the CPU, (the array of the residual to add, where the first pass finds it: one of
+    :mod:`.select`'s ``ADD_PREVIOUS``, ``TAKE_TARGET``, ``IN_PLACE``, decided here); on a device, (that array,
+    the commit stamps, the stamp), decided by each kernel.
     """
     if not isinstance(residual, CarriedResidual):
-        residual = CarriedResidual(residual, residual)
+        gpu = on_cuda(residual)
+        return (device_view(residual), (device_view(residual), empty(0, np.int64, True), np.int64(0))) if gpu \
+            else (residual, (residual, IN_PLACE))
     target, previous, commit, stamp = residual.target, residual.previous, residual.commit, residual.stamp
     if not on_cuda(target, previous, commit):
         take = commit is not None and commit.size == 2 and commit[0] == stamp and commit[1] != stamp
-        return target, (previous, bool(take))
+        return target, (previous, TAKE_TARGET if take else ADD_PREVIOUS)
     commit = empty(0, np.int64, True) if commit is None else device_view(commit)
     return device_view(target), (device_view(previous), commit, np.int64(stamp))

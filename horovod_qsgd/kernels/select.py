@@ -53,15 +53,24 @@ def committed(commit, stamp):
     return commit.size == 2 and commit[0] == stamp and commit[1] != stamp
 
 
+# Where the error-feedback kernels' first pass finds the residual to add (``source``): in ``cs`` (the residual
+# the last counted step left; ``rs`` receives acc), in ``rs`` itself, which moves to ``cs`` first (that step's
+# new residual, which counted), or in ``rs`` updated in place (``cs`` is ``rs``: a loop without a second
+# array, as fast as it was before there were two).
+ADD_PREVIOUS, TAKE_TARGET, IN_PLACE = 0, 1, 2
+
+
 @core
-def ef_accumulate(xs, rs, cs, take_r):
-    """rs[j] = xs[j] + the residual to add (the error-feedback accumulator): cs's, or, with ``take_r``, rs's own,
-    which moves to cs first (cs may be rs: in place)."""
-    if take_r:
+def ef_accumulate(xs, rs, cs, source):
+    """rs[j] = xs[j] + the residual to add (the error-feedback accumulator), found as ``source`` says."""
+    if source == TAKE_TARGET:
         for j in range(xs.size):
             v = rs[j]
             cs[j] = v
             rs[j] = xs[j] + v
+    elif source == IN_PLACE:
+        for j in range(xs.size):
+            rs[j] = xs[j] + rs[j]
     else:
         for j in range(xs.size):
             rs[j] = xs[j] + cs[j]
@@ -284,10 +293,10 @@ def stratum_index(n, k, j, base):
 
 
 @core
-def gather_sample(x, r, c, take_r, ef, n, m, j, base, out):
+def gather_sample(x, r, c, source, ef, n, m, j, base, out):
     """out[j] = |acc| at the j-th stratified sample index (before the first pass formed acc)."""
     i = stratum_index(n, m, j, base)
-    a = x[i] + (r[i] if take_r else c[i]) if ef else x[i]
+    a = x[i] + (c[i] if source == ADD_PREVIOUS else r[i]) if ef else x[i]
     out[j] = abs(a)
 
 
@@ -348,10 +357,10 @@ def narrow_entry(vals, j, out16):
 
 
 @core
-def own_chunk_entry(x, residual, c, take_r, j, out):
-    """out[j] = x[j] + the residual to add (c's, or residual's own, moved to c first, with ``take_r``) and
-    residual[j] = 0: a residual's mass moved into the owner's own chunk."""
-    if take_r:
+def own_chunk_entry(x, residual, c, source, j, out):
+    """out[j] = x[j] + the residual to add (found as ``source`` says) and residual[j] = 0: a residual's mass
+    moved into the owner's own chunk."""
+    if source == TAKE_TARGET:
         v = residual[j]
         c[j] = v
     else:
@@ -361,21 +370,21 @@ def own_chunk_entry(x, residual, c, take_r, j, out):
 
 
 @core
-def hist_item(x, r, rc, take_r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows):
+def hist_item(x, r, rc, source, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows):
     """Histogram of chunk c (with the error-feedback accumulation when ef)."""
     lo = c * chunk
     hi = min(bits.size, lo + chunk)
     if ef:
-        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], take_r)
+        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], source)
     hist_chunk(bits[lo:hi], prefix_shift, prefix, shift, mask, rows[c])
 
 
 @core
-def moments_item(x, r, rc, take_r, ef, c, sums, lanes):
+def moments_item(x, r, rc, source, ef, c, sums, lanes):
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
     if ef:
-        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], take_r)
+        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], source)
         s1, s2 = moments_chunk(r[lo:hi], lanes)
     else:
         s1, s2 = moments_chunk(x[lo:hi], lanes)
@@ -399,55 +408,110 @@ def write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef):
 
 
 @core
-def count_item(x, r, rc, take_r, ef, c, t, counts):
+def count_item(x, r, rc, source, ef, c, t, counts):
     """Count of chunk c at threshold t (after the error-feedback accumulation if ef)."""
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
     if ef:
-        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], take_r)
+        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], source)
         counts[c] = count_chunk(r[lo:hi], t)
     else:
         counts[c] = count_chunk(x[lo:hi], t)
 
 
 @core
-def compact_item(src, c, t, starts, cand):
+def count_capture_item(x, r, rc, source, c, t, counts, spots):
+    """count_item with error feedback, which also writes the chunk's offsets j with not (|acc| < t) into
+    ``spots[c]`` as long as there is room (a row of cap + 1: branch-free, as :func:`compact_item`, on the chunk
+    while it is in cache); counts[c] is the whole count, whether or not they all fit."""
     lo = c * CHUNK
-    write_thresh_chunk(src[lo:min(src.size, lo + CHUNK)], lo, t, starts[c], cand.size, cand,
-                       src, cand, False, False, True)
+    hi = min(x.size, lo + CHUNK)
+    ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], source)
+    acc = r[lo:hi]
+    row = spots[c]
+    cap = row.size - 1
+    pos = 0
+    for j in range(acc.size):
+        row[min(pos, cap)] = j
+        pos += 0 if abs(acc[j]) < t else 1
+    counts[c] = pos
 
 
 @core
-def ef_accumulate_item(x, r, rc, take_r, c):
+def gather_spots_item(src, c, t, counts, starts, spots, cand):
+    """Chunk c's candidates into cand from starts[c]: from its row of spots where they all fitted, else
+    compacted again from src."""
+    count = counts[c]
+    if count < spots.shape[1]:
+        lo = c * CHUNK
+        start = starts[c]
+        for q in range(count):
+            cand[start + q] = lo + spots[c, q]
+    else:
+        compact_item(src, c, t, starts, cand)
+
+
+@core
+def compact_item(src, c, t, starts, cand):
+    """The indices i of chunk c with not (|src[i]| < t) into cand from starts[c], in index order (cand holds
+    every chunk's, as counted). Branch-free through a scratch one entry longer: every index is written, the
+    position advances on a hit (the exact selector's ~1.6k candidates per 100 coordinates put one in 40% of
+    32-blocks, which defeated the block pre-check of the write passes: 1.4x slower)."""
+    lo = c * CHUNK
+    xs = src[lo:min(src.size, lo + CHUNK)]
+    start = starts[c]
+    count = (starts[c + 1] if c + 1 < starts.size else cand.size) - start
+    scratch = np.empty(count + 1, np.int64)
+    pos = 0
+    for j in range(xs.size):
+        scratch[min(pos, count)] = lo + j
+        pos += 0 if abs(xs[j]) < t else 1
+    cand[start:start + count] = scratch[:count]
+
+
+@core
+def ef_accumulate_item(x, r, rc, source, c):
     lo = c * CHUNK
     hi = min(x.size, lo + CHUNK)
-    ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], take_r)
+    ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], source)
 
 
 # ------------------------------------------------------------ CPU launchers --
 
 @cpu_launcher
-def ef_accumulate_cpu(x, r, rc, take_r):
+def ef_accumulate_cpu(x, r, rc, source):
     for c in numba.prange((x.size + CHUNK - 1) // CHUNK):
-        ef_accumulate_item(x, r, rc, take_r, c)
+        ef_accumulate_item(x, r, rc, source, c)
 
 
 @cpu_launcher
-def hist_cpu(x, r, rc, take_r, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
+def hist_cpu(x, r, rc, source, bits, ef, prefix_shift, prefix, shift, mask, rows, chunk):
     for c in numba.prange(rows.shape[0]):
-        hist_item(x, r, rc, take_r, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
+        hist_item(x, r, rc, source, bits, ef, c, chunk, prefix_shift, prefix, shift, mask, rows)
 
 
 @cpu_launcher
-def moments_cpu(x, r, rc, take_r, ef, sums):
+def moments_cpu(x, r, rc, source, ef, sums):
     for c in numba.prange(sums.shape[0]):
-        moments_item(x, r, rc, take_r, ef, c, sums, np.empty(2 * _LANES, np.float64))
+        moments_item(x, r, rc, source, ef, c, sums, np.empty(2 * _LANES, np.float64))
 
 
 @cpu_launcher
-def count_cpu(x, r, rc, take_r, ef, t, counts):
+def count_cpu(x, r, rc, source, ef, t, counts):
     for c in numba.prange(counts.size):
-        count_item(x, r, rc, take_r, ef, c, t, counts)
+        count_item(x, r, rc, source, ef, c, t, counts)
+
+
+@cpu_launcher
+def count_capture_cpu(x, r, rc, source, t, counts, spots):
+    for c in numba.prange(counts.size):
+        count_capture_item(x, r, rc, source, c, t, counts, spots)
+
+
+@cpu_launcher
+def gather_spots_cpu(src, t, counts, starts, spots, cand):
+    for c in numba.prange(counts.size):
+        gather_spots_item(src, c, t, counts, starts, spots, cand)
 
 
 @cpu_launcher
@@ -486,11 +550,11 @@ def scatter_cpu(idx, val32, val16, half, out, chunk):
 
 
 @cpu_launcher
-def gather_sample_cpu(x, r, rc, take_r, ef, base, out):
+def gather_sample_cpu(x, r, rc, source, ef, base, out):
     n = x.size
     m = out.size
     for j in numba.prange(m):
-        gather_sample(x, r, rc, take_r, ef, n, m, j, base, out)
+        gather_sample(x, r, rc, source, ef, n, m, j, base, out)
 
 
 @cpu_launcher
@@ -529,9 +593,9 @@ def narrow_f16_cpu(vals, out16):
 
 
 @cpu_launcher
-def own_chunk_cpu(x, residual, rc, take_r, out):
+def own_chunk_cpu(x, residual, rc, source, out):
     for j in numba.prange(out.size):
-        own_chunk_entry(x, residual, rc, take_r, j, out)
+        own_chunk_entry(x, residual, rc, source, j, out)
 
 
 @cpu_launcher
@@ -563,7 +627,8 @@ def scatter_kernel(idx, val32, val16, half, out, bad, slot):
 def gather_sample_kernel(x, r, rc, commit, stamp, ef, base, out):
     j = cuda.grid(1)  # noqa: F821
     if j < out.size:
-        gather_sample(x, r, rc, committed(commit, stamp), ef, x.size, out.size, j, base, out)
+        gather_sample(x, r, rc, TAKE_TARGET if committed(commit, stamp) else ADD_PREVIOUS, ef, x.size, out.size, j,
+                      base, out)
 
 
 @cuda_kernel
@@ -617,7 +682,7 @@ def narrow_f16_kernel(vals, out16):
 def own_chunk_kernel(x, residual, rc, commit, stamp, out):
     j = cuda.grid(1)  # noqa: F821
     if j < out.size:
-        own_chunk_entry(x, residual, rc, committed(commit, stamp), j, out)
+        own_chunk_entry(x, residual, rc, TAKE_TARGET if committed(commit, stamp) else ADD_PREVIOUS, j, out)
 
 
 @cuda_kernel

@@ -237,3 +237,29 @@ def test_random_k_sends_nan_when_acc_holds_one_outside_its_strata():
         assert np.isnan(values[0]) and np.isfinite(values[1:]).all()
         residual = np.zeros_like(x)
         assert np.isnan(codec_ef.gather(x, step=3, key=7, residual=residual)[0])
+
+
+@pytest.mark.parametrize("carried", [False, True])
+@pytest.mark.parametrize("crowded", [False, True])
+def test_exact_sampled_candidates_noted_by_the_counting_pass(crowded, carried):
+    """The pass that forms acc notes each chunk's candidates while it can; a chunk holding more than its room
+    (``crowded``: 6000 of the largest values in one chunk of 65536) is compacted again. Either way the exact
+    top k, and with a CarriedResidual the residual added is left as it was and the new one is acc - sent."""
+    from horovod_qsgd.kernels import CarriedResidual
+    from horovod_qsgd.kernels.select import CHUNK
+    n = 400_000
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(n).astype(np.float32)
+    if crowded:
+        x[2 * CHUNK:2 * CHUNK + 6000] = (10 + rng.random(6000)).astype(np.float32)
+    r0 = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    acc = x + r0
+    codec = TopKCodec(ratio=0.01)
+    previous, target = r0.copy(), np.full(n, np.nan, np.float32)
+    p = encode(codec, x, residual=CarriedResidual(target, previous) if carried else previous)
+    new_residual = target if carried else previous
+    idx, _ = _entries(codec, p, n)
+    assert np.array_equal(idx, _reference_topk(acc, codec.k(n)))
+    assert bits_equal(decode(codec, p, n) + new_residual, acc)
+    if carried:
+        assert bits_equal(previous, r0)
