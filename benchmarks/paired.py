@@ -108,7 +108,8 @@ def ratio_rows(runs, bases, compressors, frameworks):
 
 def print_rows(rows, work_commit):
     for row in rows:
-        print(f"\nworking tree {work_commit[:12]} / base {row['base'][:12]}, {row['framework']} {row['compressor']}: "
+        work = work_commit[:12] + ("+changes" if work_commit.endswith("+changes") else "")
+        print(f"\nworking tree {work} / base {row['base'][:12]}, {row['framework']} {row['compressor']}: "
               "ratio of medians (below 1: faster), then each round's seconds per step, base | working tree")
         for label, _ in MEASURES:
             values = row[label]
