@@ -420,38 +420,6 @@ def count_item(x, r, rc, source, ef, c, t, counts):
 
 
 @core
-def count_capture_item(x, r, rc, source, c, t, counts, spots):
-    """count_item with error feedback, which also writes the chunk's offsets j with not (|acc| < t) into
-    ``spots[c]`` as long as there is room (a row of cap + 1: branch-free, as :func:`compact_item`, on the chunk
-    while it is in cache); counts[c] is the whole count, whether or not they all fit."""
-    lo = c * CHUNK
-    hi = min(x.size, lo + CHUNK)
-    ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], source)
-    acc = r[lo:hi]
-    row = spots[c]
-    cap = row.size - 1
-    pos = 0
-    for j in range(acc.size):
-        row[min(pos, cap)] = j
-        pos += 0 if abs(acc[j]) < t else 1
-    counts[c] = pos
-
-
-@core
-def gather_spots_item(src, c, t, counts, starts, spots, cand):
-    """Chunk c's candidates into cand from starts[c]: from its row of spots where they all fitted, else
-    compacted again from src."""
-    count = counts[c]
-    if count < spots.shape[1]:
-        lo = c * CHUNK
-        start = starts[c]
-        for q in range(count):
-            cand[start + q] = lo + spots[c, q]
-    else:
-        compact_item(src, c, t, starts, cand)
-
-
-@core
 def compact_item(src, c, t, starts, cand):
     """The indices i of chunk c with not (|src[i]| < t) into cand from starts[c], in index order (cand holds
     every chunk's, as counted). Branch-free through a scratch one entry longer: every index is written, the
@@ -500,18 +468,6 @@ def moments_cpu(x, r, rc, source, ef, sums):
 def count_cpu(x, r, rc, source, ef, t, counts):
     for c in numba.prange(counts.size):
         count_item(x, r, rc, source, ef, c, t, counts)
-
-
-@cpu_launcher
-def count_capture_cpu(x, r, rc, source, t, counts, spots):
-    for c in numba.prange(counts.size):
-        count_capture_item(x, r, rc, source, c, t, counts, spots)
-
-
-@cpu_launcher
-def gather_spots_cpu(src, t, counts, starts, spots, cand):
-    for c in numba.prange(counts.size):
-        gather_spots_item(src, c, t, counts, starts, spots, cand)
 
 
 @cpu_launcher

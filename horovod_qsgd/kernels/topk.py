@@ -278,34 +278,18 @@ def _exact_sampled(x, r, carried, idx, val32, val16, half, ef, k, base):
     t_low = exact_threshold(sample, j)
     if not np.isfinite(t_low):
         return _exact_full(x, r, carried, ef, idx, val32, val16, half, ef, k)
-    limit = n // 4  # more candidates than that: the full select
-    if ef:  # the pass that forms acc also notes where the candidates are, while the chunk is in cache
-        counts = np.empty((n + _sel.CHUNK - 1) // _sel.CHUNK, np.int64)
-        spots = np.empty((counts.size, _spots_per_chunk(n, limit, k) + 1), np.int32)
-        cpu_launch(_sel.count_capture_cpu, n, x, r, *carried, t_low, counts, spots)  # acc now lives in r
-    else:
-        counts = _count(r, t_low)
+    counts = _count(r, t_low, x=x, ef=ef, carried=carried)  # acc now lives in r
     total = int(counts.sum())
-    if total < k or total > limit:
+    if total < k or total > n // 4:
         return _exact_full(x, r, None, False, idx, val32, val16, half, ef, k)
     starts = _exclusive(counts)
     cand = np.empty(total, np.int64)
     cvals = np.empty(total, np.float32)
-    if ef:
-        cpu_launch(_sel.gather_spots_cpu, n, r, t_low, counts, starts, spots, cand)
-    else:
-        cpu_launch(_sel.compact_cpu, n, r, t_low, starts, cand)
+    cpu_launch(_sel.compact_cpu, n, r, t_low, starts, cand)
     cpu_launch(_sel.gather_abs_cpu, total, r, cand, cvals)
     thresh, gt, eq = _radix_select(cvals, cvals, float_bits(cvals), False, k, chunk=total)
     _sel.emit_candidates(r, cand, float_bits(cvals), thresh, k - int(gt.sum()), idx, val32, val16, half, ef)
     return min(k, idx.size)
-
-
-def _spots_per_chunk(n, limit, k):
-    """Room per chunk for the candidates the counting pass notes: twice a chunk's share of the most the exact
-    selector takes (min(n // 4, 2k + 4096), ~1.6k expected), plus 64; a chunk with more is compacted again."""
-    most = min(limit, 2 * k + _EXACT_SAMPLE_MIN)
-    return min(_sel.CHUNK, 2 * -(-_sel.CHUNK * most // n) + 64)
 
 
 def exact_sample_size(k, n):

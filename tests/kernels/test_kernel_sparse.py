@@ -241,10 +241,10 @@ def test_random_k_sends_nan_when_acc_holds_one_outside_its_strata():
 
 @pytest.mark.parametrize("carried", [False, True])
 @pytest.mark.parametrize("crowded", [False, True])
-def test_exact_sampled_candidates_noted_by_the_counting_pass(crowded, carried):
-    """The pass that forms acc notes each chunk's candidates while it can; a chunk holding more than its room
-    (``crowded``: 6000 of the largest values in one chunk of 65536) is compacted again. Either way the exact
-    top k, and with a CarriedResidual the residual added is left as it was and the new one is acc - sent."""
+def test_exact_sampled_candidates_compacted_branch_free(crowded, carried):
+    """The sampled bound's candidates, compacted branch-free per chunk, spread or ``crowded`` (6000 of the
+    largest values in one chunk of 65536): the exact top k; with a CarriedResidual the residual added is left
+    as it was and the new one is acc - sent."""
     from horovod_qsgd.kernels import CarriedResidual
     from horovod_qsgd.kernels.select import CHUNK
     n = 400_000
