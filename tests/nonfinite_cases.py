@@ -69,6 +69,26 @@ def check_discarded_steps(make, rank, num_ranks, reduce, gather_rows):
         assert compressor.compression_stats()["tensors_nonfinite"] == len(bad_steps)
 
 
+def check_steps_right_after_a_discarded_one(make, rank, reduce):
+    """Exact top-k, both exchanges: a finite step, a non-finite one (inf on rank 1) and three finite ones, with
+    nothing read in between (no state_dict(), which settles the state on the host), give the results of a twin
+    that never saw the non-finite step, bit for bit, and one non-finite result counted."""
+    for exchange in ("allgather", "two_stage"):
+        compressor, twin = make("topk", exchange), make("topk", exchange)
+        name = f"grad.right_after.{exchange}"
+        rng = np.random.default_rng(10 + rank)
+        grads = [rng.standard_normal(NUMEL).astype(np.float32) for _ in range(4)]
+        bad = grads[1].copy()
+        if rank == 1:
+            bad[[3, 9000]] = np.inf
+        ours = [reduce(compressor, name, g) for g in [grads[0], bad] + grads[1:]]
+        theirs = [reduce(twin, name + ".twin", g) for g in grads]
+        assert not np.isfinite(ours[1]).all(), f"{exchange}: a non-finite gradient gave a finite sum"
+        for step, (mine, twins) in enumerate(zip([ours[0]] + ours[2:], theirs)):
+            assert np.array_equal(mine, twins), f"{exchange}: step {step} differs from the twin's"
+        assert compressor.compression_stats()["tensors_nonfinite"] == 1
+
+
 def check_training_through_overflows(train):
     """``train(kind, exchange, leave_out=False)`` -> (final loss, compressor or None) trains with a loss
     scaler through three overflows of rank 1 (``leave_out``: those steps not run at all).

@@ -278,9 +278,10 @@ def finish_sum(total, scale, *, stamps=None, stamp=0, counter=None):
     """Multiplies a decoded sum by the optimizer's ``scale`` and finds whether it is finite, in one pass.
 
     On the CPU: ``scale`` a float (1.0: ``total`` is only read); returns True where no element is inf or
-    NaN. On a device: ``scale`` a one-element float32 device array; nothing is read back: ``stamps`` (int64
-    [2], see :func:`horovod_qsgd.kernels.select.committed`) get ``stamp`` as written, and as not finite where
-    an element is inf or NaN, which adds 1 to ``counter[0]``; returns None.
+    NaN. On a device: ``scale`` a one-element float32 device array; nothing is read back; returns None.
+    Given ``stamps`` (int64 [2], see :func:`horovod_qsgd.kernels.select.committed`), they get ``stamp`` as
+    written, and as not finite where an element is inf or NaN, which adds 1 to ``counter[0]`` (the CPU
+    writes them too, as a device would).
     """
     if on_cuda(total):
         if total.size:
@@ -292,7 +293,13 @@ def finish_sum(total, scale, *, stamps=None, stamp=0, counter=None):
     counts = np.zeros(-(-total.size // _sel.CHUNK), np.int64)
     if counts.size:
         cpu_launch(_sel.finish_sum_cpu, total.size, total, np.float32(scale), float(scale) != 1.0, counts)
-    return not counts.any()
+    finite = not counts.any()
+    if stamps is not None:
+        stamps[0] = stamp
+        if not finite and stamps[1] < stamp:
+            stamps[1] = stamp
+            counter[0] += 1
+    return finite
 
 
 def randomk_scatter_accumulate(values, out, *, base):

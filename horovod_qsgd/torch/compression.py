@@ -392,16 +392,16 @@ class _CompressorBase:
 
     def _finish(self, total, scale, ctx):
         """(``total`` times ``scale``, whether it is finite) in one pass: ``scale`` a float, or on a GPU a float32
-        device tensor, where the verdict is stamped on ctx's tensor's stamps instead (None)."""
-        if not total.is_cuda:
+        device tensor. Where ctx's tensor has stamps (a GPU), the verdict is stamped there instead (None)."""
+        if ctx.state.stamps is None:
             return total, finish_sum(as_array(total), scale)
         with self._lock:
             counter = self._nonfinite_on_device.get(total.device)
             if counter is None:
                 counter = self._nonfinite_on_device[total.device] = torch.zeros(
                     1, dtype=torch.int64, device=total.device)
-        finish_sum(as_array(total), as_array(scale.reshape(1)), stamps=as_array(ctx.state.stamps),
-                   stamp=ctx.step + 1, counter=as_array(counter))
+        finish_sum(as_array(total), as_array(scale.reshape(1)) if total.is_cuda else scale,
+                   stamps=as_array(ctx.state.stamps), stamp=ctx.step + 1, counter=as_array(counter))
         return total, None
 
     def _check_allreduced(self, tensor):

@@ -1,8 +1,8 @@
 """A step whose gradient holds inf or NaN on any rank: non-finite everywhere, and no trace in the state."""
 import pytest
 
-from tests.nonfinite_cases import (assert_same_state, check_discarded_steps, check_training_through_overflows,
-                                   make_compressor, residuals)
+from tests.nonfinite_cases import (assert_same_state, check_discarded_steps, check_steps_right_after_a_discarded_one,
+                                   check_training_through_overflows, make_compressor, residuals)
 
 SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
 
@@ -26,6 +26,7 @@ def _check_discarded_steps(hvd):
 
     check_discarded_steps(_compressor, hvd.rank(), hvd.size(), reduce,
                           lambda array, tag: hvd.allgather(torch.from_numpy(array[None]), name=tag).numpy())
+    check_steps_right_after_a_discarded_one(_compressor, hvd.rank(), reduce)
 
 
 @pytest.mark.ranks(2, timeout=240)
@@ -35,6 +36,14 @@ def test_nonfinite_steps_are_discarded_on_two_ranks(hvd_torch):
 
 @pytest.mark.ranks(3, timeout=300)
 def test_nonfinite_steps_are_discarded_on_three_ranks(hvd_torch):
+    _check_discarded_steps(hvd_torch)
+
+
+@pytest.mark.ranks(3, timeout=300, env={"HOROVOD_QSGD_DEVICE_VERDICT": "1"})
+def test_nonfinite_steps_are_discarded_when_the_verdict_is_stamped_as_on_a_gpu(hvd_torch):
+    """The GPU's settling (the verdict stamped by the finishing pass, read by the next step's first pass, two
+    buffers whose roles never swap on the host) run on CPU tensors through whole Horovod steps: allgather and
+    two stages, every compressor, the same state and results as deciding on the host."""
     _check_discarded_steps(hvd_torch)
 
 
