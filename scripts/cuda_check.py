@@ -140,7 +140,7 @@ def main():
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
     total = len(cases) + 10 + run_elias_exchange_cases(rng) + run_exchange_decode_cases(rng)
-    total += run_fused_decode_cases(rng) + run_engine_encode_cases(rng)
+    total += run_fused_decode_cases(rng) + run_engine_encode_cases(rng) + run_settled_step_cases(rng)
     if not SIMULATED:
         total += run_large_cases(rng)
     if failures:
@@ -290,6 +290,62 @@ def run_engine_encode_cases(rng, numel=3000, ranks=3):
         check(f"engine two-stage encode {type(codec).__name__}: CUDA == CPU", results[0] == results[1])
         count += 1
     return count
+
+
+def run_settled_step_cases(rng):
+    """Error feedback through a finite, a non-finite and two finite steps as the PyTorch adapter runs it on a
+    GPU: each encode reads the residual through a CarriedResidual with the tensor's commit stamps, and
+    finish_sum scales the decoded sum and stamps its verdict, nothing read back. Against the CPU, which copies
+    the residual and decides on the host: every payload, the residual kept at the end and the non-finite
+    count, bit for bit; the two-stage step 1 (own chunk) too. Returns the number of cases."""
+    cases = [("topk exact", TopKCodec(ratio=0.05), 3000), ("topk exact sampled", TopKCodec(ratio=0.05), 20_000),
+             ("topk gaussian fp16", TopKCodec(ratio=0.05, selector="gaussian", value_dtype="float16"), 3000),
+             ("topk sample", TopKCodec(ratio=0.05, selector="sample"), 3000),
+             ("randomk", RandomKCodec(ratio=0.05, error_feedback=True), 3000)]
+    for label, codec, numel in cases:
+        grads = [rng.standard_normal(numel).astype(np.float32) for _ in range(4)]
+        grads[1][numel // 3] = np.inf
+        host, host_nonfinite, payloads_match = np.zeros(numel, np.float32), 0, True
+        kept, spare = cuda.to_device(np.zeros(numel, np.float32)), cuda.to_device(np.zeros(numel, np.float32))
+        stamps, counter = cuda.to_device(np.zeros(2, np.int64)), cuda.to_device(np.zeros(1, np.int64))
+        scale = cuda.to_device(np.full(1, 0.5, np.float32))
+        cap = codec.max_payload_nbytes(numel)
+        for step, grad in enumerate(grads):
+            new, out = host.copy(), np.zeros(cap, np.uint8)
+            used = codec.encode(grad, out, step=step, key=9, residual=new)
+            total = np.zeros(numel, np.float32)
+            codec.decode_accumulate(out[:used], total)
+            if K.finish_sum(total, 0.5):
+                host = new
+            else:
+                host_nonfinite += 1
+            d_out = cuda.to_device(np.zeros(cap, np.uint8))
+            codec.encode(cuda.to_device(grad), d_out, step=step, key=9,
+                         residual=K.CarriedResidual(spare, kept, stamps, step))
+            payloads_match &= same(out[:used], d_out.copy_to_host()[:used])
+            d_total = cuda.to_device(np.zeros(numel, np.float32))
+            codec.decode_accumulate(d_out[:used], d_total)
+            K.finish_sum(d_total, scale, stamps=stamps, stamp=step + 1, counter=counter)
+            payloads_match &= same(total, d_total.copy_to_host())
+        written, not_finite = stamps.copy_to_host()
+        kept_now = spare if written == len(grads) and not_finite != len(grads) else kept
+        check(f"settled steps {label}: CUDA == CPU", payloads_match and same(host, kept_now.copy_to_host())
+              and int(counter.copy_to_host()[0]) == host_nonfinite == 1)
+    # the two-stage step 1 moves the residual's own chunk into the owner's sum through the same stamps
+    numel, codec = 3000, TopKCodec(ratio=0.05)
+    x, r = rng.standard_normal(numel).astype(np.float32), rng.standard_normal(numel).astype(np.float32)
+    plan = PayloadEngine(codec, codec, "two_stage", CompressionStats()).plan("t", numel, 3, 1, 4 * numel, 4)
+    out, own, new = np.zeros(plan.capacity(), np.uint8), np.zeros(plan.own_numel(), np.float32), r.copy()
+    splits = plan.encode(x, out, own, 7, new)
+    # the stamps say that the last step (stamp 7) counted: its residual, r, is in the target buffer
+    d_target, d_previous = cuda.to_device(r), cuda.to_device(np.full(numel, np.nan, np.float32))
+    d_out, d_own = cuda.to_device(np.zeros(plan.capacity(), np.uint8)), cuda.to_device(own * 0)
+    d_splits = plan.encode(cuda.to_device(x), d_out, d_own, 7,
+                           K.CarriedResidual(d_target, d_previous, cuda.to_device(np.array([7, 0], np.int64)), 7))
+    check("settled two-stage step 1: CUDA == CPU", splits == d_splits and same(out, d_out.copy_to_host())
+          and same(own, d_own.copy_to_host()) and same(new, d_target.copy_to_host())
+          and same(r, d_previous.copy_to_host()))
+    return len(cases) + 1
 
 
 def run_large_cases(rng, n=1_000_003):
