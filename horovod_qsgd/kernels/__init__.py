@@ -82,7 +82,8 @@ from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
 from .topk import acklam_ppf, error_counters, exact_threshold, sparse_accumulate, topk_select
 
 __all__ = [
-    "CarriedResidual", "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained", "elias_encode", "elias_error",
+    "CarriedResidual", "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained", "elias_encode",
+    "elias_error",
     "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
     "randomk_scatter_accumulate", "randomk_scatter_payload", "sparse_accumulate", "error_counters", "topk_select",

@@ -219,11 +219,8 @@ def write_exact_chunk(src, bits, i0, thresh, eq_take, start, idx, val32, val16, 
 
 
 @core
-def write_thresh_chunk(src, i0, t, start, cap, idx, val32, val16, half, ef, only_index):
-    """Emit entries with not (|a| < t) while pos < cap, in index order (blocks as above).
-
-    ``only_index``: just store the indices (candidate compaction), no values.
-    """
+def write_thresh_chunk(src, i0, t, start, cap, idx, val32, val16, half, ef):
+    """Emit entries with not (|a| < t) while pos < cap, in index order (blocks as above)."""
     pos = start
     m = src.size
     for b0 in range(0, m, _BLK):
@@ -231,9 +228,7 @@ def write_thresh_chunk(src, i0, t, start, cap, idx, val32, val16, half, ef, only
             continue
         for j in range(b0, min(m, b0 + _BLK)):
             if not (abs(src[j]) < t):
-                if only_index:
-                    idx[pos] = i0 + j
-                elif pos < cap:
+                if pos < cap:
                     emit(src, j, i0 + j, pos, idx, val32, val16, half, ef)
                 pos += 1
 
@@ -404,7 +399,7 @@ def write_exact_item(src, bits, c, chunk, thresh, eq_take, starts, idx, val32, v
 def write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef):
     lo = c * CHUNK
     hi = min(src.size, lo + CHUNK)
-    write_thresh_chunk(src[lo:hi], lo, t, starts[c], cap, idx, val32, val16, half, ef, False)
+    write_thresh_chunk(src[lo:hi], lo, t, starts[c], cap, idx, val32, val16, half, ef)
 
 
 @core

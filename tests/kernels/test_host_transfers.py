@@ -83,7 +83,8 @@ def test_a_step_that_may_not_count_costs_no_extra_pass_and_no_host_read_on_a_dev
     steps = [name for name in report if name.startswith(case + " step ")]
     assert len(steps) == 12
     for step in range(4):
-        carried, in_place = report[f"{case} step {step}: carried encode"], report[f"{case} step {step}: in-place encode"]
+        carried = report[f"{case} step {step}: carried encode"]
+        in_place = report[f"{case} step {step}: in-place encode"]
         finish = report[f"{case} step {step}: finish"]
         assert carried["launch"] == in_place["launch"]
         assert (carried["h2d"], carried["d2h"], finish["h2d"], finish["d2h"], finish["launch"]) == (0, 0, 0, 0, 1)
