@@ -64,7 +64,7 @@ from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_ST
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.two_stage import chunk_unit, moved_owner_chunk
-from horovod_qsgd.kernels import finish_sum
+from horovod_qsgd.kernels import CarriedResidual, finish_sum
 from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
                                                      ExchangeContext, adapter_method, decode_scaled, op_name)
 from horovod_qsgd.tensorflow import hvd_join
@@ -147,11 +147,12 @@ class PayloadCompressor(CompressorBase):
                 start = time.perf_counter()
                 out = np.zeros(plan.capacity(), dtype=np.uint8)
                 own = np.empty(plan.own_numel(), dtype=np.float32)
-                residual = None if residual is None else residual.copy()
-                splits = plan.encode(x, out, own, int(step_value), residual)
+                new_residual = None if residual is None else np.empty_like(residual)
+                splits = plan.encode(x, out, own, int(step_value),
+                                     None if residual is None else CarriedResidual(new_residual, residual))
                 stats.add(encode_seconds=time.perf_counter() - start, collectives_started=1)
                 outputs = (out[:sum(splits)], np.asarray(splits, dtype=np.int32), own)
-                return outputs if residual is None else outputs + (residual,)
+                return outputs if residual is None else outputs + (new_residual,)
 
             inputs = [step.flat, step.value] + ([] if residual_var is None else [residual_var.read_value()])
             out_dtypes = [tf.uint8, tf.int32, tf.float32] + ([] if residual_var is None else [tf.float32])
@@ -294,13 +295,15 @@ class PayloadCompressor(CompressorBase):
             hvd_join.sending(op_name(collective_name), first=False)  # never raises mid-step: see hvd_join
             start = time.perf_counter()
             total = np.array(own, dtype=np.float32)
-            owner_residual = None if owner_residual is None else owner_residual.copy()
+            new_owner = None if owner_residual is None else np.empty_like(owner_residual)
             out = np.zeros(plan.owned_capacity(), dtype=np.uint8)
-            used, refusal = plan.sum_and_encode(received, total, out, int(step_value), owner_residual)
+            carried = None if new_owner is None else CarriedResidual(new_owner, owner_residual)
+            used, refusal = plan.sum_and_encode(received, total, out, int(step_value), carried)
             if refusal is not None:
                 refusals[plan.name] = refusal  # raised by this tensor's decode, after the allgather
+                new_owner = owner_residual  # nothing was encoded
             stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-            return out[:used] if owner_residual is None else (out[:used], owner_residual)
+            return out[:used] if owner_residual is None else (out[:used], new_owner)
 
         if owner_var is None:
             payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step], tf.uint8,

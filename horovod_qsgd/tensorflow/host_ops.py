@@ -1,15 +1,18 @@
 """TensorFlow's side of the codecs: one stateless ``tf.numpy_function`` per gradient runs the numba kernels.
 
 The codecs work on numpy arrays; a TensorFlow graph calls them through
-:func:`host_op`, which keeps the residual a value (a private copy in, the
-updated copy out) so that no variable's buffer is written behind
-TensorFlow's back and no two gradients' host ops are ordered against each
-other. On a GPU this means a device-to-host copy of each gradient and back.
+:func:`host_op`, which keeps the residual a value (read as it is, the new one
+written into a new array that comes out: :class:`~horovod_qsgd.kernels.CarriedResidual`)
+so that no variable's buffer is written behind TensorFlow's back and no two
+gradients' host ops are ordered against each other. On a GPU this means a
+device-to-host copy of each gradient and back.
 """
 import time
 
 import numpy as np
 import tensorflow as tf
+
+from horovod_qsgd.kernels import CarriedResidual
 
 
 def flat_fp32(tensor):
@@ -21,15 +24,16 @@ def host_op(fn, flat, step, residual, out_dtype, op_name):
     """``fn(x, step, residual) -> array`` as one stateless host op; returns (out, new residual or None).
 
     ``x`` is the flat fp32 gradient, ``step`` a Python int and ``residual``
-    None or a private fp32 copy of the residual that ``fn`` may update in
-    place; the updated copy comes back as the second output, so a variable's
-    buffer is never written behind TensorFlow's back. Stateless, so that
-    TensorFlow does not order it against other gradients' ops.
+    None or a :class:`~horovod_qsgd.kernels.CarriedResidual` that reads the
+    residual's value and writes the new one into a new array, which comes
+    back as the second output, so a variable's buffer is never written behind
+    TensorFlow's back. Stateless, so that TensorFlow does not order it
+    against other gradients' ops.
     """
     if residual is not None:
         def call(x, step_value, residual_value):
-            residual_value = residual_value.copy()
-            return fn(x, int(step_value), residual_value), residual_value
+            new_residual = np.empty_like(residual_value)
+            return fn(x, int(step_value), CarriedResidual(new_residual, residual_value)), new_residual
 
         out, new_residual = tf.numpy_function(call, [flat, step, residual], [out_dtype, tf.float32],
                                               stateful=False, name=op_name)
