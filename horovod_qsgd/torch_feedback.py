@@ -45,10 +45,11 @@ def last_step_counted(stamps, stamp):
 class KeptResidual:
     """One error-feedback residual (a flat fp32 tensor) and the buffer the next step writes into."""
 
-    __slots__ = ("kept", "_spare", "_stamped")
+    __slots__ = ("kept", "_spare", "_stamped", "_taken")
 
     def __init__(self, kept):
         self.kept, self._spare, self._stamped = kept, None, False
+        self._taken = None  # the stamp of the last step that read it through stamps
 
     @classmethod
     def zeros(cls, numel, device):
@@ -65,20 +66,19 @@ class KeptResidual:
         if spare is None or spare.numel() != self.kept.numel() or spare.device != self.kept.device:
             spare = self._spare = self.kept.clone() if stamps is not None else torch.empty_like(self.kept)
         self._stamped = stamps is not None
+        self._taken = stamp if stamps is not None else None
         return CarriedResidual(spare, self.kept, stamps, stamp)
 
     def keep(self, step):
         """The step that wrote through ``step`` (from :meth:`for_step`) counts: its residual is kept (CPU)."""
         self.kept, self._spare = step.target, step.previous
 
-    def value(self, stamps=None, stamp=0):
-        """The residual the last counted step left (reads ``stamps``, stamped ``stamp`` for the next step)."""
-        return self._spare if self._spare is not None and last_step_counted(stamps, stamp) else self.kept
-
-    def settle_on_host(self, stamps, stamp):
+    def settle_on_host(self, stamps):
         """Makes ``kept`` the residual whatever ``stamps`` say (they are reset by the caller): before anything
-        but a step changes it (a spill, a checkpoint loaded, a move to another device)."""
-        if self._spare is not None and last_step_counted(stamps, stamp):
+        but a step reads or changes it (a checkpoint, a spill, a move to another device). Where the last step
+        that read it counted, that step's residual is in ``spare`` (its first pass moved the one before into
+        ``kept``)."""
+        if self._spare is not None and self._taken is not None and last_step_counted(stamps, self._taken + 1):
             self.kept, self._spare = self._spare, self.kept
 
     def scale(self, factor):

@@ -101,7 +101,7 @@ from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_feedback import KeptResidual
+from horovod_qsgd.torch_feedback import KeptResidual, step_stamps
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
@@ -130,6 +130,12 @@ class _PayloadState:
         self._keys = {}             # id(parameter) -> its key: the order the hook first saw it in
         self._residuals = {}        # key -> flat float32 residual (error feedback)
         self._bucket_residuals = {}  # bucket index -> KeptResidual whose views the residuals of its parameters are
+        self._bucket_layouts = {}   # bucket index -> the layout its KeptResidual was staged for
+        # bucket index -> [stamps, steps started]: a GPU's verdicts, stamped by the pass that scales a bucket's
+        # result and read by its next step's kernels (horovod_qsgd.torch_feedback; the node-aware exchange
+        # decides on the host)
+        self._verdicts = {}
+        self._nonfinite_on_device = {}  # device -> int64 count of the non-finite results the stamps found
         self._spilled = {}          # key -> owner-residual mass moved here, added at the parameter's next read
         self._owner_residuals = {}  # bucket index -> _OwnerResidual
         self._shard_residuals = {}  # node-aware: bucket index -> _OwnerResidual of this rank's node-summed shard
@@ -151,12 +157,18 @@ class _PayloadState:
         """Counters since the last reset (see ``horovod_qsgd.torch.QSGD.compression_stats``): buckets compressed
         (``tensors_compressed``), parameters passed through (``tensors_passed_through``), bytes before and after,
         collectives, seconds, non-finite results."""
+        with self._lock:
+            counters = list(self._nonfinite_on_device.values())
+        for counter in counters:
+            self._stats.add(tensors_nonfinite=int(counter.item()))
+            counter.zero_()
         return self._stats.snapshot(reset)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
         """The step and the residuals, plus the settings they belong to; every rank saves its own."""
         with self._lock:
+            self._settle_on_host()
             residuals = {key: r.clone() for key, r in self._residuals.items()}
             for key, spilled in self._spilled.items():  # node-aware: a parameter may have nothing else kept
                 residuals[key] = residuals[key] + spilled if key in residuals else spilled.clone()
@@ -171,7 +183,7 @@ class _PayloadState:
             self.iteration = int(state["iteration"])
             self._keys = {}  # keys are given again, in the order the next iteration meets the parameters
             self._residuals = {int(key): r.clone() for key, r in state["residuals"].items()}
-            self._bucket_residuals = {}
+            self._bucket_residuals, self._bucket_layouts, self._verdicts = {}, {}, {}
             self._spilled = {}
             self._owner_residuals = {int(index): _OwnerResidual.from_dict(o)
                                      for index, o in state["owner_residuals"].items()}
@@ -194,35 +206,81 @@ class _PayloadState:
             self._nodes = _Nodes.of_this_job(group, None, quiet=True)
         self._verified = True
 
+    def _nonfinite_counter(self, device):
+        with self._lock:
+            counter = self._nonfinite_on_device.get(device)
+            if counter is None:
+                counter = self._nonfinite_on_device[device] = torch.zeros(1, dtype=torch.int64, device=device)
+            return counter
+
     def _split(self, bucket):
         """The bucket's parameters, keyed, split into the compressed and the passed through (:class:`_Split`)."""
         with self._lock:
             keys = [self._keys.setdefault(id(p), len(self._keys)) for p in bucket.parameters()]
         return _Split(keys, [p.numel() for p in bucket.parameters()], self.min_numel, chunk_unit(self.codec))
 
+    def _step_stamps(self, index, device):
+        """(bucket ``index``'s stamps on a GPU, or None on the CPU where the host decides; the stamp of its step
+        starting now): taken after anything that settles the residuals on the host, before the step's kernels."""
+        with self._lock:
+            verdict = self._verdicts.get(index)
+            if verdict is None or verdict[0].device != device:
+                stamps = step_stamps(device)
+                if stamps is None:
+                    return None, 0
+                self._settle_on_host()
+                verdict = self._verdicts[index] = [stamps, 0]
+            verdict[1] += 1
+            return verdict[0], verdict[1] - 1
+
+    def _settle_on_host(self):
+        """Every bucket's residuals in ``kept`` as their stamps say (one host read per bucket), its parameters'
+        residuals views of them, the stamps reset: before anything but a step reads or changes them."""
+        for index, (stamps, _) in self._verdicts.items():
+            for kept in (self._bucket_residuals.get(index), self._owner_residuals.get(index)):
+                if kept is not None:
+                    kept.settle_on_host(stamps)
+            if index in self._bucket_residuals:
+                self._view_parameters(index)
+            stamps.zero_()
+
+    def _view_parameters(self, index):
+        kept = self._bucket_residuals[index].kept
+        for key, offset, numel in self._bucket_layouts[index]:
+            self._residuals[key] = kept[offset:offset + numel]
+
     def _residual(self, index, layout, staged_numel, device):
-        """What bucket ``index``'s step reads its staged residual through and writes the new one into
-        (:class:`~horovod_qsgd.kernels.CarriedResidual`): the bucket's own buffers while its parameters' residuals
-        are still the views :meth:`_keep_residual` left, else gathered from them into new ones (the first step,
-        a rebuilt bucket, spilled mass, a loaded checkpoint)."""
+        """(what bucket ``index``'s step reads its staged residual through and writes the new one into, a
+        :class:`~horovod_qsgd.kernels.CarriedResidual`; the step's stamps and stamp): the bucket's own buffers
+        while its parameters' residuals are still views of them, else gathered from them into new ones (the
+        first step, a rebuilt bucket, spilled mass, a loaded checkpoint), which they then view."""
         with self._lock:
             kept = self._bucket_residuals.get(index)
-            if kept is not None and self._views_of(kept.kept, layout, staged_numel, device):
-                return kept.for_step()
-            staged = torch.zeros(staged_numel, dtype=torch.float32, device=device)
-            for key, offset, numel in layout:
-                residual = self._residuals.get(key)
-                if residual is None:
-                    residual = self._residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
-                elif residual.numel() != numel:
-                    raise ValueError(f"horovod_qsgd: parameter {key} (in the order DDP's buckets first held "
-                                     f"them) has {numel} elements, its residual {residual.numel()}: the state "
-                                     "was saved for another model.")
-                if key in self._spilled:
-                    residual = self._residuals[key] = residual + self._spilled.pop(key).to(residual.device)
-                staged[offset:offset + numel] = residual
-            kept = self._bucket_residuals[index] = KeptResidual(staged)
-            return kept.for_step()
+            if kept is None or not self._views_of(kept.kept, layout, staged_numel, device):
+                self._settle_on_host()
+                kept = self._gathered_residual(index, layout, staged_numel, device)
+        stamps, stamp = self._step_stamps(index, device)
+        return kept.for_step(stamps, stamp), stamps, stamp
+
+    def _gathered_residual(self, index, layout, staged_numel, device):
+        """Bucket ``index``'s residual gathered from its parameters' (created where missing), as a new
+        KeptResidual that they view."""
+        staged = torch.zeros(staged_numel, dtype=torch.float32, device=device)
+        for key, offset, numel in layout:
+            residual = self._residuals.get(key)
+            if residual is None:
+                residual = self._residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+            elif residual.numel() != numel:
+                raise ValueError(f"horovod_qsgd: parameter {key} (in the order DDP's buckets first held "
+                                 f"them) has {numel} elements, its residual {residual.numel()}: the state "
+                                 "was saved for another model.")
+            if key in self._spilled:
+                residual = self._residuals[key] = residual + self._spilled.pop(key).to(residual.device)
+            staged[offset:offset + numel] = residual
+        kept = self._bucket_residuals[index] = KeptResidual(staged)
+        self._bucket_layouts[index] = list(layout)
+        self._view_parameters(index)
+        return kept
 
     def _views_of(self, staged, layout, staged_numel, device):
         """True where every parameter of ``layout`` has a residual that is the view of ``staged`` at its offset,
@@ -241,10 +299,8 @@ class _PayloadState:
         """Bucket ``index``'s step that wrote through ``written`` counts: its residual is kept, and its
         parameters' residuals are views of it."""
         with self._lock:
-            kept = self._bucket_residuals[index]
-            kept.keep(written)
-            for key, offset, numel in layout:
-                self._residuals[key] = kept.kept[offset:offset + numel]
+            self._bucket_residuals[index].keep(written)
+            self._view_parameters(index)
 
     def _spill_stale_owner_residual(self, index, layout, plan):
         """Moves the owner-side residual of bucket ``index`` into its parameters' residuals unless this call's
@@ -254,30 +310,33 @@ class _PayloadState:
         with self._lock:
             saved = self._owner_residuals.get(index)
             if saved is not None and not (plan is not None and saved.fits(layout, plan)):
+                self._settle_on_host()
                 saved.spill(self._spilled, self._residuals)
                 del self._owner_residuals[index]
             if plan is None and index in self._shard_residuals:
                 self._shard_residuals.pop(index).spill(self._spilled, self._residuals)
 
-    def _kept_residual(self, store, index, layout, owned, device):
+    def _kept_residual(self, store, index, layout, owned, device, stamps=None, stamp=0):
         """What the step reads what ``store`` (a dict of _OwnerResidual by bucket index) keeps of bucket ``index``
-        for staged range ``owned`` (zeros at first) through, and writes the new one into. One kept for another
-        layout or range (DDP rebuilt the bucket, the exchange changed) is spilled into its parameters'
-        residuals first."""
+        for staged range ``owned`` (zeros at first) through, and writes the new one into (with the step's
+        ``stamps`` and ``stamp`` on a GPU). One kept for another layout or range (DDP rebuilt the bucket, the
+        exchange changed) is spilled into its parameters' residuals first."""
         with self._lock:
             saved = store.get(index)
             if saved is not None and (saved.layout != [tuple(p) for p in layout] or saved.owned != tuple(owned)):
+                self._settle_on_host()
                 saved.spill(self._spilled, self._residuals)
                 saved = None
             if saved is None:
                 saved = store[index] = _OwnerResidual(
                     layout, owned, torch.zeros(owned[1] - owned[0], dtype=torch.float32, device=device))
-            return saved.for_step(device)
+            return saved.for_step(device, stamps, stamp)
 
     def _take_parameter_residuals(self, layout, staged_numel, device):
         """The node-aware exchange keeps error feedback per shard: residuals left per parameter (spilled by a
         rebuild) join this rank's gradient once, staged (None if there are none); (staged, restore)."""
         with self._lock:
+            self._settle_on_host()
             taken = {key: (self._residuals.pop(key, None), self._spilled.pop(key, None)) for key, _, _ in layout}
         taken = {key: pair for key, pair in taken.items() if pair != (None, None)}
         if not taken:
@@ -403,13 +462,16 @@ class _OwnerResidual:
     def residual(self):
         return self._kept.kept
 
-    def for_step(self, device):
+    def for_step(self, device, stamps=None, stamp=0):
         """What a step reads this residual through and writes the new one into."""
-        return self._kept.to(device).for_step()
+        return self._kept.to(device).for_step(stamps, stamp)
 
     def keep(self, written):
         """The step that wrote through ``written`` counts."""
         self._kept.keep(written)
+
+    def settle_on_host(self, stamps):
+        self._kept.settle_on_host(stamps)
 
     def fits(self, layout, plan):
         return (plan.kind == "two_stage" and self.layout == [tuple(p) for p in layout]
@@ -445,6 +507,7 @@ class _Exchange:
         self.index, self.buffer, self.flat, self.residual = bucket.index(), bucket.buffer(), flat, residual
         self.step, self.future = state.iteration, future
         self.owner_residual, self.work, self.received, self.own, self.refusal = None, None, None, None, None
+        self.stamps, self.stamp = None, 0  # on a GPU, the bucket's verdict stamps and this step's stamp
 
 
 def payload_hook(state, bucket):
@@ -484,11 +547,13 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
     flat = split.stage(bucket_flat)
     plan = state._engine.plan(f"ddp.bucket{bucket.index()}", flat.numel(), num_ranks, group.rank(),
                               sum(numel for _, _, numel in split.layout) * buffer.element_size(), 0)
-    residual = None
     if state.error_feedback:
         state._spill_stale_owner_residual(bucket.index(), split.layout, plan)
-        residual = state._residual(bucket.index(), split.layout, flat.numel(), flat.device)
+        residual, stamps, stamp = state._residual(bucket.index(), split.layout, flat.numel(), flat.device)
+    else:
+        residual, (stamps, stamp) = None, state._step_stamps(bucket.index(), flat.device)
     exchange = _Exchange(state, bucket, group, plan, split, flat, residual, _new_future(flat.device))
+    exchange.stamps, exchange.stamp = stamps, stamp
     future = _with_small(exchange.future, small_future, split, bucket_flat)
     out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
     with kernel_stream(flat.device):
@@ -664,7 +729,7 @@ def _start_second_stage(state):
     out = torch.zeros(capacity, dtype=torch.uint8, device=device)
     if state.error_feedback:
         exchange.owner_residual = state._kept_residual(state._owner_residuals, exchange.index, exchange.layout,
-                                                       plan.owned, device)
+                                                       plan.owned, device, exchange.stamps, exchange.stamp)
     with kernel_stream(device):
         _, exchange.refusal = plan.sum_and_encode(as_array(exchange.received), as_array(exchange.own),
                                                   as_array(out), exchange.step, as_array(exchange.owner_residual))
@@ -690,7 +755,12 @@ def _finish(exchange, gathered):
         with kernel_stream(total.device):
             plan.decode(as_array(gathered), as_array(total))
         # as the Horovod adapter scales an average: the same bits
-        if _scaled_and_finite(total, 1.0 / plan.num_ranks):
+        if exchange.stamps is not None:  # a GPU: the verdict stamped for the next step's kernels, nothing read
+            with kernel_stream(total.device):
+                finish_sum(as_array(total), _device_scale(1.0 / plan.num_ranks, total.device),
+                           stamps=as_array(exchange.stamps), stamp=exchange.stamp + 1,
+                           counter=as_array(state._nonfinite_counter(total.device)))
+        elif _scaled_and_finite(total, 1.0 / plan.num_ranks):
             if exchange.residual is not None:
                 state._keep_residual(exchange.index, exchange.layout, exchange.residual)
             if exchange.owner_residual is not None:
@@ -703,6 +773,11 @@ def _finish(exchange, gathered):
         exchange.future.set_result(exchange.buffer)
     except Exception as exc:  # every rank's DDP raises it when it waits for the bucket
         exchange.future.set_exception(exc)
+
+
+def _device_scale(scale, device):
+    """``scale`` as finish_sum takes it on ``device``: a float on the CPU, a float32 device array on a GPU."""
+    return as_array(torch.full((1,), scale, dtype=torch.float32, device=device)) if device.type == "cuda" else scale
 
 
 def _scaled_and_finite(total, scale):

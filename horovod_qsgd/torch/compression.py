@@ -112,7 +112,7 @@ class _TensorState:
         changed, saved or moved outside a step, or the step counter is set."""
         if self.stamps is not None:
             for residual in self.residuals():
-                residual.settle_on_host(self.stamps, self.step)
+                residual.settle_on_host(self.stamps)
             self.stamps.zero_()
 
 

@@ -194,9 +194,38 @@ def test_static_graph_gradient_as_bucket_view_and_half_precision(num_ranks, dist
             _check_against_reference(dist_gloo, class_name, kwargs, dtype, gradient_as_bucket_view=True)
 
 
+@pytest.mark.parametrize("num_ranks", [pytest.param(3, marks=pytest.mark.ranks(
+    3, timeout=300, launcher="torchrun", env={"HOROVOD_QSGD_DEVICE_VERDICT": "1"}))])
+def test_the_verdict_stamped_as_on_a_gpu(num_ranks, dist_gloo):
+    """The GPU's settling (each bucket's verdict stamped by the pass that scales its result, read by its next
+    step's first pass; nothing read on the host) on CPU buckets: top-k allgather and two stages, 3 steps through
+    DDP's rebuild, bitwise the codecs alone, residuals included; then inf in one rank's gradient: that bucket's
+    residuals stay as they were on every rank, the others' go on, and the statistics count it."""
+    import torch
+    rank = dist_gloo.get_rank()
+    for class_name, kwargs in [CASES[2], CASES[3]]:
+        ddp, calls, state = _check_against_reference(dist_gloo, class_name, kwargs)
+        keys = {position: key for key, position in _keys(calls).items()}
+        before = {key: r.clone() for key, r in state.state_dict()["residuals"].items()}
+        start = len(calls)
+        grads = _gradients(rank, 9)
+        if rank == num_ranks - 1:
+            grads[1][5] = np.inf
+        for p in ddp.parameters():
+            p.grad = None
+        ddp([torch.from_numpy(g) for g in grads]).backward()
+        assert not torch.isfinite(ddp.module.w[1].grad).all() and torch.isfinite(ddp.module.w[0].grad).all()
+        after = state.state_dict()["residuals"]
+        bad = next(positions for _, positions, _ in calls[start:] if 1 in positions)
+        for position in _compressed([p for _, positions, _ in calls[start:] for p in positions]):
+            unchanged = torch.equal(after[keys[position]], before[keys[position]])
+            assert unchanged == (position in bad), (class_name, position, bad)
+        assert state.compression_stats()["tensors_nonfinite"] == 1
+
+
 def _check_against_reference(dist, class_name, kwargs, dtype=None, **ddp_kwargs):
     """``dtype`` (bfloat16, float16): the gradients are, the hook widens them to float32 for the codec and the
-    result is the codec's average rounded back."""
+    result is the codec's average rounded back. Returns (the DDP model, the hook's calls, the state)."""
     import torch
     import horovod_qsgd.ddp as ddp_hooks
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -239,6 +268,7 @@ def _check_against_reference(dist, class_name, kwargs, dtype=None, **ddp_kwargs)
                 continue
             assert np.array_equal(kept[key].numpy(), reference.residuals[rank][position]), (class_name, key)
     _same_on_every_rank(dist, torch, [p.grad for p in ddp.module.w])
+    return ddp, calls, state
 
 
 def _keys(calls):
