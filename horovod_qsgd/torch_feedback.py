@@ -11,10 +11,11 @@ whether it is finite (:func:`horovod_qsgd.kernels.finish_sum`), and then:
 * on a GPU nothing is read back: the finishing kernel stamps the tensor's ``stamps`` (int64 [2]: the last
   step whose result was written, the last whose result was not finite) and the next step's first pass
   reads them on the device; where the last step counted, it moves ``spare`` into ``kept`` as it reads it.
-  ``spare`` is then the residual until that pass, which :meth:`KeptResidual.value` accounts for.
+  ``spare`` is then the residual until that pass; anything else that reads or changes a residual first
+  settles it on the host (:meth:`KeptResidual.settle_on_host`, one read of the stamps).
 
-Where ``HOROVOD_QSGD_DEVICE_VERDICT=1``, CPU tensors are settled the GPU's way too: no machine of the test suite
-has a GPU, and this is how it runs that logic through whole Horovod steps.
+Where ``HOROVOD_QSGD_DEVICE_VERDICT=1``, CPU tensors are settled the GPU's way too: no machine of the test
+suite has a GPU, and this is how it runs that logic through whole Horovod steps and DDP buckets.
 
 Imports no Horovod.
 """
