@@ -88,7 +88,6 @@ def float_bits(a):
     return a.view(np.uint32)
 
 
-
 class CarriedResidual:
     """An error-feedback residual whose new value goes to ``target`` while the residual a step adds is read from
     ``previous``, which the step leaves as it was: a step whose result does not count (inf or NaN) then leaves

@@ -17,7 +17,7 @@ from . import select as _sel
 from . import select_device as _dev
 from .rng import seed_word
 from .scan import inclusive_sums
-from ._arrays import copy_to, split_residual, device_view, empty, float_bits, to_host, zeros
+from ._arrays import copy_to, device_view, empty, float_bits, split_residual, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = [
@@ -283,12 +283,11 @@ def finish_sum(total, scale, *, stamps=None, stamp=0, counter=None):
     written, and as not finite where an element is inf or NaN, which adds 1 to ``counter[0]`` (the CPU
     writes them too, as a device would).
     """
-    if on_cuda(total):
-        if total.size:
-            total = device_view(total)
-            blocks = min(_dev.MAX_HIST_BLOCKS, -(-total.size // (_dev.B * _dev.HIST_ITEMS)))
-            _sel.finish_sum_kernel.blocks(blocks, _dev.B)(total, device_view(scale).reshape(1), device_view(stamps),
-                                                          np.int64(stamp), device_view(counter))
+    if on_cuda(total):  # launched for an empty total too: its stamps say the step was written
+        total = device_view(total)
+        blocks = max(1, min(_dev.MAX_HIST_BLOCKS, -(-total.size // (_dev.B * _dev.HIST_ITEMS))))
+        _sel.finish_sum_kernel.blocks(blocks, _dev.B)(total, device_view(scale).reshape(1), device_view(stamps),
+                                                      np.int64(stamp), device_view(counter))
         return None
     counts = np.zeros(-(-total.size // _sel.CHUNK), np.int64)
     if counts.size:
