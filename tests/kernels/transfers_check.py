@@ -163,7 +163,8 @@ def settled_steps_case(name, codec, x, nonfinite_steps=(1,), steps=4):
     stamps, counter = device(np.zeros(2, np.int64)), device(np.zeros(1, np.int64))
     scale = device(np.full(1, 0.5, np.float32))
     for step, grad in enumerate(grads):
-        new_residual, host_out = host_residual.copy(), np.zeros(cap, np.uint8)
+        before, host_out = host_residual.copy(), np.zeros(cap, np.uint8)
+        new_residual = before.copy()
         used = codec.encode(grad, host_out, step=step, key=11, residual=new_residual)
         total = np.zeros(x.size, np.float32)
         codec.decode_accumulate(host_out[:used], total)
@@ -173,16 +174,19 @@ def settled_steps_case(name, codec, x, nonfinite_steps=(1,), steps=4):
             host_nonfinite += 1
         d_grad, d_out = device(grad), device(np.zeros(cap, np.uint8))
         carried = K.CarriedResidual(spare, kept, stamps, step)
-        measure(f"{name} step {step}: carried encode", lambda: codec.encode(d_grad, d_out, step=step, key=11,
-                                                                           residual=carried))
-        payloads_match &= bool(np.array_equal(d_out.copy_to_host()[:used], host_out[:used]))
+        entry = f"{name} step {step}: carried encode"
+        measure(entry, lambda: codec.encode(d_grad, d_out, step=step, key=11, residual=carried))
+        report[entry]["matches_cpu"] = bool(np.array_equal(d_out.copy_to_host()[:used], host_out[:used]))
+        payloads_match &= report[entry]["matches_cpu"]
         d_total = device(np.zeros(x.size, np.float32))
         codec.decode_accumulate(d_out[:used], d_total)
-        measure(f"{name} step {step}: finish", lambda: K.finish_sum(d_total, scale, stamps=stamps, stamp=step + 1,
-                                                                     counter=counter))
-        in_place, d_out = device(host_residual), device(np.zeros(cap, np.uint8))
-        measure(f"{name} step {step}: in-place encode", lambda: codec.encode(d_grad, d_out, step=step, key=11,
-                                                                             residual=in_place))
+        measure(f"{name} step {step}: finish", lambda: (K.finish_sum(d_total, scale, stamps=stamps, stamp=step + 1,
+                                                                      counter=counter), d_total)[1], total)
+        # the same step with the residual updated in place (its value before the step): the launches to match
+        in_place, d_out = device(before), device(np.zeros(cap, np.uint8))
+        entry = f"{name} step {step}: in-place encode"
+        measure(entry, lambda: codec.encode(d_grad, d_out, step=step, key=11, residual=in_place))
+        report[entry]["matches_cpu"] = bool(np.array_equal(d_out.copy_to_host()[:used], host_out[:used]))
     written, not_finite = stamps.copy_to_host()
     residual = (spare if written == steps and not_finite != steps else kept).copy_to_host()
     same_residual = bool(np.array_equal(residual.view(np.uint32), host_residual.view(np.uint32)))
