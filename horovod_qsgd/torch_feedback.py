@@ -20,6 +20,7 @@ suite has a GPU, and this is how it runs that logic through whole Horovod steps 
 Imports no Horovod.
 """
 import os
+import threading
 
 import torch
 
@@ -33,6 +34,29 @@ def step_stamps(device):
     if device.type == "cuda" or os.environ.get(DEVICE_VERDICT_ENV) == "1":
         return torch.zeros(2, dtype=torch.int64, device=device)
     return None
+
+
+class DeviceNonfiniteCounts:
+    """Per device, an int64 count of the non-finite results the stamps found (added to by the finishing kernel,
+    read only when the statistics are)."""
+
+    def __init__(self):
+        self._counters, self._lock = {}, threading.Lock()
+
+    def on(self, device):
+        with self._lock:
+            counter = self._counters.get(device)
+            if counter is None:
+                counter = self._counters[device] = torch.zeros(1, dtype=torch.int64, device=device)
+            return counter
+
+    def drain_into(self, stats):
+        """Adds the counts to ``stats`` (CompressionStats' ``tensors_nonfinite``) and zeroes them."""
+        with self._lock:
+            counters = list(self._counters.values())
+        for counter in counters:
+            stats.add(tensors_nonfinite=int(counter.item()))
+            counter.zero_()
 
 
 def last_step_counted(stamps, stamp):

@@ -101,7 +101,7 @@ from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_feedback import KeptResidual, step_stamps
+from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
@@ -135,7 +135,7 @@ class _PayloadState:
         # result and read by its next step's kernels (horovod_qsgd.torch_feedback; the node-aware exchange
         # decides on the host)
         self._verdicts = {}
-        self._nonfinite_on_device = {}  # device -> int64 count of the non-finite results the stamps found
+        self._nonfinite_on_device = DeviceNonfiniteCounts()
         self._spilled = {}          # key -> owner-residual mass moved here, added at the parameter's next read
         self._owner_residuals = {}  # bucket index -> _OwnerResidual
         self._shard_residuals = {}  # node-aware: bucket index -> _OwnerResidual of this rank's node-summed shard
@@ -157,11 +157,7 @@ class _PayloadState:
         """Counters since the last reset (see ``horovod_qsgd.torch.QSGD.compression_stats``): buckets compressed
         (``tensors_compressed``), parameters passed through (``tensors_passed_through``), bytes before and after,
         collectives, seconds, non-finite results."""
-        with self._lock:
-            counters = list(self._nonfinite_on_device.values())
-        for counter in counters:
-            self._stats.add(tensors_nonfinite=int(counter.item()))
-            counter.zero_()
+        self._nonfinite_on_device.drain_into(self._stats)
         return self._stats.snapshot(reset)
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -205,13 +201,6 @@ class _PayloadState:
         elif self.exchange == "auto" and self.process_group is None and device.type == "cuda":
             self._nodes = _Nodes.of_this_job(group, None, quiet=True)
         self._verified = True
-
-    def _nonfinite_counter(self, device):
-        with self._lock:
-            counter = self._nonfinite_on_device.get(device)
-            if counter is None:
-                counter = self._nonfinite_on_device[device] = torch.zeros(1, dtype=torch.int64, device=device)
-            return counter
 
     def _split(self, bucket):
         """The bucket's parameters, keyed, split into the compressed and the passed through (:class:`_Split`)."""
@@ -759,7 +748,7 @@ def _finish(exchange, gathered):
             with kernel_stream(total.device):
                 finish_sum(as_array(total), _device_scale(1.0 / plan.num_ranks, total.device),
                            stamps=as_array(exchange.stamps), stamp=exchange.stamp + 1,
-                           counter=as_array(state._nonfinite_counter(total.device)))
+                           counter=as_array(state._nonfinite_on_device.on(total.device)))
         elif _scaled_and_finite(total, 1.0 / plan.num_ranks):
             if exchange.residual is not None:
                 state._keep_residual(exchange.index, exchange.layout, exchange.residual)

@@ -55,7 +55,7 @@ from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import chunk_unit, moved_owner_chunk
 from horovod_qsgd.kernels import finish_sum, move_into_own_chunk
 from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
-from horovod_qsgd.torch_feedback import KeptResidual, step_stamps
+from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
@@ -166,7 +166,7 @@ class _CompressorBase:
         self._verified_process_sets = set()
         self._lock = threading.Lock()
         self._stats = CompressionStats()
-        self._nonfinite_on_device = {}  # device -> int64 count of non-finite results (no host read per tensor)
+        self._nonfinite_on_device = DeviceNonfiniteCounts()  # no host read per tensor
         self._in_elastic_job = os.environ.get("HOROVOD_ELASTIC") == "1"
         self.elastic_state_attached = False  # set by horovod_qsgd.torch.elastic's state handler
 
@@ -294,11 +294,7 @@ class _CompressorBase:
         ``tensors_nonfinite`` counts compressed results that held inf or NaN
         (steps a loss scaler skips; their error-feedback state was kept).
         """
-        with self._lock:
-            counters = list(self._nonfinite_on_device.values())
-        for counter in counters:
-            self._stats.add(tensors_nonfinite=int(counter.item()))
-            counter.zero_()
+        self._nonfinite_on_device.drain_into(self._stats)
         return self._stats.snapshot(reset)
 
     def _pass_through(self, tensor):
@@ -395,13 +391,9 @@ class _CompressorBase:
         device tensor. Where ctx's tensor has stamps (a GPU), the verdict is stamped there instead (None)."""
         if ctx.state.stamps is None:
             return total, finish_sum(as_array(total), scale)
-        with self._lock:
-            counter = self._nonfinite_on_device.get(total.device)
-            if counter is None:
-                counter = self._nonfinite_on_device[total.device] = torch.zeros(
-                    1, dtype=torch.int64, device=total.device)
         finish_sum(as_array(total), as_array(scale.reshape(1)) if total.is_cuda else scale,
-                   stamps=as_array(ctx.state.stamps), stamp=ctx.step + 1, counter=as_array(counter))
+                   stamps=as_array(ctx.state.stamps), stamp=ctx.step + 1,
+                   counter=as_array(self._nonfinite_on_device.on(total.device)))
         return total, None
 
     def _check_allreduced(self, tensor):
