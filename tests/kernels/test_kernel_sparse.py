@@ -239,23 +239,33 @@ def test_random_k_sends_nan_when_acc_holds_one_outside_its_strata():
         assert np.isnan(codec_ef.gather(x, step=3, key=7, residual=residual)[0])
 
 
-@pytest.mark.parametrize("carried", [False, True])
+@pytest.mark.parametrize("n, carried", [(400_000, False), (400_000, True), ((1 << 22) + 12_345, True)])
 @pytest.mark.parametrize("crowded", [False, True])
-def test_exact_sampled_candidates_compacted_branch_free(crowded, carried):
-    """The sampled bound's candidates, compacted branch-free per chunk, spread or ``crowded`` (6000 of the
-    largest values in one chunk of 65536): the exact top k; with a CarriedResidual the residual added is left
-    as it was and the new one is acc - sent."""
-    from horovod_qsgd.kernels import CarriedResidual
+def test_exact_sampled_candidates_collected_as_counted(monkeypatch, crowded, n, carried):
+    """The sampled bound's candidates, collected per chunk in the counting pass, spread or ``crowded`` (6000
+    of the largest values in one chunk of 65536, more than its room: compacted from acc in a pass of their
+    own): the exact top k; with a CarriedResidual the residual added is left as it was and the new one is
+    acc - sent, stored past the cache on a tensor of at least STREAM_MIN elements."""
+    from horovod_qsgd.kernels import CarriedResidual, topk
     from horovod_qsgd.kernels.select import CHUNK
-    n = 400_000
+    from horovod_qsgd.kernels.streaming import STREAM_MIN
+    assert (n >= STREAM_MIN) == (n > 400_000)
+    launched = []
+
+    def recording_launch(launcher, work, *args):
+        launched.append(launcher.__name__)
+        return cpu_launch(launcher, work, *args)
+
+    from horovod_qsgd.kernels._dual import cpu_launch
+    monkeypatch.setattr(topk, "cpu_launch", recording_launch)
     rng = np.random.default_rng(5)
     x = rng.standard_normal(n).astype(np.float32)
     if crowded:
-        x[2 * CHUNK:2 * CHUNK + 6000] = (10 + rng.random(6000)).astype(np.float32)
+        x[2 * CHUNK + 3:2 * CHUNK + 6003] = (10 + rng.random(6000)).astype(np.float32)
     r0 = (rng.standard_normal(n) * 0.1).astype(np.float32)
     acc = x + r0
     codec = TopKCodec(ratio=0.01)
-    previous, target = r0.copy(), np.full(n, np.nan, np.float32)
+    previous, target = r0.copy(), np.full(n + 1, np.nan, np.float32)[1:]  # the stores' aligned body after a head
     p = encode(codec, x, residual=CarriedResidual(target, previous) if carried else previous)
     new_residual = target if carried else previous
     idx, _ = _entries(codec, p, n)
@@ -263,3 +273,5 @@ def test_exact_sampled_candidates_compacted_branch_free(crowded, carried):
     assert bits_equal(decode(codec, p, n) + new_residual, acc)
     if carried:
         assert bits_equal(previous, r0)
+    assert "count_collect_cpu" in launched
+    assert ("compact_cpu" in launched) == crowded, launched
