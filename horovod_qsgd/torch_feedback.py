@@ -22,9 +22,10 @@ Imports no Horovod.
 import os
 import threading
 
+import numpy as np
 import torch
 
-from horovod_qsgd.kernels import CarriedResidual
+from horovod_qsgd.kernels import CarriedResidual, committed
 
 DEVICE_VERDICT_ENV = "HOROVOD_QSGD_DEVICE_VERDICT"
 
@@ -61,10 +62,7 @@ class DeviceNonfiniteCounts:
 
 def last_step_counted(stamps, stamp):
     """Host read of ``stamps``: True where the step before the one stamped ``stamp`` wrote a finite result."""
-    if stamps is None:
-        return False
-    written, not_finite = stamps.tolist()
-    return written == stamp and not_finite != stamp
+    return stamps is not None and bool(committed(stamps.cpu().numpy(), np.int64(stamp)))
 
 
 class KeptResidual:

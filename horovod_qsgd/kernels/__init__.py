@@ -79,10 +79,11 @@ from .api import (all_finite, elias_decode_accumulate, elias_decode_chained, eli
 from .elias import max_bucket_bits
 from .lattice import PURPOSE_LATTICE, decodable_radius, lattice_decode, lattice_encode
 from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
+from .select import committed
 from .topk import acklam_ppf, error_counters, exact_threshold, sparse_accumulate, topk_select
 
 __all__ = [
-    "CarriedResidual", "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained", "elias_encode",
+    "CarriedResidual", "committed", "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained", "elias_encode",
     "elias_error",
     "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",

@@ -2,7 +2,7 @@
 import numpy as np
 
 from ._dual import as_device, cuda_kernel, current_allocator, current_stream, on_cuda
-from .select import ADD_PREVIOUS, IN_PLACE, TAKE_TARGET
+from .select import ADD_PREVIOUS, IN_PLACE, TAKE_TARGET, committed
 
 
 def cuda_module():
@@ -131,7 +131,7 @@ def split_residual(residual):
             else (residual, (residual, IN_PLACE))
     target, previous, commit, stamp = residual.target, residual.previous, residual.commit, residual.stamp
     if not on_cuda(target, previous, commit):
-        take = commit is not None and commit.size == 2 and commit[0] == stamp and commit[1] != stamp
+        take = commit is not None and committed(commit, np.int64(stamp))
         return target, (previous, TAKE_TARGET if take else ADD_PREVIOUS)
     commit = empty(0, np.int64, True) if commit is None else device_view(commit)
     return device_view(target), (device_view(previous), commit, np.int64(stamp))
