@@ -82,7 +82,7 @@ def tensor_bytes(name, exchange, n, nodes, per_node):
     if n < compressor.min_numel:
         return ring(4 * n)
     placeholder = ring(4)
-    from horovod_qsgd.common.two_stage import chunk_bounds, chunk_unit
+    from horovod_qsgd.common.chunks import chunk_bounds, chunk_unit
     unit = chunk_unit(first)
     if exchange == "allgather":
         b = first.max_payload_nbytes(n)
@@ -102,7 +102,7 @@ def tensor_bytes(name, exchange, n, nodes, per_node):
     if exchange == "node_aware":
         # horovod_qsgd.common.node_aware: L equal shards; between nodes each shard as a tensor among M ranks,
         # the allgather or the two stages as "auto" chooses (the engine's rule)
-        from horovod_qsgd.common.node_aware import shard_numel
+        from horovod_qsgd.common.chunks import shard_numel
         from horovod_qsgd.common.two_stage import choose_exchange
         shard = shard_numel(n, per_node, unit)
         if choose_exchange("auto", first, second, shard, nodes) == "two_stage":

@@ -164,7 +164,8 @@ def tensor_traffic(name, exchange, n, ranks, fused=True):
 
     An alltoall's bytes are the first-stage payload's capacity over all chunks (what fusion packs by);
     unfused, it is an ``"alltoall_alone"``."""
-    from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, chunk_bounds, chunk_unit, stage_nbytes
+    from horovod_qsgd.common.chunks import chunk_bounds, chunk_unit
+    from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, stage_nbytes
     ring = 2 * (ranks - 1) / ranks * 4 * n, [("allreduce", 4 * n)], None
     if name == "none":
         return ring

@@ -58,10 +58,11 @@ import warnings
 import zlib
 
 from horovod_qsgd.codecs.base import read_bytes
+from horovod_qsgd.common.chunks import chunk_bounds, chunk_unit, node_owner_chunk, shard_numel
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.fusion import FusedAllgather, FusedTwoStage, group_label
-from horovod_qsgd.common.two_stage import KeepsOwnerResidual, chunk_bounds, chunk_unit
+from horovod_qsgd.common.two_stage import KeepsOwnerResidual
 
 NODE_AWARE = "node_aware"
 FLAG_NBYTES = 4  # step 3's failure flag in front of the forwarded payloads: keeps them 4-byte aligned
@@ -192,25 +193,6 @@ def job_nodes(records, rank, asked):
                       f"rank each, numbered node by node, but {why_not}: the exchange is node-blind (as "
                       "'auto') instead.")
     return layout
-
-
-def shard_numel(numel, local_size, unit):
-    """Elements of each of the L shards of a tensor of ``numel`` elements (a multiple of ``unit``)."""
-    return -(-numel // (local_size * unit)) * unit
-
-
-def node_owner_chunk(numel, unit, saved_layout, saved_numel):
-    """(begin, end) in the tensor of the owner residual saved with a node layout [M, L, node, local rank], or
-    None where it cannot be this tensor's; clipped to the tensor: add the residual's first end - begin values."""
-    num_nodes, local_size, node, local_rank = (int(v) for v in saved_layout)
-    if not (0 <= node < num_nodes and 0 <= local_rank < local_size):
-        return None
-    shard = shard_numel(numel, local_size, unit)
-    begin, end = chunk_bounds(shard, num_nodes, unit)[node]
-    if end - begin != saved_numel:
-        return None
-    base = local_rank * shard  # the chunk's tail may lie in the shard's padding, whose residual stays zero
-    return min(numel, base + begin), min(numel, base + end)
 
 
 def _count_mismatch(layout, received_splits, count, label, row):

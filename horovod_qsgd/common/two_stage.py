@@ -29,6 +29,7 @@ kernels) that the adapters allocate; the collectives are the adapters' job.
 import warnings
 import zlib
 
+from horovod_qsgd.common.chunks import chunk_bounds, chunk_unit, saved_owner_chunk
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import decode_checked, refusal_notice
 from horovod_qsgd.kernels import store_bytes
@@ -65,28 +66,6 @@ class KeepsOwnerResidual:
         return False
 
 
-def saved_owner_chunk(numel, unit, saved_layout, saved_numel):
-    """(begin, end) of the chunk an owner-side residual of ``saved_numel`` elements saved as rank
-    ``saved_layout[1]`` of ``saved_layout[0]`` belongs to, or None if it cannot be this tensor's.
-
-    When the ranks change (an elastic reset, a checkpoint from another job
-    size), the adapters add the residual there into the rank's sender
-    residual: the rank sends it in its next steps, so no mass is lost.
-    A node layout (four values, :func:`horovod_qsgd.common.node_aware.node_owner_chunk`) gives a chunk
-    clipped to the tensor: add the residual's first end - begin values.
-    """
-    if saved_layout and len(saved_layout) == 4:
-        from horovod_qsgd.common.node_aware import node_owner_chunk  # it builds on this module
-        return node_owner_chunk(numel, unit, saved_layout, saved_numel)
-    if not saved_layout or len(saved_layout) != 2:
-        return None
-    num_ranks, rank = (int(v) for v in saved_layout)
-    if not 0 <= rank < num_ranks:
-        return None
-    begin, end = chunk_bounds(numel, num_ranks, unit)[rank]
-    return (begin, end) if end - begin == saved_numel else None
-
-
 def moved_owner_chunk(tensor_name, numel, unit, saved_layout, saved_numel, layout):
     """Where in the sender residual an owner-side residual saved for ``saved_layout`` goes now that this rank
     is ``layout`` ([ranks, rank]): (begin, end), or None, warned as reset, when it cannot be this tensor's."""
@@ -114,18 +93,6 @@ def qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed, 
         bits=second_stage_bits, bucket_size=bucket_size, norm=norm, encoding=encoding, scale_dtype=scale_dtype,
         rounding=rounding, seed=seed)
     return first, second, exchange
-
-
-def chunk_bounds(numel, num_ranks, unit):
-    """[(begin, end)] of the coordinates each rank owns, in rank order.
-
-    Chunks are whole multiples of ``unit`` (a QSGD bucket) except the last
-    non-empty one, as equal as possible; with fewer units than ranks, the
-    last ranks own empty chunks.
-    """
-    units = -(-numel // unit)
-    return [(min(numel, (r * units // num_ranks) * unit), min(numel, ((r + 1) * units // num_ranks) * unit))
-            for r in range(num_ranks)]
 
 
 def sender_key(name, sender, owner):
@@ -167,11 +134,6 @@ def choose_exchange(mode, first_codec, second_codec, numel, num_ranks):
     allgather = (num_ranks - 1) * first_codec.max_payload_nbytes(numel)
     return "two_stage" if sum(stage_nbytes(first_codec, second_codec, numel, num_ranks)) < allgather \
         else "allgather"
-
-
-def chunk_unit(codec):
-    """What chunk boundaries are multiples of: a QSGD bucket, one element for top-k."""
-    return getattr(codec, "bucket_size", 1)
 
 
 class TwoStage:

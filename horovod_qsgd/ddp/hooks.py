@@ -98,7 +98,8 @@ from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import check_exchange, chunk_unit, qsgd_codecs
+from horovod_qsgd.common.chunks import chunk_unit
+from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps

@@ -58,12 +58,13 @@ from tensorflow.python.framework import ops
 import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
+from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_threshold
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
-from horovod_qsgd.common.two_stage import chunk_unit, moved_owner_chunk
+from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.kernels import CarriedResidual, finish_sum
 from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
                                                      ExchangeContext, adapter_method, decode_scaled, op_name)

@@ -43,6 +43,7 @@ import torch
 
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
+from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_missing
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
@@ -52,7 +53,7 @@ from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import chunk_unit, moved_owner_chunk
+from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.kernels import finish_sum, move_into_own_chunk
 from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
 from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps

@@ -4,8 +4,8 @@ import warnings
 import numpy as np
 import pytest
 
-from horovod_qsgd.common.node_aware import NodeLayout, job_nodes, node_owner_chunk, shard_numel
-from horovod_qsgd.common.two_stage import chunk_bounds, saved_owner_chunk
+from horovod_qsgd.common.chunks import chunk_bounds, node_owner_chunk, saved_owner_chunk, shard_numel
+from horovod_qsgd.common.node_aware import NodeLayout, job_nodes
 
 
 def _records(nodes):

@@ -6,7 +6,8 @@ from horovod_qsgd.codecs import QSGDCodec, TopKCodec
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import check_payloads, refusal_notice
 from horovod_qsgd.common.state import check_loadable, state_header
-from horovod_qsgd.common.two_stage import TwoStage, choose_exchange, chunk_bounds
+from horovod_qsgd.common.chunks import chunk_bounds
+from horovod_qsgd.common.two_stage import TwoStage, choose_exchange
 from tests.two_stage_reference import first_stage_inboxes
 
 

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from horovod_qsgd.common.two_stage import chunk_bounds
+from horovod_qsgd.common.chunks import chunk_bounds
 
 STEPS, KILL_AT, STEPS_AFTER_REJOIN, GIVE_UP_AT = 12, 4, 3, 300
 VECTOR_NUMEL = 70_000  # above exchange="auto"'s two-stage threshold at 3 ranks
