@@ -189,10 +189,14 @@ def job_nodes(records, rank, asked):
     (exchange='node_aware' rather than 'auto') warns on every rank why not."""
     layout, why_not = NodeLayout.from_records(records, rank)
     if layout is None and asked:
-        warnings.warn(f"horovod_qsgd: exchange='node_aware' needs several nodes of equal size, more than one "
-                      f"rank each, numbered node by node, but {why_not}: the exchange is node-blind (as "
-                      "'auto') instead.")
+        warn_node_blind(why_not)
     return layout
+
+
+def warn_node_blind(why_not):
+    """The warning, on every rank, where exchange='node_aware' finds no node layout to use (``why_not``)."""
+    warnings.warn(f"horovod_qsgd: exchange='node_aware' needs several nodes of equal size, more than one rank "
+                  f"each, but {why_not}: the exchange is node-blind (as 'auto') instead.")
 
 
 def _count_mismatch(layout, received_splits, count, label, row):

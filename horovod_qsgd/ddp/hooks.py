@@ -86,7 +86,6 @@ import os
 import socket
 import threading
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -95,10 +94,10 @@ from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
-from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag
+from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag, warn_node_blind
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.chunks import chunk_unit
+from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
@@ -382,9 +381,7 @@ class _Nodes:
         if len(sizes) > 1 or len(members) == 1 or sizes[0] == 1:
             if quiet:
                 return None
-            warnings.warn(f"horovod_qsgd: exchange='node_aware' needs several nodes of equal size, more than one "
-                          f"rank each; this job has {len(members)} node(s) of {sizes} rank(s): the exchange is "
-                          "node-blind (as 'auto') instead")
+            warn_node_blind(f"it has {len(members)} node(s) of {sizes} rank(s)")
             return None
         return cls(members, dist.get_rank())
 
@@ -580,7 +577,7 @@ def _node_aware(state, bucket, group, buffer, split):
     bucket_flat = buffer.reshape(-1)
     small_future = _average_small(state, group, split, bucket_flat)
     unit = chunk_unit(state.codec)
-    shard = -(-split.staged_numel // (nodes.local_size * unit)) * unit
+    shard = shard_numel(split.staged_numel, nodes.local_size, unit)
     plan = state._engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.count,
                               nodes.cross_rank, 4 * shard, 0)
     base = nodes.local_rank * shard  # where this rank's shard starts in the staged tensor
