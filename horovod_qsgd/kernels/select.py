@@ -106,8 +106,9 @@ _LANES = 64
 
 
 @core
-def moments_chunk(xs, lanes):
-    """(sum, sum of squares) of xs in float64, in a fixed order.
+def moments_chunk(xs, cs, add, lanes):
+    """(sum, sum of squares) in float64, in a fixed order, of acc = xs + cs (float32 sums) where ``add``,
+    else of xs.
 
     Lane u (of 64) accumulates the elements with index = u mod 64 in index
     order; the lanes are then added in lane order, then the tail.  The
@@ -121,28 +122,39 @@ def moments_chunk(xs, lanes):
     nb = xs.size // _LANES
     for t in range(nb):
         blk = xs[_LANES * t:_LANES * (t + 1)]
-        for u in range(_LANES):
-            v = np.float64(blk[u])
-            a[u] += v
-            q[u] += fmul64(v, v)
+        if add:
+            cblk = cs[_LANES * t:_LANES * (t + 1)]
+            for u in range(_LANES):
+                v = np.float64(blk[u] + cblk[u])
+                a[u] += v
+                q[u] += fmul64(v, v)
+        else:
+            for u in range(_LANES):
+                v = np.float64(blk[u])
+                a[u] += v
+                q[u] += fmul64(v, v)
     s1 = _ZERO64
     s2 = _ZERO64
     for u in range(_LANES):
         s1 += a[u]
         s2 += q[u]
     for j in range(nb * _LANES, xs.size):
-        v = np.float64(xs[j])
+        v = np.float64(xs[j] + cs[j]) if add else np.float64(xs[j])
         s1 += v
         s2 += fmul64(v, v)
     return s1, s2
 
 
 @core
-def count_chunk(xs, t):
-    """Number of j with not (|xs[j]| < t) (NaN counts as selected)."""
+def count_chunk(xs, cs, add, t):
+    """Number of j with not (|acc[j]| < t) (NaN counts as selected), acc = xs + cs where ``add``, else xs."""
     c = 0
-    for j in range(xs.size):
-        c += 0 if abs(xs[j]) < t else 1
+    if add:
+        for j in range(xs.size):
+            c += 0 if abs(xs[j] + cs[j]) < t else 1
+    else:
+        for j in range(xs.size):
+            c += 0 if abs(xs[j]) < t else 1
     return c
 
 
@@ -375,15 +387,27 @@ def hist_item(x, r, rc, source, bits, ef, c, chunk, prefix_shift, prefix, shift,
     hist_chunk(bits[lo:hi], prefix_shift, prefix, shift, mask, rows[c])
 
 
+@core(inline=True)
+def accumulate_chunk(x, r, rc, source, ef, lo, hi):
+    """The error-feedback accumulation of chunk [lo, hi) when ``ef``: (the chunk of what a pass reads, the
+    residual's chunk, whether that pass adds the two to find acc). Adding a second array's residual on a
+    large tensor, acc is stored past the cache (:mod:`.streaming`), and the pass recomputes it from its
+    cached inputs instead of reading it back."""
+    xs = x[lo:hi]
+    cs = rc[lo:hi]
+    if ef and source == ADD_PREVIOUS and x.size >= STREAM_MIN:
+        stream_sum(r[lo:hi], xs, cs)
+        return xs, cs, True
+    if ef:
+        ef_accumulate(xs, r[lo:hi], cs, source)
+        return r[lo:hi], cs, False
+    return xs, cs, False
+
+
 @core
 def moments_item(x, r, rc, source, ef, c, sums, lanes):
-    lo = c * CHUNK
-    hi = min(x.size, lo + CHUNK)
-    if ef:
-        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], source)
-        s1, s2 = moments_chunk(r[lo:hi], lanes)
-    else:
-        s1, s2 = moments_chunk(x[lo:hi], lanes)
+    xs, cs, add = accumulate_chunk(x, r, rc, source, ef, c * CHUNK, min(x.size, (c + 1) * CHUNK))
+    s1, s2 = moments_chunk(xs, cs, add, lanes)
     sums[c, 0] = s1
     sums[c, 1] = s2
 
@@ -406,13 +430,8 @@ def write_thresh_item(src, c, t, starts, cap, idx, val32, val16, half, ef):
 @core
 def count_item(x, r, rc, source, ef, c, t, counts):
     """Count of chunk c at threshold t (after the error-feedback accumulation if ef)."""
-    lo = c * CHUNK
-    hi = min(x.size, lo + CHUNK)
-    if ef:
-        ef_accumulate(x[lo:hi], r[lo:hi], rc[lo:hi], source)
-        counts[c] = count_chunk(r[lo:hi], t)
-    else:
-        counts[c] = count_chunk(x[lo:hi], t)
+    xs, cs, add = accumulate_chunk(x, r, rc, source, ef, c * CHUNK, min(x.size, (c + 1) * CHUNK))
+    counts[c] = count_chunk(xs, cs, add, t)
 
 
 @core
@@ -473,20 +492,9 @@ def collect_hits(xs, cs, add, hits, slot, slot_abs):
 @core
 def count_collect_item(x, r, rc, source, ef, c, t, counts, slots, slot_abs):
     """:func:`count_item` that also collects chunk c's hits (see :func:`collect_hits`), in the pass that
-    forms acc: the compaction pass over all of acc is then not needed. Adding a second array's residual on
-    a large tensor, acc is stored past the cache (:mod:`.streaming`) and recomputed from the cached inputs."""
-    lo = c * CHUNK
-    hi = min(x.size, lo + CHUNK)
-    xs = x[lo:hi]
-    cs = rc[lo:hi]
-    add = False
-    if ef and source == ADD_PREVIOUS and x.size >= STREAM_MIN:
-        stream_sum(r[lo:hi], xs, cs)
-        add = True
-    elif ef:
-        ef_accumulate(xs, r[lo:hi], cs, source)
-        xs = r[lo:hi]
-    hits = np.empty(hi - lo, np.uint8)
+    forms acc: the compaction pass over all of acc is then not needed."""
+    xs, cs, add = accumulate_chunk(x, r, rc, source, ef, c * CHUNK, min(x.size, (c + 1) * CHUNK))
+    hits = np.empty(xs.size, np.uint8)
     mark_hits(xs, cs, add, t, hits)
     counts[c] = collect_hits(xs, cs, add, hits, slots[c], slot_abs[c])
 

@@ -283,7 +283,9 @@ def _exact_sampled(x, r, carried, idx, val32, val16, half, ef, k, base):
         return _exact_full(x, r, carried, ef, idx, val32, val16, half, ef, k)
     # each chunk's candidates are collected as they are counted, where they fit (acc then lives in r)
     nch = (n + _sel.CHUNK - 1) // _sel.CHUNK
-    room = min(_sel.CHUNK, 4 * (k * _sel.CHUNK // n) + 1024)  # ~2.7x the ~1.5k expected
+    # a chunk expects ~1.5 k CHUNK / n candidates (1000 at 1%); its room holds 2.7x that or more. Positions in
+    # the chunk are uint16: CHUNK is 65536
+    room = min(_sel.CHUNK, 4 * (k * _sel.CHUNK // n) + 1024)
     counts = np.empty(nch, np.int64)
     slots, slot_abs = np.empty((nch, room), np.uint16), np.empty((nch, room), np.float32)
     cpu_launch(_sel.count_collect_cpu, n, x, r, *carried, ef, t_low, counts, slots, slot_abs)

@@ -275,3 +275,23 @@ def test_exact_sampled_candidates_collected_as_counted(monkeypatch, crowded, n, 
         assert bits_equal(previous, r0)
     assert "count_collect_cpu" in launched
     assert ("compact_cpu" in launched) == crowded, launched
+
+
+@pytest.mark.parametrize("selector", ["gaussian", "sample", "exact"])
+def test_a_streamed_carried_encode_is_the_in_place_one(selector):
+    """On a tensor of STREAM_MIN elements or more, a CarriedResidual's first pass stores acc past the cache and
+    the pass's own reads recompute it: the payload and the new residual are the bits of the in-place encode
+    (which streams nothing), and the residual added is left as it was."""
+    from horovod_qsgd.kernels import CarriedResidual
+    from horovod_qsgd.kernels.streaming import STREAM_MIN
+    n = STREAM_MIN + 12_345
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal(n).astype(np.float32)
+    r0 = (rng.standard_normal(n) * 0.3).astype(np.float32)
+    codec = TopKCodec(ratio=0.01, selector=selector)
+    in_place = r0.copy()
+    expected = encode(codec, x, residual=in_place, step=3)
+    previous, target = r0.copy(), np.full(n + 1, np.nan, np.float32)[1:]  # an unaligned target: a head first
+    streamed = encode(codec, x, residual=CarriedResidual(target, previous), step=3)
+    assert np.array_equal(streamed, expected)
+    assert bits_equal(target, in_place) and bits_equal(previous, r0)
