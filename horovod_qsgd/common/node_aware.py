@@ -58,7 +58,7 @@ import warnings
 import zlib
 
 from horovod_qsgd.codecs.base import read_bytes
-from horovod_qsgd.common.chunks import chunk_bounds, chunk_unit, node_owner_chunk, shard_numel
+from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.fusion import FusedAllgather, FusedTwoStage, group_label

@@ -92,12 +92,12 @@ import torch.distributed as dist
 
 from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common import docs
+from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag, warn_node_blind
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
