@@ -68,11 +68,11 @@ def last_step_counted(stamps, stamp):
 class KeptResidual:
     """One error-feedback residual (a flat fp32 tensor) and the buffer the next step writes into."""
 
-    __slots__ = ("kept", "_spare", "_stamped", "_taken")
+    __slots__ = ("kept", "_spare", "_taken")
 
     def __init__(self, kept):
-        self.kept, self._spare, self._stamped = kept, None, False
-        self._taken = None  # the stamp of the last step that read it through stamps
+        self.kept, self._spare = kept, None
+        self._taken = None  # the stamp of the last step that read it through stamps (None: the host decides)
 
     @classmethod
     def zeros(cls, numel, device):
@@ -88,7 +88,6 @@ class KeptResidual:
         spare = self._spare
         if spare is None or spare.numel() != self.kept.numel() or spare.device != self.kept.device:
             spare = self._spare = self.kept.clone() if stamps is not None else torch.empty_like(self.kept)
-        self._stamped = stamps is not None
         self._taken = stamp if stamps is not None else None
         return CarriedResidual(spare, self.kept, stamps, stamp)
 
@@ -108,7 +107,7 @@ class KeptResidual:
         """Multiplies the residual by ``factor``: ``kept``, and where stamps decide, ``spare`` too, which may
         hold it."""
         self.kept.mul_(factor)
-        if self._spare is not None and self._stamped:
+        if self._spare is not None and self._taken is not None:
             self._spare.mul_(factor)
 
     def to(self, device):

@@ -226,9 +226,10 @@ class _PayloadState:
         """Every bucket's residuals in ``kept`` as their stamps say (one host read per bucket), its parameters'
         residuals views of them, the stamps reset: before anything but a step reads or changes them."""
         for index, (stamps, _) in self._verdicts.items():
+            read = stamps.cpu()
             for kept in (self._bucket_residuals.get(index), self._owner_residuals.get(index)):
                 if kept is not None:
-                    kept.settle_on_host(stamps)
+                    kept.settle_on_host(read)
             if index in self._bucket_residuals:
                 self._view_parameters(index)
             stamps.zero_()

@@ -83,7 +83,8 @@ from .select import committed
 from .topk import acklam_ppf, error_counters, exact_threshold, sparse_accumulate, topk_select
 
 __all__ = [
-    "CarriedResidual", "committed", "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained", "elias_encode",
+    "CarriedResidual", "committed", "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained",
+    "elias_encode",
     "elias_error",
     "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",

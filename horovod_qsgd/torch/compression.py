@@ -112,8 +112,9 @@ class _TensorState:
         """``kept`` is each residual and the stamps say nothing, after one host read: before a residual is
         changed, saved or moved outside a step, or the step counter is set."""
         if self.stamps is not None:
+            read = self.stamps.cpu()
             for residual in self.residuals():
-                residual.settle_on_host(self.stamps)
+                residual.settle_on_host(read)
             self.stamps.zero_()
 
 
