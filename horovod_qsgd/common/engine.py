@@ -22,6 +22,13 @@ for many tensors in one collective)
        match. The adapter allgathers it under ``second_stage_name``.
     3. ``decode``: every owner's sum into its chunk.
 
+Each plan's :meth:`~AllgatherPlan.conduct` runs those steps as a generator that
+yields each :class:`Collective` it needs, in order, and is sent what that
+collective received: an adapter that drives it (a *transport*: ``zeros``,
+``empty``, ``array``, see :meth:`AllgatherPlan.conduct`) never branches on the
+exchange, whether it waits at once, polls or resumes the exchange in a later
+call.
+
 The adapter then multiplies by :func:`~horovod_qsgd.common.exchange.reduction_scale`
 (sum or average, as its call site asked) and settles the step's state. Each
 step counts the tensors and bytes it produces in the compressor's
@@ -35,6 +42,46 @@ from horovod_qsgd.common.node_aware import NODE_AWARE, NodeAwarePlan
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key
 from horovod_qsgd.common.two_stage import KeepsOwnerResidual, TwoStage, choose_exchange
 from horovod_qsgd.kernels import move_into_own_chunk
+
+
+ALLGATHER, ALLTOALL = "allgather", "alltoall"
+
+
+class Collective:
+    """One collective an exchange asks its adapter for.
+
+    ``kind``: :data:`ALLGATHER` (every rank's ``send`` to every rank, in rank
+    order) or :data:`ALLTOALL` (``splits[j]`` bytes of ``send`` to rank j, in
+    order); ``name``: what Horovod matches it by; ``send``: the adapter's
+    uint8 tensor. ``arriving``: bytes from each rank where every rank knows
+    them in advance (fixed-size payloads; else None), which collectives that
+    need sizes beforehand (``torch.distributed``) take: an allgather's part
+    shorter than ``arriving[rank]`` (a refusal notice) is sent zero-padded to
+    it. ``equal_parts``: every rank's part of an allgather has one size by
+    construction (not by chance). ``final``: what this collective receives is
+    the exchange's result, for the plan's ``decode``.
+    """
+    __slots__ = ("kind", "name", "send", "splits", "arriving", "equal_parts", "final")
+
+    def __init__(self, kind, name, send, splits=None, arriving=None, equal_parts=False, final=False):
+        self.kind, self.name, self.send, self.splits = kind, name, send, splits
+        self.arriving, self.equal_parts, self.final = arriving, equal_parts, final
+
+    def __repr__(self):
+        return (f"Collective({self.kind}, {self.name!r}, {len(self.send)} bytes, splits={self.splits}, "
+                f"arriving={self.arriving}, final={self.final})")
+
+
+def drive(conduct, run):
+    """Runs an exchange's ``conduct`` (a plan's generator) to its end, each collective by ``run(collective)``,
+    which returns what it received; returns what ``conduct`` returns."""
+    received = None
+    while True:
+        try:
+            collective = conduct.send(received)
+        except StopIteration as done:
+            return done.value
+        received = run(collective)
 
 
 class PayloadEngine:
@@ -81,6 +128,7 @@ class _Counted:
 class AllgatherPlan(_Counted):
     """Every rank's whole payload to every rank, in one allgather."""
     kind = "allgather"
+    owned = None  # no rank owns a chunk: no owner-side residual
 
     def __init__(self, codec, second_codec, name, numel, num_ranks, rank, stats, uncompressed_nbytes,
                  placeholder_nbytes):
@@ -105,6 +153,23 @@ class AllgatherPlan(_Counted):
     def decode(self, gathered, out):
         """Step 2: adds every rank's payload in the allgather's result, checked, in rank order, to ``out``."""
         decode_gathered(self.codec, gathered, self.num_ranks, self.numel, self.name, out)
+
+    def conduct(self, transport, x, step, residual=None, owner_residual=None):
+        """The exchange up to its result, as a generator: yields each :class:`Collective`, is sent what it
+        received, and returns (what the last one received, for :meth:`decode`; None, or the error to raise
+        instead of decoding, once that collective is done).
+
+        ``transport``: the adapter's ``zeros(n, dtype)`` and ``empty(n, dtype)`` (its tensors; dtype "uint8" or
+        "float32") and ``array(tensor)`` (the codec array of one); ``x``: the flat float32 gradient (the
+        adapter's tensor); ``residual``: the error-feedback residual as the codec takes it (None without);
+        ``owner_residual``: unused here (see :meth:`TwoStagePlan.conduct`).
+        """
+        out = transport.zeros(self.capacity(), "uint8")
+        used = self.encode(transport.array(x), transport.array(out), step, residual)
+        arriving = [self.capacity()] * self.num_ranks if self.codec.payload_nbytes_is_fixed else None
+        gathered = yield Collective(ALLGATHER, self.payload_name, out[:used], arriving=arriving, equal_parts=True,
+                                    final=True)
+        return gathered, None
 
 
 class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
@@ -155,3 +220,34 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
     def decode(self, gathered, out):
         """Step 3: adds every owner's decoded sum into its chunk of ``out`` (float32, zeros on entry)."""
         self.decode_gathered(gathered, out)
+
+    def conduct(self, transport, x, step, residual=None, owner_residual=None):
+        """The exchange up to its result, as :meth:`AllgatherPlan.conduct`: the slices to their owners, the
+        owner's step, the owners' sums to every rank; a refusal (see :meth:`sum_and_encode`) is returned once
+        its notice is sent. ``owner_residual``: None, or a function called once the slices arrived that returns
+        the owner-side residual as the codec takes it (or None)."""
+        out = transport.zeros(self.capacity(), "uint8")
+        own = transport.empty(self.own_numel(), "float32")
+        splits = self.encode(transport.array(x), transport.array(out), transport.array(own), step, residual)
+        received = yield Collective(ALLTOALL, self.payload_name, out[:sum(splits)], splits=splits,
+                                    arriving=self.first_stage_arriving())
+        owned = transport.zeros(self.owned_capacity(), "uint8")
+        used, refusal = self.sum_and_encode(transport.array(received), transport.array(own), transport.array(owned),
+                                            step, None if owner_residual is None else owner_residual())
+        gathered = yield Collective(ALLGATHER, self.second_stage_name, owned[:used],
+                                    arriving=self.second_stage_arriving(), final=True)
+        return gathered, refusal
+
+    def first_stage_arriving(self):
+        """Bytes of the slice each rank sends this owner (0 from itself), or None where payload sizes vary."""
+        if not self.first.payload_nbytes_is_fixed:
+            return None
+        begin, end = self.owned
+        return [0 if sender == self.rank else self.first.max_payload_nbytes(end - begin)
+                for sender in range(self.num_ranks)]
+
+    def second_stage_arriving(self):
+        """Bytes of each owner's re-encoded sum, or None where payload sizes vary."""
+        if not self.second.payload_nbytes_is_fixed:
+            return None
+        return [self.second.max_payload_nbytes(end - begin) for begin, end in self.bounds]

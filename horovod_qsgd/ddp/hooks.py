@@ -93,7 +93,7 @@ import torch.distributed as dist
 from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit, shard_numel
-from horovod_qsgd.common.engine import PayloadEngine
+from horovod_qsgd.common.engine import ALLTOALL, PayloadEngine, drive
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag, warn_node_blind
 from horovod_qsgd.common.state import check_loadable, state_header
@@ -462,7 +462,7 @@ class _OwnerResidual:
         self._kept.settle_on_host(stamps)
 
     def fits(self, layout, plan):
-        return (plan.kind == "two_stage" and self.layout == [tuple(p) for p in layout]
+        return (plan.owned is not None and self.layout == [tuple(p) for p in layout]
                 and self.owned == tuple(plan.owned))
 
     def spill(self, spilled, residuals):
@@ -488,14 +488,63 @@ class _OwnerResidual:
 
 
 class _Exchange:
-    """One bucket between its hook call and its decode."""
+    """One bucket between its hook call and its decode: the engine's ``conduct`` of its exchange, and what its
+    settle needs."""
 
     def __init__(self, state, bucket, group, plan, split, flat, residual, future):
         self.state, self.group, self.plan, self.split, self.layout = state, group, plan, split, split.layout
         self.index, self.buffer, self.flat, self.residual = bucket.index(), bucket.buffer(), flat, residual
         self.step, self.future = state.iteration, future
-        self.owner_residual, self.work, self.received, self.own, self.refusal = None, None, None, None, None
+        self.transport, self.conduct, self.owner_residual, self.work, self.received = None, None, None, None, None
         self.stamps, self.stamp = None, 0  # on a GPU, the bucket's verdict stamps and this step's stamp
+
+    def take_owner_residual(self):
+        """What the owner's step reads the bucket's owner-side residual through (the engine calls it once the
+        slices have arrived)."""
+        state = self.state
+        self.owner_residual = state._kept_residual(state._owner_residuals, self.index, self.layout, self.plan.owned,
+                                                   self.flat.device, self.stamps, self.stamp)
+        return as_array(self.owner_residual)
+
+
+class _Transport:
+    """The engine's collectives (:class:`~horovod_qsgd.common.engine.Collective`) over ``torch.distributed``'s
+    ``group``, where this rank is ``rank``; tensors on ``device``. Every size is known in advance (the hooks
+    take fixed-size payloads only): an allgather of equal parts is one ``all_gather_single``, one of parts
+    that differ (the owners' sums) an ``all_to_all_single`` of this rank's part to every rank."""
+
+    def __init__(self, group, rank, device):
+        self.group, self.rank, self.device = group, rank, device
+        self.started = 0
+
+    def zeros(self, n, dtype):
+        return torch.zeros(n, dtype=getattr(torch, dtype), device=self.device)
+
+    def empty(self, n, dtype):
+        return torch.empty(n, dtype=getattr(torch, dtype), device=self.device)
+
+    array = staticmethod(as_array)
+
+    def start(self, collective, async_op=True):
+        """(the work of ``collective``, the tensor it receives into)."""
+        arriving, send = collective.arriving, collective.send
+        received = torch.empty(sum(arriving), dtype=torch.uint8, device=self.device)
+        self.started += 1
+        if collective.kind == ALLTOALL:
+            return dist.all_to_all_single(received, send, arriving, collective.splits, group=self.group,
+                                          async_op=async_op), received
+        part = arriving[self.rank]
+        if send.numel() < part:  # a refusal notice: zero-padded to the size every peer expects
+            send = torch.cat([send, torch.zeros(part - send.numel(), dtype=torch.uint8, device=self.device)])
+        if collective.equal_parts:
+            return _all_gather_single(received, send, group=self.group, async_op=async_op), received
+        return dist.all_to_all_single(received, send.repeat(len(arriving)), arriving, [part] * len(arriving),
+                                      group=self.group, async_op=async_op), received
+
+    def run(self, collective):
+        """``collective`` run to its end; what it received."""
+        _, received = self.start(collective, async_op=False)
+        return received
 
 
 def payload_hook(state, bucket):
@@ -511,11 +560,11 @@ def payload_hook(state, bucket):
         if state.error_feedback:
             state._spill_stale_owner_residual(bucket.index(), split.layout, None)
         future = _allreduce_average(state, buffer, group, len(bucket.parameters()))
-        _start_second_stage(state)  # the waiting bucket's second stage, after this collective on every rank
+        _resume_waiting(state)  # the waiting bucket's second stage, after this collective on every rank
     else:
         future = _compress(state, bucket, group, buffer, num_ranks, split)
     if bucket.is_last():
-        _start_second_stage(state)
+        _resume_waiting(state)
         state.iteration += 1
     return future
 
@@ -543,28 +592,30 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
     exchange = _Exchange(state, bucket, group, plan, split, flat, residual, _new_future(flat.device))
     exchange.stamps, exchange.stamp = stamps, stamp
     future = _with_small(exchange.future, small_future, split, bucket_flat)
-    out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
+    exchange.transport = _Transport(group, group.rank(), flat.device)
     with kernel_stream(flat.device):
-        if plan.kind == "allgather":
-            used = plan.encode(as_array(flat), as_array(out), exchange.step, as_array(residual))
-            # fixed-size payloads: every rank's is ``capacity`` bytes, as all_gather_single needs
-            gathered = torch.empty(num_ranks * used, dtype=torch.uint8, device=flat.device)
-            work = _all_gather_single(gathered, out[:used], group=group, async_op=True)
-            state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-            _start_second_stage(state)
-            work.get_future().then(lambda _: _finish(exchange, gathered))
-            return future
-        exchange.own = torch.empty(plan.own_numel(), dtype=torch.float32, device=flat.device)
-        splits = plan.encode(as_array(flat), as_array(out), as_array(exchange.own), exchange.step, as_array(residual))
-    arriving = [0 if sender == plan.rank else plan.first.max_payload_nbytes(plan.own_numel())
-                for sender in range(num_ranks)]
-    exchange.received = torch.empty(sum(arriving), dtype=torch.uint8, device=flat.device)
-    exchange.work = dist.all_to_all_single(exchange.received, out[:sum(splits)], arriving, splits, group=group,
-                                           async_op=True)
-    state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-    _start_second_stage(state)
-    state._waiting = exchange
+        exchange.conduct = plan.conduct(exchange.transport, flat, exchange.step, as_array(residual),
+                                        exchange.take_owner_residual if state.error_feedback else None)
+        waits = _advance(exchange)
+    state._stats.add(encode_seconds=time.perf_counter() - start)
+    _resume_waiting(state)  # the bucket before's next collective, after this bucket's first on every rank
+    if waits:
+        state._waiting = exchange
     return future
+
+
+def _advance(exchange, received=None):
+    """Runs the bucket's exchange to its next collective and starts it; True if that collective is not the last
+    (the next hook call resumes the exchange, so a bucket's first collective overlaps the backward pass), else
+    its arrival finishes the bucket."""
+    collective = exchange.conduct.send(received)
+    work, arriving = exchange.transport.start(collective)
+    exchange.state._stats.add(collectives_started=1)
+    if collective.final:
+        work.get_future().then(lambda _: _finish(exchange, arriving))
+        return False
+    exchange.work, exchange.received = work, arriving
+    return True
 
 
 def _node_aware(state, bucket, group, buffer, split):
@@ -587,7 +638,7 @@ def _node_aware(state, bucket, group, buffer, split):
         residual = state._kept_residual(state._shard_residuals, bucket.index(), split.layout,
                                         (base, base + shard), device)
         owners = state._owner_residuals
-        if plan.kind == "two_stage":
+        if plan.owned is not None:
             begin, end = plan.owned
             owner_residual = state._kept_residual(owners, bucket.index(), split.layout, (base + begin, base + end),
                                                   device)
@@ -605,30 +656,11 @@ def _node_aware(state, bucket, group, buffer, split):
     node_sum = slices[:shard]
     for j in range(1, nodes.local_size):  # in local-rank order: the same bits on every node
         node_sum += slices[j * shard:(j + 1) * shard]
-    out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=device)
-    refusal = None
+    cross = _Transport(nodes.cross, nodes.cross_rank, device)
     with kernel_stream(device):
-        if plan.kind == "allgather":
-            used = plan.encode(as_array(node_sum), as_array(out), step, as_array(residual))
-            gathered = torch.empty(nodes.count * used, dtype=torch.uint8, device=device)
-            _all_gather_single(gathered, out[:used], group=nodes.cross)
-            collectives = 3
-        else:
-            own = torch.empty(plan.own_numel(), dtype=torch.float32, device=device)
-            splits = plan.encode(as_array(node_sum), as_array(out), as_array(own), step, as_array(residual))
-            arriving = [0 if sender == plan.rank else plan.first.max_payload_nbytes(plan.own_numel())
-                        for sender in range(nodes.count)]
-            received = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
-            dist.all_to_all_single(received, out[:sum(splits)], arriving, splits, group=nodes.cross)
-            capacity = plan.owned_capacity()
-            owned = torch.zeros(capacity, dtype=torch.uint8, device=device)
-            _, refusal = plan.sum_and_encode(as_array(received), as_array(own), as_array(owned), step,
-                                             as_array(owner_residual))
-            arriving = [plan.second.max_payload_nbytes(end - begin) for begin, end in plan.bounds]
-            gathered = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
-            dist.all_to_all_single(gathered, owned.repeat(nodes.count), arriving, [capacity] * nodes.count,
-                                   group=nodes.cross)
-            collectives = 4
+        gathered, refusal = drive(plan.conduct(cross, node_sum, step, as_array(residual),
+                                               lambda: as_array(owner_residual)), cross.run)
+    collectives = 2 + cross.started
     # what crossed, still compressed, behind this rank's failure flag, to every rank of the node: rows of one
     # length (fixed payload sizes, one shard size); every rank decodes every shard with its local rank's plan
     error = refusal
@@ -705,39 +737,33 @@ def _new_future(device):
     return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
 
 
-def _start_second_stage(state):
-    """The waiting bucket's owner step and its second collective (see the module's docstring for the order)."""
+def _resume_waiting(state):
+    """The waiting bucket's exchange, resumed once its collective arrived: for the two stages, the owner's step
+    and the second collective (see the module's docstring for the order)."""
     exchange, state._waiting = state._waiting, None
     if exchange is None:
         return
     start = time.perf_counter()
-    plan, group, device = exchange.plan, exchange.group, exchange.flat.device
     exchange.work.wait()
-    capacity = plan.owned_capacity()
-    out = torch.zeros(capacity, dtype=torch.uint8, device=device)
-    if state.error_feedback:
-        exchange.owner_residual = state._kept_residual(state._owner_residuals, exchange.index, exchange.layout,
-                                                       plan.owned, device, exchange.stamps, exchange.stamp)
-    with kernel_stream(device):
-        _, exchange.refusal = plan.sum_and_encode(as_array(exchange.received), as_array(exchange.own),
-                                                  as_array(out), exchange.step, as_array(exchange.owner_residual))
-    # Every owner sends its whole capacity (a refusal notice is zero-padded to it): the receivers' sizes
-    # are fixed in advance, so a refusal reaches every rank as a header to raise on, never a size mismatch.
-    arriving = [plan.second.max_payload_nbytes(end - begin) for begin, end in plan.bounds]
-    gathered = torch.empty(sum(arriving), dtype=torch.uint8, device=device)
-    work = dist.all_to_all_single(gathered, out.repeat(plan.num_ranks), arriving, [capacity] * plan.num_ranks,
-                                  group=group, async_op=True)
-    state._stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-    exchange.received = exchange.own = exchange.work = None
-    work.get_future().then(lambda _: _finish(exchange, gathered))
+    received, exchange.work, exchange.received = exchange.received, None, None
+    with kernel_stream(exchange.flat.device):
+        if _advance(exchange, received):
+            state._waiting = exchange
+    state._stats.add(encode_seconds=time.perf_counter() - start)
 
 
-def _finish(exchange, gathered):
+def _finish(exchange, received):
     """Decodes into the bucket's buffer, divides by N, keeps the step's residuals if the result is finite."""
     state, plan = exchange.state, exchange.plan
     try:
-        if exchange.refusal is not None:
-            raise exchange.refusal
+        try:
+            exchange.conduct.send(received)
+        except StopIteration as done:
+            gathered, refusal = done.value
+        finally:
+            exchange.conduct = exchange.transport = None  # the conduct refers to the exchange: no cycle kept
+        if refusal is not None:
+            raise refusal
         start = time.perf_counter()
         total = exchange.flat.zero_()
         with kernel_stream(total.device):

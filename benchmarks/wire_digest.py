@@ -1,0 +1,200 @@
+"""A digest of every byte the compressors hand to a collective: shows a refactor left the wire as it was.
+
+    python benchmarks/wire_digest.py [--steps 3] [--only ddp] [--out FILE]
+
+Trains a small MLP (three weights above ``min_numel``, biases below it) for
+``--steps`` steps on ``--ranks`` ranks of one machine, once per setting, under
+the DDP hooks (``torchrun``, Gloo) and under Horovod's PyTorch optimizer
+(``horovodrun --gloo``). Every collective call the adapter makes is wrapped:
+its name (Horovod), kind, splits and a SHA-256 of the bytes it sends are
+appended to the rank's log, in call order; so is a digest of the trained
+weights. The record is one digest per (adapter, setting, rank) over that log,
+plus the number of calls and bytes sent: two revisions with equal digests put
+the same bytes on the wire, in the same order, and trained to the same bits.
+
+The DDP node-aware settings set ``GROUP_RANK`` to ``rank // 2`` before the
+first bucket, so that ranks 0-1 and 2-3 are two "nodes" (``--ranks 4``).
+Prints the JSON record; ``--out`` writes it too. Run it at two revisions
+(a ``git worktree`` of the older one) and compare the files.
+"""
+import argparse
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DDP_SETTINGS = {
+    "qsgd4-allgather": ("QSGDState", dict(bits=4, bucket_size=128, exchange="allgather")),
+    "qsgd4-two_stage": ("QSGDState", dict(bits=4, bucket_size=128, exchange="two_stage", second_stage_bits=8)),
+    "topk-allgather": ("TopKState", dict(ratio=0.05, exchange="allgather")),
+    "topk-two_stage": ("TopKState", dict(ratio=0.05, exchange="two_stage")),
+    "qsgd4-node_aware": ("QSGDState", dict(bits=4, bucket_size=128, exchange="node_aware")),
+    "topk-node_aware": ("TopKState", dict(ratio=0.05, exchange="node_aware")),
+}
+HOROVOD_SETTINGS = {
+    "qsgd4-auto": ("QSGD", dict(bits=4, bucket_size=128, exchange="auto", min_numel=1000)),
+    "qsgd4-two_stage-unfused": ("QSGD", dict(bits=4, bucket_size=128, exchange="two_stage", fusion_threshold=0,
+                                            min_numel=1000)),
+    "topk-two_stage": ("TopK", dict(ratio=0.05, exchange="two_stage", min_numel=1000)),
+    "topk-allgather": ("TopK", dict(ratio=0.05, exchange="allgather", min_numel=1000)),
+}
+
+
+def _model(torch):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(96, 256), torch.nn.ReLU(), torch.nn.Linear(256, 192), torch.nn.ReLU(),
+                               torch.nn.Linear(192, 80))
+
+
+def _batch(torch, rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 96, generator=g), torch.randn(16, 80, generator=g)
+
+
+class _Log:
+    def __init__(self):
+        self.entries, self.calls, self.nbytes = [], 0, 0
+
+    def note(self, kind, tensor, **extra):
+        data = tensor.detach().contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+        self.entries.append(json.dumps(dict(kind=kind, sha=hashlib.sha256(data).hexdigest(), **extra),
+                                       sort_keys=True))
+        self.calls += 1
+        self.nbytes += len(data)
+
+    def record(self, weights):
+        self.entries.append("weights " + hashlib.sha256(b"".join(w.detach().numpy().tobytes()
+                                                                 for w in weights)).hexdigest())
+        return dict(digest=hashlib.sha256("\n".join(self.entries).encode()).hexdigest(), calls=self.calls,
+                    bytes_sent=self.nbytes)
+
+
+def _ddp_worker(setting, steps, out):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    import horovod_qsgd.ddp as qddp
+    from horovod_qsgd.ddp import hooks
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if setting.endswith("node_aware"):
+        os.environ["GROUP_RANK"] = str(rank // 2)
+    log = _Log()
+    real_a2a, real_gather, real_allreduce = dist.all_to_all_single, hooks._all_gather_single, dist.all_reduce
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        log.note("alltoall", input, splits=list(input_split_sizes or []))
+        return real_a2a(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    def all_gather_single(output, input, **kw):
+        log.note("allgather", input)
+        return real_gather(output, input, **kw)
+
+    def all_reduce(tensor, *args, **kw):
+        log.note("allreduce", tensor)
+        return real_allreduce(tensor, *args, **kw)
+    dist.all_to_all_single, hooks._all_gather_single, dist.all_reduce = all_to_all_single, all_gather_single, all_reduce
+    cls, kwargs = DDP_SETTINGS[setting]
+    model = DistributedDataParallel(_model(torch), bucket_cap_mb=0.1)
+    state = getattr(qddp, cls)(**kwargs)
+    model.register_comm_hook(state, qddp.qsgd_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _batch(torch, rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(log.record(list(model.parameters())), f)
+    dist.barrier()
+    os._exit(0)  # Gloo's threads at interpreter exit sometimes abort the process ("terminate called ...")
+
+
+def _horovod_worker(setting, steps, out):
+    import torch
+    import horovod.torch as hvd
+    import horovod_qsgd.torch as qtorch
+    hvd.init()
+    log = _Log()
+    real_allgather, real_alltoall = hvd.allgather_async, hvd.alltoall_async
+
+    def allgather_async(tensor, name=None, **kw):
+        log.note("allgather", tensor, name=name)
+        return real_allgather(tensor, name=name, **kw)
+
+    def alltoall_async(tensor, splits=None, name=None, **kw):
+        log.note("alltoall", tensor, name=name, splits=None if splits is None else splits.tolist())
+        return real_alltoall(tensor, splits=splits, name=name, **kw)
+    hvd.allgather_async, hvd.alltoall_async = allgather_async, alltoall_async
+    cls, kwargs = HOROVOD_SETTINGS[setting]
+    model = _model(torch)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(qtorch, cls)(**kwargs))
+    for step in range(steps):
+        x, y = _batch(torch, hvd.rank(), step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    with open(f"{out}.rank{hvd.rank()}", "w") as f:
+        json.dump(log.record(list(model.parameters())), f)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(adapter, setting, ranks, steps, tmp):
+    out = os.path.join(tmp, f"{adapter}-{setting}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=ROOT)
+    me = [os.path.abspath(__file__), "--worker", adapter, setting, str(steps), out]
+    if adapter == "ddp":
+        job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+               str(_free_port()), *me]
+    else:
+        job = ["horovodrun", "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable, *me]
+    subprocess.run(job, env=env, check=True, stdout=subprocess.DEVNULL, timeout=600)
+    ranks_seen = []
+    for rank in range(ranks):
+        with open(f"{out}.rank{rank}") as f:
+            ranks_seen.append(json.load(f))
+    return ranks_seen
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        adapter, setting, steps, out = sys.argv[2:6]
+        sys.path.insert(0, ROOT)
+        (_ddp_worker if adapter == "ddp" else _horovod_worker)(setting, int(steps), out)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out")
+    parser.add_argument("--only", help="run only the settings whose label contains this (e.g. ddp)")
+    args = parser.parse_args()
+    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+    record = dict(revision=revision, steps=args.steps, runs={})
+    with tempfile.TemporaryDirectory() as tmp:
+        for adapter, settings in (("ddp", DDP_SETTINGS), ("horovod", HOROVOD_SETTINGS)):
+            for setting in settings:
+                ranks = 4 if setting.endswith("node_aware") else 3
+                if args.only and args.only not in f"{adapter} {setting}":
+                    continue
+                record["runs"][f"{adapter} {setting} x{ranks}"] = _launch(adapter, setting, ranks, args.steps, tmp)
+                print(f"{adapter} {setting} x{ranks}: {record['runs'][f'{adapter} {setting} x{ranks}']}",
+                      flush=True)
+    text = json.dumps(record, indent=1, sort_keys=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The engine's exchanges conducted among N ranks in one process: the collectives each asks for, in order,
+and the sum every rank decodes, against the reference built from the codecs alone.
+
+The transport here is the collectives' definition written out (an allgather
+concatenates every rank's part in rank order; an alltoall hands rank j each
+sender's ``splits[j]`` bytes, in sender order), over numpy arrays: the same
+contract the adapters' transports implement over Horovod and torch.distributed,
+whose multi-rank tests run the same conduct under horovodrun and torchrun.
+"""
+import numpy as np
+import pytest
+
+from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+from horovod_qsgd.common.chunks import chunk_unit
+from horovod_qsgd.common.engine import ALLGATHER, ALLTOALL, PayloadEngine, drive
+from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.stats import CompressionStats
+from tests.two_stage_reference import gradient, reference
+
+
+class _Arrays:
+    zeros = staticmethod(lambda n, dtype: np.zeros(n, dtype))
+    empty = staticmethod(lambda n, dtype: np.empty(n, dtype))
+    array = staticmethod(lambda tensor: tensor)
+
+
+def _deliver(collectives, sized=True):
+    """What each rank receives from one collective that every rank asked for (their ``collectives``).
+    ``sized``: as torch.distributed, every part is the size its receiver announced (else as Horovod: any size)."""
+    first = collectives[0]
+    assert all((c.kind, c.name, c.final, c.equal_parts) == (first.kind, first.name, first.final, first.equal_parts)
+               for c in collectives), "the ranks asked for different collectives"
+    if first.kind == ALLGATHER:
+        parts = [np.asarray(c.send) for c in collectives]
+        for sender, c in enumerate(collectives):  # a part shorter than announced (a refusal) goes zero-padded
+            if sized and c.arriving is not None and parts[sender].size < c.arriving[sender]:
+                parts[sender] = np.concatenate([parts[sender], np.zeros(c.arriving[sender] - parts[sender].size,
+                                                                        np.uint8)])
+        for c in collectives:  # what each rank said it would receive is what arrives
+            assert not sized or c.arriving is None or c.arriving == [p.size for p in parts]
+        return [np.concatenate(parts)] * len(collectives)
+    assert first.kind == ALLTOALL
+    starts = [np.cumsum([0] + c.splits) for c in collectives]
+    received = []
+    for owner, c in enumerate(collectives):
+        parts = [np.asarray(s.send)[start[owner]:start[owner + 1]] for s, start in zip(collectives, starts)]
+        assert not sized or c.arriving is None or c.arriving == [p.size for p in parts]
+        received.append(np.concatenate(parts))
+    return received
+
+
+def _conduct_all(conducts, sized=True):
+    """Runs every rank's conduct in lockstep; [(kind, name)] of the collectives and every rank's return."""
+    asked, received = [], [None] * len(conducts)
+    while True:
+        collectives = []
+        for rank, conduct in enumerate(conducts):
+            try:
+                collectives.append(conduct.send(received[rank]))
+            except StopIteration as done:
+                collectives.append(done.value)
+        if not hasattr(collectives[0], "kind"):
+            return asked, collectives
+        asked.append((collectives[0].kind, collectives[0].name, collectives[0].final))
+        received = _deliver(collectives, sized)
+
+
+@pytest.mark.parametrize("exchange, codec", [
+    ("allgather", QSGDCodec(bits=4, bucket_size=128)),
+    ("two_stage", QSGDCodec(bits=4, bucket_size=128)),
+    ("two_stage", TopKCodec(ratio=0.05)),
+    ("allgather", TopKCodec(ratio=0.05)),
+])
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+def test_every_rank_decodes_the_reference_sum_from_the_collectives_it_named(exchange, codec, num_ranks):
+    numel, step, name = 10_000, 2, "w"
+    grads = [gradient(r, numel, step) for r in range(num_ranks)]
+    feedback = isinstance(codec, TopKCodec)
+    residuals = [np.random.default_rng(7 + r).standard_normal(numel).astype(np.float32) * 0.1 if feedback else None
+                 for r in range(num_ranks)]
+    ours = [None if r is None else r.copy() for r in residuals]
+    engine = PayloadEngine(codec, codec, exchange, CompressionStats())
+    plans = [engine.plan(name, numel, num_ranks, rank, 4 * numel, 0) for rank in range(num_ranks)]
+    owner_residuals = [np.zeros(p.own_numel(), np.float32) if feedback and exchange == "two_stage" else None
+                       for p in plans]
+    ours_owner = [None if o is None else o.copy() for o in owner_residuals]
+    conducts = [plan.conduct(_Arrays, grads[r], step, ours[r], lambda r=r: ours_owner[r])
+                for r, plan in enumerate(plans)]
+    asked, returned = _conduct_all(conducts)
+
+    if exchange == "allgather":
+        assert asked == [(ALLGATHER, "horovod_qsgd.payload.w", True)]
+        expected = np.zeros(numel, np.float32)
+        for r in range(num_ranks):
+            buf = np.zeros(codec.max_payload_nbytes(numel), np.uint8)
+            used = codec.encode(grads[r], buf, step=step, key=_rank_key(name, r),
+                                residual=residuals[r])
+            codec.decode_accumulate(buf[:used], expected)
+    else:
+        assert asked == [(ALLTOALL, "horovod_qsgd.payload.w", False),
+                         (ALLGATHER, "horovod_qsgd.sum.w", True)]
+        expected = reference(codec, codec, name, grads, step, chunk_unit(codec), residuals if feedback else None,
+                             owner_residuals if feedback else None)
+    for plan, (gathered, refusal) in zip(plans, returned):
+        assert refusal is None
+        total = np.zeros(numel, np.float32)
+        plan.decode(gathered, total)
+        np.testing.assert_array_equal(total, expected)
+    if feedback:  # every rank's error-feedback state as the reference left it
+        for r in range(num_ranks):
+            np.testing.assert_array_equal(ours[r], residuals[r])
+            if owner_residuals[r] is not None:
+                np.testing.assert_array_equal(ours_owner[r], owner_residuals[r])
+
+
+def _rank_key(name, rank):
+    from horovod_qsgd.common.naming import rank_key
+    return rank_key(name, rank)
+
+
+def test_a_mismatched_slice_is_refused_on_every_rank_after_the_last_collective():
+    """Rank 2 encodes 4-bit, the others 8-bit: each owner that receives its slice refuses, sends the notice in
+    place of its sum, and every rank gets the error with what the last collective received, none before."""
+    numel, num_ranks = 10_000, 3
+    plans = []
+    for rank in range(num_ranks):
+        codec = QSGDCodec(bits=4 if rank == 2 else 8, bucket_size=128)
+        plans.append(PayloadEngine(codec, codec, "two_stage", CompressionStats()).plan("w", numel, num_ranks, rank,
+                                                                                        4 * numel, 0))
+    conducts = [p.conduct(_Arrays, gradient(r, numel), 0) for r, p in enumerate(plans)]
+    asked, returned = _conduct_all(conducts, sized=False)  # the slices' sizes differ, as Horovod carries them
+    assert [kind for kind, _, _ in asked] == [ALLTOALL, ALLGATHER]
+    for rank, (gathered, refusal) in enumerate(returned):
+        assert gathered is not None
+        if rank == 2:  # its own slices matched nobody's codec, but what it received is 8-bit from both senders
+            assert isinstance(refusal, CompressionMismatchError) and "rank 0" in str(refusal)
+        else:
+            assert isinstance(refusal, CompressionMismatchError) and "rank 2" in str(refusal)
+        with pytest.raises(CompressionMismatchError):  # the bytes it received carry the others' notices
+            plans[rank].decode(gathered, np.zeros(numel, np.float32))
+
+
+def test_drive_runs_a_conduct_to_its_end_through_one_function():
+    codec = QSGDCodec(bits=8, bucket_size=128)
+    plan = PayloadEngine(codec, codec, "allgather", CompressionStats()).plan("w", 1000, 1, 0, 4000, 0)
+    seen = []
+
+    def run(collective):
+        seen.append(collective.kind)
+        return np.asarray(collective.send)
+    gathered, refusal = drive(plan.conduct(_Arrays, gradient(0, 1000), 0), run)
+    total = np.zeros(1000, np.float32)
+    plan.decode(gathered, total)
+    assert seen == [ALLGATHER] and refusal is None
+    np.testing.assert_allclose(total, gradient(0, 1000), atol=np.abs(gradient(0, 1000)).max() / 127)
