@@ -183,6 +183,15 @@ class NodeLayout:
         return splits
 
 
+def looks_for_nodes(exchange, on_gpu, global_group):
+    """Whether a compressor with this ``exchange`` finds the job's nodes, for gradients on a GPU (``on_gpu``)
+    or not, exchanged in the global process set or group (``global_group``); where it finds several nodes of
+    equal size it takes the node-aware exchange for them. The one place that ``"auto"`` chooses it: for GPU
+    gradients only. On CPU nodes the full-precision steps in the node, over Gloo's TCP, cost more than they
+    save at 1 Gbit/s (``benchmarks/results/ddp-hooks/nodes*``), and ``"auto"`` stays node-blind there."""
+    return global_group and (exchange == NODE_AWARE or (exchange == "auto" and on_gpu))
+
+
 def job_nodes(records, rank, asked):
     """The job's :class:`NodeLayout` from every rank's (local rank, local size, cross rank, cross size) as
     Horovod gives them (allgathered: alike on every rank), or None where it has none to use; ``asked``

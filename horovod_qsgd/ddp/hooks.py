@@ -95,7 +95,8 @@ from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.engine import ALLTOALL, PayloadEngine, drive
 from horovod_qsgd.common.handshake import check_settings, settings_record
-from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag, warn_node_blind
+from horovod_qsgd.common.node_aware import (NODE_AWARE, decode_forwarded, gather_flag, looks_for_nodes,
+                                            warn_node_blind)
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
@@ -196,10 +197,9 @@ class _PayloadState:
         mine = settings_record(type(self).__name__, dict(self.settings(), device=device.type))
         dist.all_gather_object(records, mine, group=group)
         check_settings(records)
-        if self.exchange == NODE_AWARE:
-            self._nodes = _Nodes.of_this_job(group, self.process_group)
-        elif self.exchange == "auto" and self.process_group is None and device.type == "cuda":
-            self._nodes = _Nodes.of_this_job(group, None, quiet=True)
+        if self.exchange == NODE_AWARE or looks_for_nodes(self.exchange, device.type == "cuda",
+                                                          self.process_group is None):
+            self._nodes = _Nodes.of_this_job(group, self.process_group, quiet=self.exchange != NODE_AWARE)
         self._verified = True
 
     def _split(self, bucket):

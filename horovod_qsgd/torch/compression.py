@@ -48,7 +48,7 @@ from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_m
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
-from horovod_qsgd.common.node_aware import NODE_AWARE, NODE_AWARE_GROUP_NBYTES, job_nodes
+from horovod_qsgd.common.node_aware import NODE_AWARE, NODE_AWARE_GROUP_NBYTES, job_nodes, looks_for_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
@@ -492,8 +492,7 @@ class PayloadCompressor(_CompressorBase):
     def _handshake(self, process_set, tensor):
         """Also finds the nodes, once, where the exchange may be node-aware (see :meth:`_takes_node_aware`)."""
         first = super()._handshake(process_set, tensor)
-        if first and process_set.process_set_id == 0 and (
-                self.exchange == NODE_AWARE or (self.exchange == "auto" and tensor.is_cuda)):
+        if first and looks_for_nodes(self.exchange, tensor.is_cuda, process_set.process_set_id == 0):
             self._nodes = self._find_nodes()
         return first
 
@@ -504,11 +503,10 @@ class PayloadCompressor(_CompressorBase):
         return job_nodes(records, hvd.rank(), asked=self.exchange == NODE_AWARE)
 
     def _takes_node_aware(self, site, tensor):
-        """True for a tensor of the global process set on several nodes, under exchange='node_aware', or under
-        'auto' on a GPU (CPU tensors stay node-blind: the full-precision in-node steps over Gloo's TCP cost more
-        than they save, measured on 1 Gbit/s nodes; ``benchmarks/results/ddp-hooks/nodes*``)."""
-        return (self._nodes is not None and site.process_set.process_set_id == 0
-                and (self.exchange == NODE_AWARE or tensor.is_cuda))
+        """True for a tensor on several nodes that :func:`~horovod_qsgd.common.node_aware.looks_for_nodes`
+        sends node-aware."""
+        return self._nodes is not None and looks_for_nodes(self.exchange, tensor.is_cuda,
+                                                           site.process_set.process_set_id == 0)
 
     def _owner_layout(self, site, tensor):
         if self._takes_node_aware(site, tensor):

@@ -256,3 +256,14 @@ def test_the_steps_of_a_node_aware_exchange_give_every_rank_the_same_sum_fused_o
             assert f"rank(s) {named} of this node {what}" in str(failed[rank]), failed[rank]
         for rank in range(local_size, nodes * local_size):  # local rank 1 of node 0 refused; each told the others
             assert "local rank" in str(failed[rank]) and "of node k" in str(failed[rank]), failed[rank]
+
+
+def test_auto_looks_for_nodes_for_gpu_gradients_of_the_global_group_only():
+    """The rule every PyTorch adapter asks (Horovod's and DDP's): 'node_aware' always looks for the nodes in
+    the global group; 'auto' only for GPU gradients; the flat exchanges never."""
+    from horovod_qsgd.common.node_aware import looks_for_nodes
+    table = {(exchange, on_gpu, global_group): looks_for_nodes(exchange, on_gpu, global_group)
+             for exchange in ("allgather", "two_stage", "auto", "node_aware")
+             for on_gpu in (False, True) for global_group in (False, True)}
+    assert {key for key, looks in table.items() if looks} == {
+        ("auto", True, True), ("node_aware", False, True), ("node_aware", True, True)}
