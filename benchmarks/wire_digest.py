@@ -7,8 +7,9 @@ Trains a small MLP (three weights above ``min_numel``, biases below it) for
 the DDP hooks (``torchrun``, Gloo) and under Horovod's PyTorch optimizer
 (``horovodrun --gloo``). Every collective call the adapter makes is wrapped:
 its name (Horovod), kind, splits and a SHA-256 of the bytes it sends are
-appended to the rank's log, in call order; so is a digest of the trained
-weights. The record is one digest per (adapter, setting, rank) over that log,
+appended to the rank's log, each name's calls in call order (Horovod's hooks
+compress tensors in the order their gradients become ready, which varies
+between runs); so is a digest of the trained weights. The record is one digest per (adapter, setting, rank) over that log,
 plus the number of calls and bytes sent: two revisions with equal digests put
 the same bytes on the wire, in the same order, and trained to the same bits.
 
@@ -56,20 +57,23 @@ def _batch(torch, rank, step):
 
 
 class _Log:
-    def __init__(self):
-        self.entries, self.calls, self.nbytes = [], 0, 0
+    """The calls by collective name, each name's in call order: Horovod's hooks compress tensors in the order
+    their gradients become ready, which differs between runs, while each name's calls are one per step."""
 
-    def note(self, kind, tensor, **extra):
+    def __init__(self):
+        self.entries, self.calls, self.nbytes = {}, 0, 0
+
+    def note(self, kind, tensor, name=None, **extra):
         data = tensor.detach().contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy().tobytes()
-        self.entries.append(json.dumps(dict(kind=kind, sha=hashlib.sha256(data).hexdigest(), **extra),
-                                       sort_keys=True))
+        self.entries.setdefault(name or "", []).append(
+            json.dumps(dict(kind=kind, sha=hashlib.sha256(data).hexdigest(), **extra), sort_keys=True))
         self.calls += 1
         self.nbytes += len(data)
 
     def record(self, weights):
-        self.entries.append("weights " + hashlib.sha256(b"".join(w.detach().numpy().tobytes()
-                                                                 for w in weights)).hexdigest())
-        return dict(digest=hashlib.sha256("\n".join(self.entries).encode()).hexdigest(), calls=self.calls,
+        lines = [f"{name} {entry}" for name in sorted(self.entries) for entry in self.entries[name]]
+        lines.append("weights " + hashlib.sha256(b"".join(w.detach().numpy().tobytes() for w in weights)).hexdigest())
+        return dict(digest=hashlib.sha256("\n".join(lines).encode()).hexdigest(), calls=self.calls,
                     bytes_sent=self.nbytes)
 
 

@@ -66,3 +66,23 @@ def concatenate_pieces(pieces, buffers):
             member, start, end = piece
             parts.append(buffers[member][start:end])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class TorchBuffers:
+    """What an exchange's conduct allocates and reads through (see :mod:`horovod_qsgd.common.collectives`):
+    PyTorch tensors on ``device``, and their codec arrays. The transports of the Horovod and DDP adapters add
+    the collectives."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def zeros(self, n, dtype):
+        return torch.zeros(n, dtype=getattr(torch, dtype), device=self.device)
+
+    def empty(self, n, dtype):
+        return torch.empty(n, dtype=getattr(torch, dtype), device=self.device)
+
+    array = staticmethod(as_array)
+
+    def concatenate(self, pieces, buffers):
+        return concatenate_pieces(pieces, buffers or [self.zeros(0, "uint8")])

@@ -23,11 +23,10 @@ for many tensors in one collective)
     3. ``decode``: every owner's sum into its chunk.
 
 Each plan's :meth:`~AllgatherPlan.conduct` runs those steps as a generator that
-yields each :class:`Collective` it needs, in order, and is sent what that
-collective received: an adapter that drives it (a *transport*: ``zeros``,
-``empty``, ``array``, see :meth:`AllgatherPlan.conduct`) never branches on the
-exchange, whether it waits at once, polls or resumes the exchange in a later
-call.
+yields each :class:`~horovod_qsgd.common.collectives.Collective` it needs, in
+order, and is sent what that collective received: the adapter that drives it
+(a transport, see :mod:`horovod_qsgd.common.collectives`) never branches on
+the exchange.
 
 The adapter then multiplies by :func:`~horovod_qsgd.common.exchange.reduction_scale`
 (sum or average, as its call site asked) and settles the step's state. Each
@@ -37,51 +36,12 @@ by whoever starts them (fusion decides how many there are), seconds by the
 adapter (they depend on where it waits).
 """
 
+from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, Collective
 from horovod_qsgd.common.exchange import decode_gathered
 from horovod_qsgd.common.node_aware import NODE_AWARE, NodeAwarePlan
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key
 from horovod_qsgd.common.two_stage import KeepsOwnerResidual, TwoStage, choose_exchange
 from horovod_qsgd.kernels import move_into_own_chunk
-
-
-ALLGATHER, ALLTOALL = "allgather", "alltoall"
-
-
-class Collective:
-    """One collective an exchange asks its adapter for.
-
-    ``kind``: :data:`ALLGATHER` (every rank's ``send`` to every rank, in rank
-    order) or :data:`ALLTOALL` (``splits[j]`` bytes of ``send`` to rank j, in
-    order); ``name``: what Horovod matches it by; ``send``: the adapter's
-    uint8 tensor. ``arriving``: bytes from each rank where every rank knows
-    them in advance (fixed-size payloads; else None), which collectives that
-    need sizes beforehand (``torch.distributed``) take: an allgather's part
-    shorter than ``arriving[rank]`` (a refusal notice) is sent zero-padded to
-    it. ``equal_parts``: every rank's part of an allgather has one size by
-    construction (not by chance). ``final``: what this collective receives is
-    the exchange's result, for the plan's ``decode``.
-    """
-    __slots__ = ("kind", "name", "send", "splits", "arriving", "equal_parts", "final")
-
-    def __init__(self, kind, name, send, splits=None, arriving=None, equal_parts=False, final=False):
-        self.kind, self.name, self.send, self.splits = kind, name, send, splits
-        self.arriving, self.equal_parts, self.final = arriving, equal_parts, final
-
-    def __repr__(self):
-        return (f"Collective({self.kind}, {self.name!r}, {len(self.send)} bytes, splits={self.splits}, "
-                f"arriving={self.arriving}, final={self.final})")
-
-
-def drive(conduct, run):
-    """Runs an exchange's ``conduct`` (a plan's generator) to its end, each collective by ``run(collective)``,
-    which returns what it received; returns what ``conduct`` returns."""
-    received = None
-    while True:
-        try:
-            collective = conduct.send(received)
-        except StopIteration as done:
-            return done.value
-        received = run(collective)
 
 
 class PayloadEngine:
@@ -235,7 +195,7 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
         used, refusal = self.sum_and_encode(transport.array(received), transport.array(own), transport.array(owned),
                                             step, None if owner_residual is None else owner_residual())
         gathered = yield Collective(ALLGATHER, self.second_stage_name, owned[:used],
-                                    arriving=self.second_stage_arriving(), final=True)
+                                    arriving=self.second_stage_arriving(), final=True, refusal=refusal)
         return gathered, refusal
 
     def first_stage_arriving(self):

@@ -33,8 +33,10 @@ import zlib
 import numpy as np
 
 from horovod_qsgd.codecs import HEADER_NBYTES, WIRE_VERSION, pack_header
+from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, Collective, RefusedEarlier
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import GROUP_CODEC_ID, check_payloads, decode_checked
+from horovod_qsgd.common.exchange import GROUP_CODEC_ID, check_payloads, decode_checked, refusal_notice
+from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's own HOROVOD_FUSION_THRESHOLD default
 
@@ -246,6 +248,35 @@ class FusedTwoStage(_FusedPayloads):
             return None, exc
         return [stage.encode_owned(total, out, step, residual) for stage, total, out, step, residual
                 in zip(self.stages, totals, outs, steps, owner_residuals)], None
+
+    def conduct(self, transport, name, slices, member_splits, owns, steps, owner_residuals):
+        """The group's exchange, named ``name``, from its members' encoded slices to what the owners' sums
+        arrive as, conducted as :meth:`~horovod_qsgd.common.engine.AllgatherPlan.conduct` does one tensor's.
+
+        ``slices[m]``, ``member_splits[m]``: member m's slices as its plan's ``encode`` wrote them (the
+        adapter's uint8 tensor) and their splits; ``owns[m]``: its own chunk (float32); ``owner_residuals``:
+        a function called once the slices arrived that returns each member's owner-side residual as the codec
+        takes it (or None each). Returns (what the owners' sums arrived as, for :meth:`decode`; None, or the
+        error this rank refused with). Thrown :class:`~horovod_qsgd.common.collectives.RefusedEarlier` at its
+        first collective, it sends a refusal notice in place of its sums without waiting for that collective.
+        """
+        pieces, splits = self.first_stage_pieces(member_splits)
+        try:
+            received = yield Collective(ALLTOALL, PAYLOAD_PREFIX + name, transport.concatenate(pieces, slices),
+                                        splits=splits)
+        except RefusedEarlier as earlier:
+            used, refusal = None, earlier.error
+        else:
+            outs = [transport.zeros(stage.owned_capacity(), "uint8") for stage in self.stages]
+            used, refusal = self.sum_and_encode(transport.array(received), [transport.array(own) for own in owns],
+                                                [transport.array(out) for out in outs], steps, owner_residuals())
+        del owns  # this rank's own chunks are in its sums now: not kept while the sums travel
+        if refusal is not None:
+            sent = transport.concatenate([refusal_notice()], [])
+        else:
+            sent = transport.concatenate(self.second_stage_pieces(used), outs)
+        gathered = yield Collective(ALLGATHER, SECOND_STAGE_PREFIX + name, sent, final=True, refusal=refusal)
+        return gathered, refusal
 
     def second_stage_pieces(self, used):
         """The pieces of this owner's part of the allgather, from ``sum_and_encode``'s bytes used."""

@@ -93,7 +93,8 @@ import torch.distributed as dist
 from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit, shard_numel
-from horovod_qsgd.common.engine import ALLTOALL, PayloadEngine, drive
+from horovod_qsgd.common.collectives import ALLTOALL, drive
+from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import (NODE_AWARE, decode_forwarded, gather_flag, looks_for_nodes,
                                             warn_node_blind)
@@ -101,7 +102,7 @@ from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_arrays import TorchBuffers, as_array, kernel_stream
 from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -507,23 +508,16 @@ class _Exchange:
         return as_array(self.owner_residual)
 
 
-class _Transport:
+class _Transport(TorchBuffers):
     """The engine's collectives (:class:`~horovod_qsgd.common.engine.Collective`) over ``torch.distributed``'s
     ``group``, where this rank is ``rank``; tensors on ``device``. Every size is known in advance (the hooks
     take fixed-size payloads only): an allgather of equal parts is one ``all_gather_single``, one of parts
     that differ (the owners' sums) an ``all_to_all_single`` of this rank's part to every rank."""
 
     def __init__(self, group, rank, device):
-        self.group, self.rank, self.device = group, rank, device
+        super().__init__(device)
+        self.group, self.rank = group, rank
         self.started = 0
-
-    def zeros(self, n, dtype):
-        return torch.zeros(n, dtype=getattr(torch, dtype), device=self.device)
-
-    def empty(self, n, dtype):
-        return torch.empty(n, dtype=getattr(torch, dtype), device=self.device)
-
-    array = staticmethod(as_array)
 
     def start(self, collective, async_op=True):
         """(the work of ``collective``, the tensor it receives into)."""

@@ -45,21 +45,23 @@ from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_missing
+from horovod_qsgd.common.collectives import RefusedEarlier, conclude
 from horovod_qsgd.common.engine import PayloadEngine
-from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale, refusal_notice
+from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
 from horovod_qsgd.common.node_aware import NODE_AWARE, NODE_AWARE_GROUP_NBYTES, job_nodes, looks_for_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
-from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
+from horovod_qsgd.common.naming import HANDSHAKE_NAME, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.kernels import finish_sum, move_into_own_chunk
-from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
+from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
+from horovod_qsgd.torch.transport import HorovodTransport
 from horovod_qsgd.torch.join import note_allreduce, refuse_if_a_rank_joined, take_over_hvd_join
 
 _PASS_THROUGH = object()
@@ -126,14 +128,13 @@ class _InFlight:
     ``_settle``); ``state`` holds what the last counted step left.
     """
     __slots__ = ("handle", "name", "shape", "dtype", "num_ranks", "step", "out", "state", "residual",
-                 "owner_residual", "plan")
+                 "owner_residual")
 
     def __init__(self, handle, name, shape, dtype, num_ranks, step, out, state=None, residual=None):
         self.handle, self.name, self.shape, self.dtype = handle, name, shape, dtype
         self.num_ranks, self.step = num_ranks, step
         self.out = out  # flat fp32 memory to decode into, or None for a new tensor
         self.state, self.residual, self.owner_residual = state, residual, None
-        self.plan = None  # the engine's plan of a payload exchange (horovod_qsgd.common.engine)
 
     def zeroed_output(self, device):
         """Zeros to accumulate the decoded payloads in.
@@ -426,33 +427,117 @@ class _CompressorBase:
         return None
 
 
-class _FirstStage:
-    """What ``_encode`` made of a two-stage tensor: the engine's plan, the encoded slices and their splits, the own
-    chunk."""
-    __slots__ = ("stage", "sent", "splits", "own")
+class _Alone:
+    """A tensor whose exchange the engine conducts alone: the allgather, started at compress (Horovod fuses
+    allgathers itself)."""
+    __slots__ = ("plan", "conduct", "handle")
 
-    def __init__(self, stage, sent, splits, own):
-        self.stage, self.sent, self.splits, self.own = stage, sent, splits, own
+    def __init__(self, plan, conduct, handle):
+        self.plan, self.conduct, self.handle = plan, conduct, handle
+
+    def join(self, compressor, ctx, site):
+        """Nothing to group with."""
+
+    def receive(self, compressor, ctx):
+        return compressor._node_exchanges.synchronize(self.handle)
+
+    def result(self, compressor, ctx, received):
+        gathered, _ = conclude(self.conduct, received)  # one collective: nothing to refuse
+        self.conduct = None
+        total = ctx.zeroed_output(gathered.device)
+        self.plan.decode(as_array(gathered), as_array(total))
+        return total
 
 
-class _TwoStageInFlight(_InFlight):
-    """A tensor between its compress and the decode of its fused group's second stage."""
-    __slots__ = ("stage", "sent", "splits", "own", "process_set", "group", "index")
+class _Fused:
+    """A two-stage tensor: its slices, encoded at compress, wait for the rest of its group (:class:`_Group`),
+    whose exchange the engine conducts. ``own``: this rank's own chunk, uncompressed (the start of the owner's
+    sum); ``group``, ``index``: its group once started, and its place there."""
+    __slots__ = ("plan", "sent", "splits", "own", "process_set", "group", "index")
 
-    def __init__(self, name, shape, dtype, num_ranks, step, out, first, process_set, state, residual):
-        super().__init__(None, name, shape, dtype, num_ranks, step, out, state, residual)
-        self.stage, self.sent, self.splits, self.process_set = first.stage, first.sent, first.splits, process_set
-        self.own = first.own  # this rank's own chunk, uncompressed: the start of the owner's sum
-        self.group, self.index = None, None  # its group, and its place there
+    def __init__(self, plan, sent, splits, own, process_set):
+        self.plan, self.sent, self.splits, self.own, self.process_set = plan, sent, splits, own, process_set
+        self.group = self.index = None
+
+    def join(self, compressor, ctx, site):
+        with compressor._lock:
+            ready = compressor._fuser.add((site.process_set.process_set_id, site.name), self.plan.payload_capacity(),
+                                          ctx)
+        for name, members in ready:
+            compressor._start_group(name, members)
+
+    def receive(self, compressor, ctx):
+        if self.group is None or self.group.second_handle is None:
+            compressor._start_node_aware_groups()
+            compressor._start_second_stages()
+        if self.group.results is None:
+            return compressor._node_exchanges.synchronize(self.group.second_handle)
+        return None  # decoded with an earlier member of its group
+
+    def result(self, compressor, ctx, received):
+        """The first member of a group to be decompressed decodes them all, in one pass.
+
+        The group lets go of its members once decoded, and each member of the group: a reference cycle
+        would keep every step's residual copies and buffers alive until Python's cycle collector ran
+        (measured: Top-k's step 2.5x slower, every large allocation page-faulting afresh).
+        """
+        group = self.group
+        if group.results is None:
+            # a refusal of this rank was raised as its second stage started; the notices in what arrived make
+            # the decode raise for every member decompressed after that
+            gathered, _ = conclude(group.conduct, received)
+            group.conduct = group.transport = None
+            outs = [member.zeroed_output(gathered.device) for member in group.members]
+            group.fused.decode(as_array(gathered), [as_array(out) for out in outs])
+            group.results, group.members = outs, None
+        result, group.results[self.index] = group.results[self.index], None
+        self.group = None
+        return result
 
 
 class _Group:
-    """Two-stage tensors that share one alltoall and one allgather (:mod:`horovod_qsgd.common.fusion`)."""
-    __slots__ = ("name", "fused", "members", "process_set", "device", "handle", "second_handle", "results")
+    """Two-stage tensors that share one alltoall and one allgather (:mod:`horovod_qsgd.common.fusion`): the
+    engine's conduct of their exchange, the handle of the collective in flight."""
+    __slots__ = ("name", "fused", "members", "transport", "conduct", "handle", "second_handle", "results")
 
-    def __init__(self, name, fused, members, process_set, device, handle):
-        self.name, self.fused, self.members, self.process_set, self.device = name, fused, members, process_set, device
+    def __init__(self, name, fused, members, transport, conduct, handle):
+        self.name, self.fused, self.members, self.transport, self.conduct = name, fused, members, transport, conduct
         self.handle, self.second_handle, self.results = handle, None, None
+
+
+class _NodeAware:
+    """A tensor in the node-aware exchange (:mod:`horovod_qsgd.torch.node_aware`), alone or fused."""
+    __slots__ = ("member",)
+
+    def __init__(self, member):
+        self.member = member
+
+    def join(self, compressor, ctx, site):
+        ctx.owner_residual = self.member.owner_residual
+        exchanges = compressor._node_exchanges
+        if compressor.fusion_threshold == 0:  # alone, under its own collectives' names (TensorFlow's wire)
+            exchanges.start([self.member])
+        else:
+            with compressor._lock:
+                ready = compressor._node_fuser.add((0, site.name), 4 * self.member.plan.padded_numel(), self.member)
+            for name, members in ready:
+                exchanges.start(members, name)
+        exchanges.progress()
+
+    def receive(self, compressor, ctx):
+        compressor._start_node_aware_groups()  # ends the round at its first decompress (later ones find it ended)
+        compressor._start_second_stages()  # a round's first decompress starts them, whatever its exchange
+        return compressor._node_exchanges.wait(self.member)
+
+    def result(self, compressor, ctx, result):
+        """``result`` in the gradient's memory where it may be, and the shard residual back in this step's
+        residual."""
+        member = self.member
+        if member.shard_residual is not None:
+            begin, end = member.plan.own_span()
+            ctx.residual.target[begin:end] = member.shard_residual[:end - begin]
+        ctx.handle = None
+        return result if ctx.out is None else ctx.out.copy_(result)
 
 
 class PayloadCompressor(_CompressorBase):
@@ -524,15 +609,16 @@ class PayloadCompressor(_CompressorBase):
         plan = self._engine.plan(site.name, flat.numel(), site.process_set.size(), site.process_set.rank(),
                                  tensor.numel() * tensor.element_size(), placeholder.element_size())
         residual = None if residual is None else as_array(residual)
-        out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
-        if plan.kind == "two_stage":
+        if plan.kind == "two_stage":  # Horovod does not fuse alltoalls: this adapter's Fuser groups them
+            out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
             own = torch.empty(plan.own_numel(), dtype=torch.float32, device=flat.device)
             splits = plan.encode(as_array(flat), as_array(out), as_array(own), step, residual)
-            return placeholder, _FirstStage(plan, out[:sum(splits)], splits, own)
-        used = plan.encode(as_array(flat), as_array(out), step, residual)
-        handle = hvd.allgather_async(out[:used], name=plan.payload_name, process_set=site.process_set)
+            return placeholder, _Fused(plan, out[:sum(splits)], splits, own, site.process_set)
+        transport = HorovodTransport(site.process_set, flat.device)
+        conduct = plan.conduct(transport, flat, step, residual)
+        handle = transport.start(next(conduct))
         self._stats.add(collectives_started=1)
-        return placeholder, (handle, plan)
+        return placeholder, _Alone(plan, conduct, handle)
 
     def _start_node_aware(self, tensor, flat, site, step, residual):
         """Step 1 of the node-aware exchange (horovod_qsgd.torch.node_aware), started.
@@ -554,7 +640,7 @@ class PayloadCompressor(_CompressorBase):
                 owner_residual = self._node_owner_residual(site.name, plan)
         else:
             padded[:flat.numel()] = flat
-        return NodeAwareMember(plan, step, padded, shard_residual, owner_residual)
+        return _NodeAware(NodeAwareMember(plan, step, padded, shard_residual, owner_residual))
 
     def _node_owner_residual(self, name, plan):
         """What this step reads and writes the owner-side residual of the node-aware ``plan``'s chunk through
@@ -566,46 +652,31 @@ class PayloadCompressor(_CompressorBase):
         return state.owner_residual.for_step(state.stamps, state.step)
 
     def _make_context(self, handle, site, tensor, state, out, residual):
-        if isinstance(handle, NodeAwareMember):
-            ctx = super()._make_context(handle, site, tensor, state, out, residual)
-            ctx.owner_residual = handle.owner_residual
-            if self.fusion_threshold == 0:  # alone, under its own collectives' names (TensorFlow's wire)
-                self._node_exchanges.start([handle])
-            else:
-                with self._lock:
-                    ready = self._node_fuser.add((0, site.name), 4 * handle.plan.padded_numel(), handle)
-                for name, members in ready:
-                    self._node_exchanges.start(members, name)
-            self._node_exchanges.progress()
-            return ctx
-        if not isinstance(handle, _FirstStage):
-            ctx = super()._make_context(handle[0], site, tensor, state, out, residual)
-            ctx.plan = handle[1]
-            return ctx
-        ctx = _TwoStageInFlight(site.name, tensor.shape, tensor.dtype, site.process_set.size(), state.step, out,
-                                handle, site.process_set, state, residual)
-        with self._lock:
-            ready = self._fuser.add((site.process_set.process_set_id, site.name), handle.stage.payload_capacity(),
-                                    ctx)
-        for name, members in ready:
-            self._start_first_stage(name, members)
+        ctx = super()._make_context(handle, site, tensor, state, out, residual)
+        handle.join(self, ctx, site)
         return ctx
 
-    def _start_first_stage(self, name, members):
-        """Starts the alltoall of a fused group's slices to their owners."""
-        fused = FusedTwoStage([member.stage for member in members])
-        pieces, splits = fused.first_stage_pieces([member.splits for member in members])
-        sent = concatenate_pieces(pieces, [member.sent for member in members])
-        manifests = sent.numel() - sum(sum(member.splits) for member in members)
-        process_set = members[0].process_set
-        handle = hvd.alltoall_async(sent, splits=torch.tensor(splits, dtype=torch.int32), name=PAYLOAD_PREFIX + name,
-                                    process_set=process_set)
-        started = _Group(name, fused, members, process_set, sent.device, handle)
-        for index, member in enumerate(members):
-            member.sent, member.group, member.index = None, started, index
+    def _start_group(self, name, members):
+        """Starts a fused group's exchange, which the engine conducts: first the alltoall of its slices."""
+        parts = [member.handle for member in members]
+        fused = FusedTwoStage([part.plan for part in parts])
+        transport = HorovodTransport(parts[0].process_set, parts[0].sent.device)
+        numels = [part.plan.own_numel() for part in parts]
+
+        def owner_residuals():
+            return [as_array(self._owner_residual(member, numel, transport.device))
+                    for member, numel in zip(members, numels)]
+        conduct = fused.conduct(transport, name, [part.sent for part in parts], [part.splits for part in parts],
+                                [part.own for part in parts], [member.step for member in members], owner_residuals)
+        collective = next(conduct)
+        manifests = collective.send.numel() - sum(sum(part.splits) for part in parts)
+        group = _Group(name, fused, members, transport, conduct, transport.start(collective))
+        for index, part in enumerate(parts):
+            part.sent = part.own = None
+            part.group, part.index = group, index
         self._stats.add(collectives_started=1, bytes_sent_first_stage=manifests, bytes_sent=manifests)
         with self._lock:
-            self._first_stages.append(started)
+            self._first_stages.append(group)
 
     def _start_second_stages(self):
         """Starts the second stage of every group whose first stage is under way.
@@ -616,56 +687,46 @@ class PayloadCompressor(_CompressorBase):
         ranks, and collectives are matched by name: a rank that waited for
         one group's allgather before starting the others' could wait for a
         peer that waits for it. Starting all of them here, before waiting on
-        any, cannot deadlock in any order of calls.
+        any, cannot deadlock in any order of calls. After a refusal, this
+        group's and every later group's second stage carry a refusal notice,
+        sent without waiting for their first stage (ranks that grouped
+        otherwise may never start it): every peer raises instead of waiting.
         """
         with self._lock:
             remaining = self._fuser.end_round()
         for name, members in remaining:
-            self._start_first_stage(name, members)
+            self._start_group(name, members)
         with self._lock:
             groups = sorted(self._first_stages, key=lambda g: g.name)
             self._first_stages = []
         refused = None
         for group in groups:
-            members = group.members
             if refused is None:
                 received, _ = self._node_exchanges.synchronize(group.handle)
-                totals = [member.own for member in members]
-                outs = [torch.zeros(member.stage.owned_capacity(), dtype=torch.uint8, device=received.device)
-                        for member in members]
-                for member, total in zip(members, totals):
-                    member.own, member.owner_residual = None, self._owner_residual(member, total)
-                used, refused = group.fused.sum_and_encode(
-                    as_array(received), [as_array(t) for t in totals], [as_array(o) for o in outs],
-                    [member.step for member in members],
-                    [None if m.owner_residual is None else as_array(m.owner_residual) for m in members])
-            # After a refusal, this group's and every later group's second stage carry a refusal notice, sent
-            # without waiting for their first stage (ranks that grouped otherwise may never start it): every
-            # peer raises instead of waiting.
-            if refused is not None:
-                outs, pieces = [torch.empty(0, dtype=torch.uint8, device=group.device)], [refusal_notice()]
+                collective = group.conduct.send(received)
+                refused = collective.refusal
             else:
-                pieces = group.fused.second_stage_pieces(used)
-            sent = concatenate_pieces(pieces, outs)
-            group.second_handle = hvd.allgather_async(sent, name=SECOND_STAGE_PREFIX + group.name,
-                                                      process_set=group.process_set)
-            self._stats.add(bytes_sent_second_stage=sent.numel(), bytes_sent=sent.numel(), collectives_started=1)
+                collective = group.conduct.throw(RefusedEarlier(refused))
+            group.handle, group.second_handle = None, group.transport.start(collective)
+            sent = collective.send.numel()
+            self._stats.add(bytes_sent_second_stage=sent, bytes_sent=sent, collectives_started=1)
         if refused is not None:
             raise refused
 
-    def _owner_residual(self, ctx, total):
-        """What this step reads and writes the owner-side residual of ctx's tensor through (error feedback
-        only), reset if the ranks changed."""
+    def _owner_residual(self, ctx, numel, device):
+        """What this step reads and writes the owner-side residual of ctx's tensor (``numel`` elements on this
+        rank) through (error feedback only), reset if the ranks changed."""
         if not self.error_feedback:
             return None
-        state, plan = ctx.state, ctx.stage
+        state, plan = ctx.state, ctx.handle.plan
         if state.owner_residual is not None and not plan.keeps_owner_residual(state.owner_layout,
                                                                               state.owner_residual.numel()):
             state.owner_residual = None
         if state.owner_residual is None:
-            state.owner_residual = KeptResidual.zeros(total.numel(), total.device)
+            state.owner_residual = KeptResidual.zeros(numel, device)
             state.owner_layout = plan.owner_layout()
-        return state.owner_residual.for_step(state.stamps, ctx.step)
+        ctx.owner_residual = state.owner_residual.for_step(state.stamps, ctx.step)
+        return ctx.owner_residual
 
     def _start_node_aware_groups(self):
         """Ends the round of node-aware tensors: starts the groups still waiting for a member (or never
@@ -678,58 +739,13 @@ class PayloadCompressor(_CompressorBase):
             self._node_exchanges.start(members, name)
 
     def _receive(self, ctx):
-        if isinstance(ctx.handle, NodeAwareMember):
-            self._start_node_aware_groups()  # ends the round at its first decompress (later ones find it ended)
-            self._start_second_stages()  # a round's first decompress starts them, whatever its exchange
-            return self._node_exchanges.wait(ctx.handle)
-        if isinstance(ctx, _TwoStageInFlight):
-            if ctx.group is None or ctx.group.second_handle is None:
-                self._start_node_aware_groups()
-                self._start_second_stages()
-            if ctx.group.results is None:
-                return self._node_exchanges.synchronize(ctx.group.second_handle)
-            return None  # decoded with an earlier member of its group
-        return self._node_exchanges.synchronize(ctx.handle)
+        return ctx.handle.receive(self, ctx)
 
-    def _decode(self, tensor, ctx, gathered):
-        if isinstance(ctx.handle, NodeAwareMember):
-            total = self._node_aware_result(ctx, gathered)
-        elif isinstance(ctx, _TwoStageInFlight):
-            total = self._group_result(ctx, gathered)
-        else:
-            total = ctx.zeroed_output(gathered.device)
-            ctx.plan.decode(as_array(gathered), as_array(total))
+    def _decode(self, tensor, ctx, received):
+        total = ctx.handle.result(self, ctx, received)
         if tensor.is_cuda:
             return self._finish(total, device_reduction_scale(tensor, ctx.num_ranks), ctx)
         return self._finish(total, reduction_scale(tensor.reshape(-1)[0].item(), ctx.num_ranks), ctx)
-
-    @staticmethod
-    def _node_aware_result(ctx, result):
-        """The node-aware ``result`` in the gradient's memory where it may be, and the shard residual back in
-        this step's residual."""
-        member = ctx.handle
-        if member.shard_residual is not None:
-            begin, end = member.plan.own_span()
-            ctx.residual.target[begin:end] = member.shard_residual[:end - begin]
-        ctx.handle = None
-        return result if ctx.out is None else ctx.out.copy_(result)
-
-    @staticmethod
-    def _group_result(ctx, gathered):
-        """ctx's decoded sum: the first member of a group to be decompressed decodes them all, in one pass.
-
-        The group lets go of its members once decoded, and each member of the group: a reference cycle
-        would keep every step's residual copies and buffers alive until Python's cycle collector ran
-        (measured: Top-k's step 2.5x slower, every large allocation page-faulting afresh).
-        """
-        group = ctx.group
-        if group.results is None:
-            outs = [member.zeroed_output(gathered.device) for member in group.members]
-            group.fused.decode_gathered(as_array(gathered), [as_array(out) for out in outs])
-            group.results, group.members = outs, None
-        result, group.results[ctx.index] = group.results[ctx.index], None
-        ctx.group = None
-        return result
 
 
 def device_reduction_scale(placeholder, num_ranks):

@@ -12,8 +12,11 @@ import pytest
 
 from horovod_qsgd.codecs import QSGDCodec, TopKCodec
 from horovod_qsgd.common.chunks import chunk_unit
-from horovod_qsgd.common.engine import ALLGATHER, ALLTOALL, PayloadEngine, drive
+from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, RefusedEarlier, conclude, drive
+from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.exchange import refusal_notice
+from horovod_qsgd.common.fusion import FusedTwoStage, join_host_pieces
 from horovod_qsgd.common.stats import CompressionStats
 from tests.two_stage_reference import gradient, reference
 
@@ -22,6 +25,7 @@ class _Arrays:
     zeros = staticmethod(lambda n, dtype: np.zeros(n, dtype))
     empty = staticmethod(lambda n, dtype: np.empty(n, dtype))
     array = staticmethod(lambda tensor: tensor)
+    concatenate = staticmethod(lambda pieces, buffers: join_host_pieces(pieces, buffers))
 
 
 def _deliver(collectives, sized=True):
@@ -153,3 +157,56 @@ def test_drive_runs_a_conduct_to_its_end_through_one_function():
     plan.decode(gathered, total)
     assert seen == [ALLGATHER] and refusal is None
     np.testing.assert_allclose(total, gradient(0, 1000), atol=np.abs(gradient(0, 1000)).max() / 127)
+
+
+def _fused_conducts(codec, sizes, num_ranks, step):
+    """Every rank's conduct of one fused group of tensors of ``sizes``, each member encoded as alone."""
+    conducts, plans = [], []
+    for rank in range(num_ranks):
+        engine = PayloadEngine(codec, codec, "two_stage", CompressionStats())
+        members = [engine.plan(f"t{m}", numel, num_ranks, rank, 4 * numel, 0) for m, numel in enumerate(sizes)]
+        slices, splits, owns = [], [], []
+        for m, plan in enumerate(members):
+            out, own = np.zeros(plan.capacity(), np.uint8), np.empty(plan.own_numel(), np.float32)
+            member_splits = plan.encode(gradient(rank, sizes[m], step + m), out, own, step)
+            slices.append(out[:sum(member_splits)])
+            splits.append(member_splits)
+            owns.append(own)
+        fused = FusedTwoStage(members)
+        conducts.append(fused.conduct(_Arrays, "group1", slices, splits, owns, [step] * len(sizes),
+                                      lambda n=len(sizes): [None] * n))
+        plans.append(fused)
+    return conducts, plans
+
+
+@pytest.mark.parametrize("num_ranks", [3, 4])
+def test_a_fused_group_is_conducted_to_the_sums_of_its_members_alone(num_ranks):
+    codec, sizes, step = QSGDCodec(bits=4, bucket_size=128), [5_000, 700, 12_345], 1
+    conducts, groups = _fused_conducts(codec, sizes, num_ranks, step)
+    asked, returned = _conduct_all(conducts, sized=False)
+    assert asked == [(ALLTOALL, "horovod_qsgd.payload.group1", False),
+                     (ALLGATHER, "horovod_qsgd.sum.group1", True)]
+    for group, (gathered, refusal) in zip(groups, returned):
+        assert refusal is None
+        outs = [np.zeros(n, np.float32) for n in sizes]
+        group.decode(gathered, outs)
+        for m, (numel, out) in enumerate(zip(sizes, outs)):
+            expected = reference(codec, codec, f"t{m}", [gradient(r, numel, step + m) for r in range(num_ranks)],
+                                 step, chunk_unit(codec))
+            np.testing.assert_array_equal(out, expected)
+
+
+def test_a_group_after_a_refusal_sends_the_notice_without_waiting_for_its_first_collective():
+    codec = QSGDCodec(bits=4, bucket_size=128)
+    conducts, groups = _fused_conducts(codec, [5_000, 700], 3, 0)
+    earlier = CompressionMismatchError("rank 1's payload does not match")
+    for conduct, group in zip(conducts, groups):
+        assert next(conduct).kind == ALLTOALL
+        collective = conduct.throw(RefusedEarlier(earlier))
+        assert (collective.kind, collective.final, collective.refusal) == (ALLGATHER, True, earlier)
+        assert bytes(np.asarray(collective.send)) == refusal_notice()
+    gathered = np.concatenate([np.frombuffer(refusal_notice(), np.uint8)] * 3)
+    gathered_back, refusal = conclude(conducts[0], gathered)
+    assert refusal is earlier and gathered_back is gathered
+    with pytest.raises(CompressionMismatchError, match="found a mismatch"):
+        groups[0].decode(gathered, [np.zeros(5_000, np.float32), np.zeros(700, np.float32)])
