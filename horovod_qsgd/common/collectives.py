@@ -28,8 +28,9 @@ class Collective:
     """One collective an exchange asks its adapter for.
 
     ``kind``: :data:`ALLGATHER` (every rank's ``send`` to every rank, in rank
-    order) or :data:`ALLTOALL` (``splits[j]`` bytes of ``send`` to rank j, in
-    order); ``name``: what Horovod matches it by; ``send``: the adapter's
+    order; what arrived is sent back to the conduct) or :data:`ALLTOALL`
+    (``splits[j]`` elements of ``send`` to rank j, in order; sent back as
+    (what arrived, the elements from each rank)); ``name``: what Horovod matches it by; ``send``: the adapter's
     uint8 tensor. ``arriving``: bytes from each rank where every rank knows
     them in advance (fixed-size payloads; else None), which collectives that
     need sizes beforehand (``torch.distributed``) take: an allgather's part

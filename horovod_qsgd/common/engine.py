@@ -189,8 +189,8 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
         out = transport.zeros(self.capacity(), "uint8")
         own = transport.empty(self.own_numel(), "float32")
         splits = self.encode(transport.array(x), transport.array(out), transport.array(own), step, residual)
-        received = yield Collective(ALLTOALL, self.payload_name, out[:sum(splits)], splits=splits,
-                                    arriving=self.first_stage_arriving())
+        received, _ = yield Collective(ALLTOALL, self.payload_name, out[:sum(splits)], splits=splits,
+                                       arriving=self.first_stage_arriving())
         owned = transport.zeros(self.owned_capacity(), "uint8")
         used, refusal = self.sum_and_encode(transport.array(received), transport.array(own), transport.array(owned),
                                             step, None if owner_residual is None else owner_residual())

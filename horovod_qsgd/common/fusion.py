@@ -262,8 +262,8 @@ class FusedTwoStage(_FusedPayloads):
         """
         pieces, splits = self.first_stage_pieces(member_splits)
         try:
-            received = yield Collective(ALLTOALL, PAYLOAD_PREFIX + name, transport.concatenate(pieces, slices),
-                                        splits=splits)
+            received, _ = yield Collective(ALLTOALL, PAYLOAD_PREFIX + name, transport.concatenate(pieces, slices),
+                                           splits=splits)
         except RefusedEarlier as earlier:
             used, refusal = None, earlier.error
         else:

@@ -59,9 +59,11 @@ import zlib
 
 from horovod_qsgd.codecs.base import read_bytes
 from horovod_qsgd.common.chunks import chunk_unit, shard_numel
+from horovod_qsgd.common.collectives import ALLTOALL, Collective
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.fusion import FusedAllgather, FusedTwoStage, group_label
+from horovod_qsgd.common.naming import PAYLOAD_PREFIX
 from horovod_qsgd.common.two_stage import KeepsOwnerResidual
 
 NODE_AWARE = "node_aware"
@@ -259,7 +261,8 @@ class NodeAwareGroup:
     once for every adapter, which allocates the buffers, joins the pieces and runs the collectives (step 1
     :meth:`in_node_splits`, :meth:`sum_in_node`; step 2 :meth:`encode_between_nodes` or
     :meth:`refuse_between_nodes`, from 3 nodes :meth:`sum_between_nodes`; step 3 :meth:`forward_in_node`; step 4
-    :meth:`decode_node`).
+    :meth:`decode_node`). PyTorch drives them through :meth:`conduct`; TensorFlow calls them from its host ops,
+    between graph collectives that a generator cannot span.
 
     The wire:
 
@@ -298,6 +301,53 @@ class NodeAwareGroup:
             fuse = FusedTwoStage if self.kind == "two_stage" else FusedAllgather
             self.crosses = [fuse([plan.crosses[j] for plan in self.plans]) for j in range(self.layout.local_size)]
             self.cross = self.crosses[self.layout.local_rank]
+
+    def conduct(self, transport, names, rows, steps, residuals, owner_residuals):
+        """The group's four steps, conducted (:mod:`horovod_qsgd.common.collectives`): each a global alltoall
+        whose splits are zero outside the step's peers (no process set to declare).
+
+        ``names``: the collectives' names (:func:`collective_names`, or a fused group's); ``rows``: step 1's
+        flat float32 send (the adapter's tensor): for each rank of the node, the tag and every member's shard
+        for it; ``steps``, ``residuals``, ``owner_residuals``: each member's RNG step and, with error feedback,
+        its shard residual and owner residual as the codec takes them (else None). Returns (each member's L
+        decoded shards, float32, or None; None, or the error every rank of the node raises).
+        """
+        received, received_splits = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[0], rows,
+                                                     splits=self.in_node_splits())
+        node_sums, error = self.sum_in_node(received, received_splits)
+        del received, rows
+        outs, owns, arrays = [transport.zeros(0, "uint8")], [None] * len(self.plans), transport.array
+        if error is not None:  # every peer gets a refusal notice and forwards it in step 3: its node raises
+            pieces, counts = self.refuse_between_nodes()
+        else:
+            outs = [transport.zeros(plan.cross.capacity(), "uint8") for plan in self.plans]
+            if self.kind == "two_stage":
+                owns = [transport.empty(plan.cross.own_numel(), "float32") for plan in self.plans]
+            pieces, counts = self.encode_between_nodes([arrays(s) for s in node_sums], [arrays(o) for o in outs],
+                                                       [arrays(o) for o in owns], steps, residuals)
+        del node_sums
+        received, _ = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[1], transport.concatenate(pieces, outs),
+                                       splits=self.cross_splits(counts))
+        if self.kind == "two_stage":  # the owners' sums, re-encoded, to every node
+            outs = [transport.zeros(0, "uint8")]
+            if error is not None:
+                pieces, counts = self.refuse_between_nodes(second_stage=True)
+            else:
+                outs = [transport.zeros(plan.cross.owned_capacity(), "uint8") for plan in self.plans]
+                pieces, counts, error = self.sum_between_nodes(arrays(received), [arrays(o) for o in owns],
+                                                               [arrays(o) for o in outs], steps, owner_residuals)
+            del owns
+            received, _ = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[2], transport.concatenate(pieces, outs),
+                                           splits=self.cross_splits(counts))
+        pieces, splits = self.forward_in_node(error is not None, len(received))
+        gathered, gathered_splits = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[3],
+                                                     transport.concatenate(pieces, [received]), splits=splits,
+                                                     final=True)
+        if error is not None:  # this rank's own error goes first: its node-mates raise on its flag
+            return None, error
+        sums = [transport.zeros(self.layout.local_size * plan.shard, "float32") for plan in self.plans]
+        error = self.decode_node(arrays(gathered), gathered_splits, [arrays(s) for s in sums])
+        return (None, error) if error is not None else (sums, None)
 
     def in_node_width(self):
         """Floats of step 1's row to each rank of the node (the tag, then every member's shard)."""

@@ -520,13 +520,14 @@ class _Transport(TorchBuffers):
         self.started = 0
 
     def start(self, collective, async_op=True):
-        """(the work of ``collective``, the tensor it receives into)."""
+        """(the work of ``collective``, what the conduct is sent once it is done: the tensor it receives into,
+        for an alltoall with the bytes from each rank)."""
         arriving, send = collective.arriving, collective.send
         received = torch.empty(sum(arriving), dtype=torch.uint8, device=self.device)
         self.started += 1
         if collective.kind == ALLTOALL:
             return dist.all_to_all_single(received, send, arriving, collective.splits, group=self.group,
-                                          async_op=async_op), received
+                                          async_op=async_op), (received, arriving)
         part = arriving[self.rank]
         if send.numel() < part:  # a refusal notice: zero-padded to the size every peer expects
             send = torch.cat([send, torch.zeros(part - send.numel(), dtype=torch.uint8, device=self.device)])
@@ -536,9 +537,8 @@ class _Transport(TorchBuffers):
                                       group=self.group, async_op=async_op), received
 
     def run(self, collective):
-        """``collective`` run to its end; what it received."""
-        _, received = self.start(collective, async_op=False)
-        return received
+        """``collective`` run to its end; what the conduct is sent."""
+        return self.start(collective, async_op=False)[1]
 
 
 def payload_hook(state, bucket):
@@ -603,12 +603,12 @@ def _advance(exchange, received=None):
     (the next hook call resumes the exchange, so a bucket's first collective overlaps the backward pass), else
     its arrival finishes the bucket."""
     collective = exchange.conduct.send(received)
-    work, arriving = exchange.transport.start(collective)
+    work, result = exchange.transport.start(collective)
     exchange.state._stats.add(collectives_started=1)
     if collective.final:
-        work.get_future().then(lambda _: _finish(exchange, arriving))
+        work.get_future().then(lambda _: _finish(exchange, result))
         return False
-    exchange.work, exchange.received = work, arriving
+    exchange.work, exchange.received = work, result
     return True
 
 

@@ -636,7 +636,7 @@ class PayloadCompressor(_CompressorBase):
         if residual is not None:  # padded = flat + the residual, and the step's new residual zero
             move_into_own_chunk(as_array(flat), as_array(residual), as_array(padded[:flat.numel()]))
             shard_residual = torch.zeros(plan.shard, dtype=torch.float32, device=flat.device)
-            if plan.cross.kind == "two_stage":
+            if plan.cross.owned is not None:  # this rank owns a chunk of its shard between nodes
                 owner_residual = self._node_owner_residual(site.name, plan)
         else:
             padded[:flat.numel()] = flat
@@ -702,8 +702,8 @@ class PayloadCompressor(_CompressorBase):
         refused = None
         for group in groups:
             if refused is None:
-                received, _ = self._node_exchanges.synchronize(group.handle)
-                collective = group.conduct.send(received)
+                received, received_splits = self._node_exchanges.synchronize(group.handle)
+                collective = group.conduct.send((received, received_splits.tolist()))
                 refused = collective.refusal
             else:
                 collective = group.conduct.throw(RefusedEarlier(refused))

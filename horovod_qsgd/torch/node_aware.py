@@ -5,7 +5,9 @@ the step's peers (the ranks of this node, or this local index's rank on every
 node): no process set has to be declared in ``hvd.init()`` and no environment
 variable set. A flight is one tensor's exchange, or a fused group's
 (:class:`~horovod_qsgd.common.node_aware.NodeAwareGroup`: one collective per
-step for all its members). Its three collectives (four with two stages between
+step for all its members), conducted by the group
+(:meth:`~horovod_qsgd.common.node_aware.NodeAwareGroup.conduct`). Its three
+collectives (four with two stages between
 nodes) each need the one before, and ranks decompress in different orders: a
 rank that waited for one flight's step would hold back the steps its peers
 wait for. So nothing here waits for a single step: :meth:`NodeAwareExchanges.wait`
@@ -19,11 +21,10 @@ import time
 import horovod.torch as hvd
 import torch
 
-from horovod_qsgd.common.naming import PAYLOAD_PREFIX
 from horovod_qsgd.common.node_aware import STEPS, NodeAwareGroup
-from horovod_qsgd.torch_arrays import as_array, concatenate_pieces, kernel_stream
+from horovod_qsgd.torch.transport import HorovodTransport
+from horovod_qsgd.torch_arrays import as_array, kernel_stream
 
-_IN_NODE, _CROSS, _CROSS_SUMS, _GATHER, _DONE = range(5)
 _POLL_SECONDS = 50e-6
 
 
@@ -36,23 +37,25 @@ class NodeAwareMember:
     place); ``result``: the tensor's sum over all ranks once done;
     ``flight``: None until its group starts.
     """
-    __slots__ = ("plan", "step", "padded", "shard_residual", "owner_residual", "flight", "result", "node_sum", "own")
+    __slots__ = ("plan", "step", "padded", "shard_residual", "owner_residual", "flight", "result")
 
     def __init__(self, plan, step, padded, shard_residual, owner_residual):
         self.plan, self.step, self.padded = plan, step, padded
         self.shard_residual, self.owner_residual = shard_residual, owner_residual
-        self.flight = self.result = self.node_sum = self.own = None
+        self.flight = self.result = None
 
 
 class NodeAwareFlight:
-    """One group's exchange (a single tensor's, unfused): the members, the step in flight and its handle;
-    ``error``: what every member's rank raises instead, once its part of every step is sent."""
-    __slots__ = ("group", "members", "device", "names", "handle", "stage", "error")
+    """One group's exchange (a single tensor's, unfused): the members, the engine's conduct of its steps and
+    the handle of the step in flight; ``error``: what every member's rank raises instead, once its part of
+    every step is sent."""
+    __slots__ = ("members", "device", "transport", "conduct", "handle", "done", "error")
 
-    def __init__(self, group, members, names):
-        self.group, self.members, self.names = group, members, names
-        self.device = members[0].padded.device
-        self.handle, self.stage, self.error = None, _IN_NODE, None
+    def __init__(self, members):
+        self.members, self.device = members, members[0].padded.device
+        self.transport = HorovodTransport(hvd.global_process_set, self.device)
+        self.conduct = self.handle = self.error = None
+        self.done = False
         for member in members:
             member.flight = self
 
@@ -73,7 +76,7 @@ class NodeAwareExchanges:
             group, names = NodeAwareGroup(plans, fused=False), plans[0].collective_names
         else:
             group, names = NodeAwareGroup(plans), [f"{group_name}.{step}" for step in STEPS]
-        flight = NodeAwareFlight(group, members, names)
+        flight = NodeAwareFlight(members)
         layout = group.layout
         tag = torch.tensor(group.tag, dtype=torch.float32, device=flight.device)
         rows = [tag.expand(layout.local_size, group.tag_width)]
@@ -81,7 +84,10 @@ class NodeAwareExchanges:
         sent = torch.cat(rows, dim=1).reshape(-1)
         for member in members:
             member.padded = None
-        self._start(flight, sent, group.in_node_splits())
+        flight.conduct = group.conduct(flight.transport, names, sent, [m.step for m in members],
+                                       [as_array(m.shard_residual) for m in members],
+                                       [as_array(m.owner_residual) for m in members])
+        self._start(flight, next(flight.conduct))
         with self._lock:
             self._flights.append(flight)
         return flight
@@ -98,10 +104,10 @@ class NodeAwareExchanges:
         """Advances every exchange until ``member``'s flight is done; returns its result (flat float32) or raises
         its flight's error."""
         flight = member.flight
-        while flight.stage != _DONE:
+        while not flight.done:
             with self._lock:
                 progressed = self._advance_finished()
-            if not progressed and flight.stage != _DONE:
+            if not progressed and not flight.done:
                 time.sleep(_POLL_SECONDS)
         if flight.error is not None:
             raise flight.error
@@ -128,84 +134,25 @@ class NodeAwareExchanges:
                 received, received_splits = hvd.synchronize(flight.handle)
                 flight.handle = None
                 with kernel_stream(flight.device):
-                    self._advance(flight, received, received_splits)
-                if flight.stage == _DONE:
+                    self._advance(flight, received, received_splits.tolist())
+                if flight.done:
                     self._flights.remove(flight)
                 progressed = True
         return progressed
 
-    def _start(self, flight, sent, splits):
-        flight.handle = hvd.alltoall_async(sent, splits=torch.tensor(splits, dtype=torch.int32),
-                                           name=PAYLOAD_PREFIX + flight.names[flight.stage])
+    def _start(self, flight, collective):
+        flight.handle = flight.transport.start(collective)
         self.stats.add(collectives_started=1)
 
     def _advance(self, flight, received, received_splits):
-        group = flight.group
-        if flight.stage == _IN_NODE:
-            sums, flight.error = group.sum_in_node(received, received_splits.tolist())
-            for member, node_sum in zip(flight.members, sums or ()):
-                member.node_sum = node_sum
-            self._start_cross(flight)
-        elif flight.stage == _CROSS and group.kind == "two_stage":
-            self._start_cross_sums(flight, received)
-        elif flight.stage in (_CROSS, _CROSS_SUMS):
-            self._start_gather(flight, received)
-        else:
-            self._finish(flight, received, received_splits)
-
-    def _start_cross(self, flight):
-        """Step 2: the node's sum of each member's shard, encoded, to this local index's rank on every node."""
-        group, members, device = flight.group, flight.members, flight.device
-        outs = [torch.zeros(0, dtype=torch.uint8, device=device)]
-        if flight.error is not None:  # every peer gets a refusal notice, forwards it in step 3: its node raises
-            pieces, counts = group.refuse_between_nodes()
-        else:
-            outs = [torch.zeros(m.plan.cross.capacity(), dtype=torch.uint8, device=device) for m in members]
-            if group.kind == "two_stage":
-                for member in members:
-                    member.own = torch.empty(member.plan.cross.own_numel(), dtype=torch.float32, device=device)
-            pieces, counts = group.encode_between_nodes(
-                [as_array(m.node_sum) for m in members], [as_array(o) for o in outs], [as_array(m.own) for m in members],
-                [m.step for m in members], [as_array(m.shard_residual) for m in members])
-        for member in members:
-            member.node_sum = None
-        flight.stage = _CROSS
-        self._start(flight, concatenate_pieces(pieces, outs), group.cross_splits(counts))
-
-    def _start_cross_sums(self, flight, received):
-        """Step 2's second stage: the owner's sum of the slices it received, re-encoded, to every node."""
-        group, members = flight.group, flight.members
-        outs = [torch.zeros(0, dtype=torch.uint8, device=flight.device)]
-        if flight.error is not None:  # its peers raise on the notice, as on the first stage's
-            pieces, counts = group.refuse_between_nodes(second_stage=True)
-        else:
-            outs = [torch.zeros(m.plan.cross.owned_capacity(), dtype=torch.uint8, device=flight.device)
-                    for m in members]
-            pieces, counts, flight.error = group.sum_between_nodes(
-                as_array(received), [as_array(m.own) for m in members], [as_array(o) for o in outs],
-                [m.step for m in members], [as_array(m.owner_residual) for m in members])
-        for member in members:
-            member.own = None
-        flight.stage = _CROSS_SUMS
-        self._start(flight, concatenate_pieces(pieces, outs), group.cross_splits(counts))
-
-    def _start_gather(self, flight, received):
-        """Step 3: the group's failure flag and the bytes step 2 received (not where it failed) to every rank of
-        the node."""
-        pieces, splits = flight.group.forward_in_node(flight.error is not None, received.numel())
-        flight.stage = _GATHER
-        self._start(flight, concatenate_pieces(pieces, [received]), splits)
-
-    @staticmethod
-    def _finish(flight, received, received_splits):
-        """Step 4: every shard of every member decoded from what the node's ranks forwarded."""
-        group = flight.group
-        flight.stage = _DONE
-        if flight.error is not None:  # this rank's own error goes first: its node-mates raise on its flag
-            return
-        sums = [torch.zeros(group.layout.local_size * member.plan.shard, dtype=torch.float32, device=flight.device)
-                for member in flight.members]
-        flight.error = group.decode_node(as_array(received), received_splits.tolist(), [as_array(s) for s in sums])
-        if flight.error is None:
-            for member, total in zip(flight.members, sums):
+        """The flight's conduct, sent what its last step received, runs to its next step and starts it, or to
+        its end: every member's result, or the flight's error."""
+        try:
+            collective = flight.conduct.send((received, received_splits))
+        except StopIteration as done:
+            sums, flight.error = done.value
+            flight.conduct, flight.transport, flight.done = None, None, True
+            for member, total in zip(flight.members, sums or ()):
                 member.result = total[:member.plan.numel]
+            return
+        self._start(flight, collective)

@@ -1,12 +1,6 @@
-"""The engine's exchanges conducted among N ranks in one process: the collectives each asks for, in order,
-and the sum every rank decodes, against the reference built from the codecs alone.
-
-The transport here is the collectives' definition written out (an allgather
-concatenates every rank's part in rank order; an alltoall hands rank j each
-sender's ``splits[j]`` bytes, in sender order), over numpy arrays: the same
-contract the adapters' transports implement over Horovod and torch.distributed,
-whose multi-rank tests run the same conduct under horovodrun and torchrun.
-"""
+"""The engine's exchanges conducted among N ranks in one process (:mod:`tests.common.loopback`): the
+collectives each asks for, in order, and the sum every rank decodes, against the reference built from the
+codecs alone. The adapters' multi-rank tests run the same conducts under horovodrun and torchrun."""
 import numpy as np
 import pytest
 
@@ -16,57 +10,10 @@ from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, RefusedEarlier,
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import refusal_notice
-from horovod_qsgd.common.fusion import FusedTwoStage, join_host_pieces
+from horovod_qsgd.common.fusion import FusedTwoStage
 from horovod_qsgd.common.stats import CompressionStats
+from tests.common.loopback import Arrays, conduct_all
 from tests.two_stage_reference import gradient, reference
-
-
-class _Arrays:
-    zeros = staticmethod(lambda n, dtype: np.zeros(n, dtype))
-    empty = staticmethod(lambda n, dtype: np.empty(n, dtype))
-    array = staticmethod(lambda tensor: tensor)
-    concatenate = staticmethod(lambda pieces, buffers: join_host_pieces(pieces, buffers))
-
-
-def _deliver(collectives, sized=True):
-    """What each rank receives from one collective that every rank asked for (their ``collectives``).
-    ``sized``: as torch.distributed, every part is the size its receiver announced (else as Horovod: any size)."""
-    first = collectives[0]
-    assert all((c.kind, c.name, c.final, c.equal_parts) == (first.kind, first.name, first.final, first.equal_parts)
-               for c in collectives), "the ranks asked for different collectives"
-    if first.kind == ALLGATHER:
-        parts = [np.asarray(c.send) for c in collectives]
-        for sender, c in enumerate(collectives):  # a part shorter than announced (a refusal) goes zero-padded
-            if sized and c.arriving is not None and parts[sender].size < c.arriving[sender]:
-                parts[sender] = np.concatenate([parts[sender], np.zeros(c.arriving[sender] - parts[sender].size,
-                                                                        np.uint8)])
-        for c in collectives:  # what each rank said it would receive is what arrives
-            assert not sized or c.arriving is None or c.arriving == [p.size for p in parts]
-        return [np.concatenate(parts)] * len(collectives)
-    assert first.kind == ALLTOALL
-    starts = [np.cumsum([0] + c.splits) for c in collectives]
-    received = []
-    for owner, c in enumerate(collectives):
-        parts = [np.asarray(s.send)[start[owner]:start[owner + 1]] for s, start in zip(collectives, starts)]
-        assert not sized or c.arriving is None or c.arriving == [p.size for p in parts]
-        received.append(np.concatenate(parts))
-    return received
-
-
-def _conduct_all(conducts, sized=True):
-    """Runs every rank's conduct in lockstep; [(kind, name)] of the collectives and every rank's return."""
-    asked, received = [], [None] * len(conducts)
-    while True:
-        collectives = []
-        for rank, conduct in enumerate(conducts):
-            try:
-                collectives.append(conduct.send(received[rank]))
-            except StopIteration as done:
-                collectives.append(done.value)
-        if not hasattr(collectives[0], "kind"):
-            return asked, collectives
-        asked.append((collectives[0].kind, collectives[0].name, collectives[0].final))
-        received = _deliver(collectives, sized)
 
 
 @pytest.mark.parametrize("exchange, codec", [
@@ -88,9 +35,9 @@ def test_every_rank_decodes_the_reference_sum_from_the_collectives_it_named(exch
     owner_residuals = [np.zeros(p.own_numel(), np.float32) if feedback and exchange == "two_stage" else None
                        for p in plans]
     ours_owner = [None if o is None else o.copy() for o in owner_residuals]
-    conducts = [plan.conduct(_Arrays, grads[r], step, ours[r], lambda r=r: ours_owner[r])
+    conducts = [plan.conduct(Arrays, grads[r], step, ours[r], lambda r=r: ours_owner[r])
                 for r, plan in enumerate(plans)]
-    asked, returned = _conduct_all(conducts)
+    asked, returned = conduct_all(conducts)
 
     if exchange == "allgather":
         assert asked == [(ALLGATHER, "horovod_qsgd.payload.w", True)]
@@ -131,8 +78,8 @@ def test_a_mismatched_slice_is_refused_on_every_rank_after_the_last_collective()
         codec = QSGDCodec(bits=4 if rank == 2 else 8, bucket_size=128)
         plans.append(PayloadEngine(codec, codec, "two_stage", CompressionStats()).plan("w", numel, num_ranks, rank,
                                                                                         4 * numel, 0))
-    conducts = [p.conduct(_Arrays, gradient(r, numel), 0) for r, p in enumerate(plans)]
-    asked, returned = _conduct_all(conducts, sized=False)  # the slices' sizes differ, as Horovod carries them
+    conducts = [p.conduct(Arrays, gradient(r, numel), 0) for r, p in enumerate(plans)]
+    asked, returned = conduct_all(conducts, sized=False)  # the slices' sizes differ, as Horovod carries them
     assert [kind for kind, _, _ in asked] == [ALLTOALL, ALLGATHER]
     for rank, (gathered, refusal) in enumerate(returned):
         assert gathered is not None
@@ -152,7 +99,7 @@ def test_drive_runs_a_conduct_to_its_end_through_one_function():
     def run(collective):
         seen.append(collective.kind)
         return np.asarray(collective.send)
-    gathered, refusal = drive(plan.conduct(_Arrays, gradient(0, 1000), 0), run)
+    gathered, refusal = drive(plan.conduct(Arrays, gradient(0, 1000), 0), run)
     total = np.zeros(1000, np.float32)
     plan.decode(gathered, total)
     assert seen == [ALLGATHER] and refusal is None
@@ -173,7 +120,7 @@ def _fused_conducts(codec, sizes, num_ranks, step):
             splits.append(member_splits)
             owns.append(own)
         fused = FusedTwoStage(members)
-        conducts.append(fused.conduct(_Arrays, "group1", slices, splits, owns, [step] * len(sizes),
+        conducts.append(fused.conduct(Arrays, "group1", slices, splits, owns, [step] * len(sizes),
                                       lambda n=len(sizes): [None] * n))
         plans.append(fused)
     return conducts, plans
@@ -183,7 +130,7 @@ def _fused_conducts(codec, sizes, num_ranks, step):
 def test_a_fused_group_is_conducted_to_the_sums_of_its_members_alone(num_ranks):
     codec, sizes, step = QSGDCodec(bits=4, bucket_size=128), [5_000, 700, 12_345], 1
     conducts, groups = _fused_conducts(codec, sizes, num_ranks, step)
-    asked, returned = _conduct_all(conducts, sized=False)
+    asked, returned = conduct_all(conducts, sized=False)
     assert asked == [(ALLTOALL, "horovod_qsgd.payload.group1", False),
                      (ALLGATHER, "horovod_qsgd.sum.group1", True)]
     for group, (gathered, refusal) in zip(groups, returned):

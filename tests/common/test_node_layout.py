@@ -149,75 +149,37 @@ def test_every_rank_decodes_the_compressed_sums_its_node_forwards_bitwise_as_the
     assert "rank 0 found a mismatch" in str(error) and "local rank 1 of node k" in str(error), error
 
 
-def _alltoall(sends):
-    """What a global alltoall delivers, in one process: ``sends[r]`` = (rank r's flat array, its splits per
-    rank) -> per rank, (received, received splits)."""
-    starts = [np.concatenate([[0], np.cumsum(splits)]).astype(int) for _, splits in sends]
-    return [(np.concatenate([sent[start[dst]:start[dst + 1]] for (sent, _), start in zip(sends, starts)]),
-             [int(splits[dst]) for _, splits in sends]) for dst in range(len(sends))]
-
-
 def _node_aware_results(codec, numels, grads, nodes, local_size, fused, spoil=None, first=0):
-    """Every rank's results of the node-aware exchange of tensors of ``numels`` through the group's steps
-    (common.node_aware), one simulated alltoall per step: {rank: [each tensor's sum]} or {rank: the error}.
-    ``spoil``: a rank whose tensors are one element shorter (another model); ``first``: the first tensor's
-    number in its name."""
+    """Every rank's results of the node-aware exchange of tensors of ``numels``: each rank's group conducts it
+    (``NodeAwareGroup.conduct``), the global alltoalls run in one process (:mod:`tests.common.loopback`):
+    {rank: [each tensor's sum]} or {rank: the error}. ``spoil``: a rank whose tensors are one element shorter
+    (another model); ``first``: the first tensor's number in its name."""
+    from horovod_qsgd.common.collectives import ALLTOALL
     from horovod_qsgd.common.engine import PayloadEngine
-    from horovod_qsgd.common.fusion import join_host_pieces
     from horovod_qsgd.common.node_aware import NodeAwareGroup
     from horovod_qsgd.common.stats import CompressionStats
-    ranks = range(nodes * local_size)
-    groups, errors = [], {}
-    for rank in ranks:
+    from tests.common.loopback import Arrays, conduct_all
+    groups, conducts = [], []
+    for rank in range(nodes * local_size):
         engine = PayloadEngine(codec, codec, "node_aware", CompressionStats())
         layout = NodeLayout(nodes, local_size, rank // local_size, rank % local_size)
         sizes = [n - (rank == spoil) for n in numels]
         plans = [engine.plan_node_aware(f"t{m}", n, layout, 4 * n) for m, n in enumerate(sizes, first)]
-        groups.append(NodeAwareGroup(plans, fused=fused))
-    sends = []
-    for rank, group in enumerate(groups):  # step 1: shard j of every tensor to local rank j, behind the tag
+        group = NodeAwareGroup(plans, fused=fused)
         rows = [np.array([group.tag[:group.tag_width]] * local_size, np.float32).reshape(local_size, -1)]
-        for plan, grad in zip(group.plans, grads[rank]):
+        for plan, grad in zip(plans, grads[rank]):  # shard j of every tensor to local rank j, behind the tag
             padded = np.zeros(plan.padded_numel(), np.float32)
             padded[:plan.numel] = grad[:plan.numel]
             rows.append(padded.reshape(local_size, plan.shard))
-        sends.append((np.concatenate(rows, axis=1).reshape(-1), group.in_node_splits()))
-    sends, state = [], [(group, *received) for group, received in zip(groups, _alltoall(sends))]
-    owns = {}
-    for rank, (group, received, splits) in enumerate(state):  # step 2
-        sums, error = group.sum_in_node(received, splits)
-        outs = [np.zeros(0 if error else plan.cross.capacity(), np.uint8) for plan in group.plans]
-        if error is not None:
-            errors[rank] = error
-            pieces, counts = group.refuse_between_nodes()
-        else:
-            owns[rank] = [np.empty(plan.cross.own_numel(), np.float32) if group.kind == "two_stage" else None
-                          for plan in group.plans]
-            pieces, counts = group.encode_between_nodes(sums, outs, owns[rank], [1] * len(outs), [None] * len(outs))
-        sends.append((join_host_pieces(pieces, outs), group.cross_splits(counts)))
-    received = _alltoall(sends)
-    if groups[0].kind == "two_stage":
-        sends = []
-        for rank, (group, (got, _)) in enumerate(zip(groups, received)):
-            outs = [np.zeros(0 if rank in errors else plan.cross.owned_capacity(), np.uint8) for plan in group.plans]
-            if rank in errors:
-                pieces, counts = group.refuse_between_nodes(second_stage=True)
-            else:
-                pieces, counts, error = group.sum_between_nodes(got, owns[rank], outs, [1] * len(outs),
-                                                                [None] * len(outs))
-                if error is not None:
-                    errors[rank] = error
-            sends.append((join_host_pieces(pieces, outs), group.cross_splits(counts)))
-        received = _alltoall(sends)
-    sends = []
-    for rank, (group, (got, _)) in enumerate(zip(groups, received)):  # step 3
-        pieces, splits = group.forward_in_node(rank in errors, got.size)
-        sends.append((join_host_pieces(pieces, [got]), splits))
+        none = [None] * len(plans)
+        conducts.append(group.conduct(Arrays, plans[0].collective_names, np.concatenate(rows, axis=1).reshape(-1),
+                                      [1] * len(plans), none, none))
+        groups.append(group)
+    asked, returned = conduct_all(conducts, sized=False)
+    assert [kind for kind, _, _ in asked] == [ALLTOALL] * (4 if groups[0].kind == "two_stage" else 3)
     results = {}
-    for rank, (group, (got, splits)) in enumerate(zip(groups, _alltoall(sends))):  # step 4
-        outs = [np.zeros(local_size * plan.shard, np.float32) for plan in group.plans]
-        error = errors.get(rank) or group.decode_node(got, splits, outs)
-        results[rank] = error if error is not None else [out[:plan.numel] for plan, out in zip(group.plans, outs)]
+    for rank, (group, (sums, error)) in enumerate(zip(groups, returned)):
+        results[rank] = error if error is not None else [out[:plan.numel] for plan, out in zip(group.plans, sums)]
     return results, groups[0].kind
 
 
