@@ -156,7 +156,10 @@ def _free_port():
 
 def _launch(adapter, setting, ranks, steps, tmp):
     out = os.path.join(tmp, f"{adapter}-{setting}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=ROOT)
+    # Horovod's own fusion of the small tensors' allreduces packs them as their gradients arrive, which varies
+    # between runs, and a ring allreduce's summation order depends on where a value lies in the fused buffer:
+    # the weights, then every later payload, would differ by chance
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=ROOT, HOROVOD_FUSION_THRESHOLD="0")
     me = [os.path.abspath(__file__), "--worker", adapter, setting, str(steps), out]
     if adapter == "ddp":
         job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
