@@ -30,8 +30,9 @@ class Collective:
     ``kind``: :data:`ALLGATHER` (every rank's ``send`` to every rank, in rank
     order; what arrived is sent back to the conduct) or :data:`ALLTOALL`
     (``splits[j]`` elements of ``send`` to rank j, in order; sent back as
-    (what arrived, the elements from each rank)); ``name``: what Horovod matches it by; ``send``: the adapter's
-    uint8 tensor. ``arriving``: bytes from each rank where every rank knows
+    (what arrived, the elements from each rank)); ``name``: what Horovod
+    matches it by; ``send``: the adapter's tensor (uint8, or float32 for the
+    node-aware exchange's first step). ``arriving``: bytes from each rank where every rank knows
     them in advance (fixed-size payloads; else None), which collectives that
     need sizes beforehand (``torch.distributed``) take: an allgather's part
     shorter than ``arriving[rank]`` (a refusal notice) is sent zero-padded to

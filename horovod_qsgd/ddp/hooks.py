@@ -509,7 +509,7 @@ class _Exchange:
 
 
 class _Transport(TorchBuffers):
-    """The engine's collectives (:class:`~horovod_qsgd.common.engine.Collective`) over ``torch.distributed``'s
+    """The engine's collectives (:class:`~horovod_qsgd.common.collectives.Collective`) over ``torch.distributed``'s
     ``group``, where this rank is ``rank``; tensors on ``device``. Every size is known in advance (the hooks
     take fixed-size payloads only): an allgather of equal parts is one ``all_gather_single``, one of parts
     that differ (the owners' sums) an ``all_to_all_single`` of this rank's part to every rank."""
