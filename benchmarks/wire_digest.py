@@ -9,9 +9,11 @@ the DDP hooks (``torchrun``, Gloo) and under Horovod's PyTorch optimizer
 its name (Horovod), kind, splits and a SHA-256 of the bytes it sends are
 appended to the rank's log, each name's calls in call order (Horovod's hooks
 compress tensors in the order their gradients become ready, which varies
-between runs); so is a digest of the trained weights. The record is one digest per (adapter, setting, rank) over that log,
-plus the number of calls and bytes sent: two revisions with equal digests put
-the same bytes on the wire, in the same order, and trained to the same bits.
+between runs); so is a digest of the trained weights. The record is one
+digest per (adapter, setting, rank) over that log, plus the number of calls
+and bytes sent: two revisions with equal digests put the same bytes on the
+wire, in the same order per collective, and trained to the same bits.
+Horovod's own fusion is off (``HOROVOD_FUSION_THRESHOLD=0``, see ``_launch``).
 
 The DDP node-aware settings set ``GROUP_RANK`` to ``rank // 2`` before the
 first bucket, so that ranks 0-1 and 2-3 are two "nodes" (``--ranks 4``).
