@@ -66,7 +66,8 @@ class _Log:
         self.entries, self.calls, self.nbytes = {}, 0, 0
 
     def note(self, kind, tensor, name=None, **extra):
-        data = tensor.detach().contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+        import torch
+        data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
         self.entries.setdefault(name or "", []).append(
             json.dumps(dict(kind=kind, sha=hashlib.sha256(data).hexdigest(), **extra), sort_keys=True))
         self.calls += 1

@@ -316,7 +316,7 @@ class NodeAwareGroup:
                                                      splits=self.in_node_splits())
         node_sums, error = self.sum_in_node(received, received_splits)
         del received, rows
-        outs, owns, arrays = [transport.zeros(0, "uint8")], [None] * len(self.plans), transport.array
+        outs, owns, arrays = [], [None] * len(self.plans), transport.array
         if error is not None:  # every peer gets a refusal notice and forwards it in step 3: its node raises
             pieces, counts = self.refuse_between_nodes()
         else:
@@ -329,7 +329,7 @@ class NodeAwareGroup:
         received, _ = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[1], transport.concatenate(pieces, outs),
                                        splits=self.cross_splits(counts))
         if self.kind == "two_stage":  # the owners' sums, re-encoded, to every node
-            outs = [transport.zeros(0, "uint8")]
+            outs = []
             if error is not None:
                 pieces, counts = self.refuse_between_nodes(second_stage=True)
             else:

@@ -492,8 +492,8 @@ class _Exchange:
     """One bucket between its hook call and its decode: the engine's ``conduct`` of its exchange, and what its
     settle needs."""
 
-    def __init__(self, state, bucket, group, plan, split, flat, residual, future):
-        self.state, self.group, self.plan, self.split, self.layout = state, group, plan, split, split.layout
+    def __init__(self, state, bucket, plan, split, flat, residual, future):
+        self.state, self.plan, self.split, self.layout = state, plan, split, split.layout
         self.index, self.buffer, self.flat, self.residual = bucket.index(), bucket.buffer(), flat, residual
         self.step, self.future = state.iteration, future
         self.transport, self.conduct, self.owner_residual, self.work, self.received = None, None, None, None, None
@@ -583,7 +583,7 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
         residual, stamps, stamp = state._residual(bucket.index(), split.layout, flat.numel(), flat.device)
     else:
         residual, (stamps, stamp) = None, state._step_stamps(bucket.index(), flat.device)
-    exchange = _Exchange(state, bucket, group, plan, split, flat, residual, _new_future(flat.device))
+    exchange = _Exchange(state, bucket, plan, split, flat, residual, _new_future(flat.device))
     exchange.stamps, exchange.stamp = stamps, stamp
     future = _with_small(exchange.future, small_future, split, bucket_flat)
     exchange.transport = _Transport(group, group.rank(), flat.device)

@@ -468,8 +468,7 @@ class _Fused:
 
     def receive(self, compressor, ctx):
         if self.group is None or self.group.second_handle is None:
-            compressor._start_node_aware_groups()
-            compressor._start_second_stages()
+            compressor._end_round()
         if self.group.results is None:
             return compressor._node_exchanges.synchronize(self.group.second_handle)
         return None  # decoded with an earlier member of its group
@@ -525,8 +524,7 @@ class _NodeAware:
         exchanges.progress()
 
     def receive(self, compressor, ctx):
-        compressor._start_node_aware_groups()  # ends the round at its first decompress (later ones find it ended)
-        compressor._start_second_stages()  # a round's first decompress starts them, whatever its exchange
+        compressor._end_round()  # at the round's first decompress; later ones find it ended
         return compressor._node_exchanges.wait(self.member)
 
     def result(self, compressor, ctx, result):
@@ -727,6 +725,12 @@ class PayloadCompressor(_CompressorBase):
             state.owner_layout = plan.owner_layout()
         ctx.owner_residual = state.owner_residual.for_step(state.stamps, ctx.step)
         return ctx.owner_residual
+
+    def _end_round(self):
+        """At a round's first decompress, whatever its exchange: starts every group still waiting, node-aware
+        and two-stage, before waiting for anything."""
+        self._start_node_aware_groups()
+        self._start_second_stages()
 
     def _start_node_aware_groups(self):
         """Ends the round of node-aware tensors: starts the groups still waiting for a member (or never

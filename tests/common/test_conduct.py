@@ -11,6 +11,7 @@ from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.fusion import FusedTwoStage
+from horovod_qsgd.common.naming import rank_key
 from horovod_qsgd.common.stats import CompressionStats
 from tests.common.loopback import Arrays, conduct_all
 from tests.two_stage_reference import gradient, reference
@@ -44,7 +45,7 @@ def test_every_rank_decodes_the_reference_sum_from_the_collectives_it_named(exch
         expected = np.zeros(numel, np.float32)
         for r in range(num_ranks):
             buf = np.zeros(codec.max_payload_nbytes(numel), np.uint8)
-            used = codec.encode(grads[r], buf, step=step, key=_rank_key(name, r),
+            used = codec.encode(grads[r], buf, step=step, key=rank_key(name, r),
                                 residual=residuals[r])
             codec.decode_accumulate(buf[:used], expected)
     else:
@@ -62,11 +63,6 @@ def test_every_rank_decodes_the_reference_sum_from_the_collectives_it_named(exch
             np.testing.assert_array_equal(ours[r], residuals[r])
             if owner_residuals[r] is not None:
                 np.testing.assert_array_equal(ours_owner[r], owner_residuals[r])
-
-
-def _rank_key(name, rank):
-    from horovod_qsgd.common.naming import rank_key
-    return rank_key(name, rank)
 
 
 def test_a_mismatched_slice_is_refused_on_every_rank_after_the_last_collective():
