@@ -61,3 +61,35 @@ def test_node_aware_exchange_is_offered_by_every_payload_compressor_and_document
         assert '``"node_aware"``: on nodes of several ranks' in doc and f'``"auto"`` {auto}' in doc, make
     with pytest.raises(ValueError, match="allowed values: 'allgather', 'two_stage', 'auto', 'node_aware'"):
         torch_adapter.QSGD(exchange="nodes")
+
+
+def test_fsdp_compressors_take_the_horovod_compressors_arguments_need_no_horovod_and_refuse_what_they_cannot():
+    """horovod_qsgd.fsdp's QSGD and TopK take the Horovod compressors' arguments with their defaults, less the
+    exchange and fusion ones (a reduce-scatter has one exchange) and QSGD's encoding (fixed sizes only); it
+    imports without Horovod; a compressor of another adapter or a model without fully_shard is refused."""
+    import inspect
+    import subprocess
+    import sys
+
+    import torch
+
+    import horovod_qsgd.fsdp as fsdp
+    import horovod_qsgd.torch as hvd_adapter
+    for ours, compressor in [(fsdp.QSGD, hvd_adapter.QSGD), (fsdp.TopK, hvd_adapter.TopK)]:
+        theirs = {k: p.default for k, p in inspect.signature(compressor).parameters.items()
+                  if k not in ("exchange", "second_stage_bits", "fusion_threshold", "encoding")}
+        assert {k: p.default for k, p in inspect.signature(ours).parameters.items()} == theirs, ours
+    with pytest.raises(TypeError, match="takes horovod_qsgd.fsdp.QSGD or TopK, got QSGD"):
+        fsdp.compress_reduce_scatter(torch.nn.Linear(2, 2), hvd_adapter.QSGD())
+    with pytest.raises(ValueError, match="found no fully_shard module"):
+        fsdp.compress_reduce_scatter(torch.nn.Linear(2, 2), fsdp.QSGD())
+    blocked = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] == 'horovod':\n"
+               "            raise ImportError('no horovod here')\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import horovod_qsgd.fsdp as f\n"
+               "print(f.TopK())\n")
+    proc = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("TopK(error_feedback=True"), proc.stderr[-2000:]

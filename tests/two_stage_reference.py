@@ -7,6 +7,8 @@ that sum encoded with the second-stage codec and decoded into place.
 """
 import numpy as np
 
+from tests.reduce_scatter_reference import owner_sum
+
 
 def gradient(rank, numel, step=0):
     return np.random.default_rng(100 * rank + step).standard_normal(numel).astype(np.float32)
@@ -43,18 +45,7 @@ def reference(first, second, name, grads, step, unit, residuals=None, owner_resi
     num_ranks, numel = len(grads), grads[0].size
     result = np.zeros(numel, np.float32)
     for owner, (begin, end) in enumerate(bounds(numel, num_ranks, unit)):
-        total = grads[owner][begin:end].copy()
-        if residuals is not None:
-            total += residuals[owner][begin:end]
-            residuals[owner][begin:end] = 0
-        for sender in range(num_ranks):
-            if sender == owner:
-                continue
-            buf = np.zeros(first.max_payload_nbytes(end - begin), np.uint8)
-            key = zlib.crc32(f"{name}@rank{sender}>owner{owner}".encode())
-            used = first.encode(grads[sender][begin:end], buf, step=step, key=key,
-                                residual=None if residuals is None else residuals[sender][begin:end])
-            first.decode_accumulate(buf[:used], total)
+        total = owner_sum(first, name, grads, owner, begin, end, step, residuals)
         buf = np.zeros(second.max_payload_nbytes(end - begin), np.uint8)
         used = second.encode(total, buf, step=step, key=zlib.crc32(f"{name}@owner{owner}".encode()),
                              residual=None if owner_residuals is None else owner_residuals[owner])

@@ -198,14 +198,6 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
                                     arriving=self.second_stage_arriving(), final=True, refusal=refusal)
         return gathered, refusal
 
-    def first_stage_arriving(self):
-        """Bytes of the slice each rank sends this owner (0 from itself), or None where payload sizes vary."""
-        if not self.first.payload_nbytes_is_fixed:
-            return None
-        begin, end = self.owned
-        return [0 if sender == self.rank else self.first.max_payload_nbytes(end - begin)
-                for sender in range(self.num_ranks)]
-
     def second_stage_arriving(self):
         """Bytes of each owner's re-encoded sum, or None where payload sizes vary."""
         if not self.second.payload_nbytes_is_fixed:

@@ -192,6 +192,14 @@ class TwoStage:
         decode_checked(self.first, received, senders, [end - begin] * len(senders), [total] * len(senders), self.name,
                        "first-stage slice")
 
+    def first_stage_arriving(self):
+        """Bytes of the slice each rank sends this owner (0 from itself), or None where payload sizes vary."""
+        if not self.first.payload_nbytes_is_fixed:
+            return None
+        begin, end = self.owned
+        return [0 if sender == self.rank else self.first.max_payload_nbytes(end - begin)
+                for sender in range(self.num_ranks)]
+
     def owned_capacity(self):
         """Bytes of the buffer :meth:`encode_owned` writes into."""
         begin, end = self.owned

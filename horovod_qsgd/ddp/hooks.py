@@ -93,7 +93,7 @@ import torch.distributed as dist
 from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit, shard_numel
-from horovod_qsgd.common.collectives import ALLTOALL, drive
+from horovod_qsgd.common.collectives import drive
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import (NODE_AWARE, decode_forwarded, gather_flag, looks_for_nodes,
@@ -102,25 +102,18 @@ from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
-from horovod_qsgd.torch_arrays import TorchBuffers, as_array, kernel_stream
+from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_distributed import DistributedTransport, all_gather_single, check_payload_settings
 from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
-# the old name, and the hooks must not fail there
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _PayloadState:
     """What a payload hook keeps between calls: settings, error feedback, the step, statistics."""
 
     def __init__(self, codec, second_codec, exchange, min_numel, process_group):
-        if min_numel < 0:
-            raise ValueError(f"horovod_qsgd: min_numel must be >= 0, got {min_numel}")
-        if not codec.payload_nbytes_is_fixed:
-            raise ValueError("horovod_qsgd: the DDP hooks need payloads of a fixed size (torch.distributed's "
-                             "collectives take sizes known in advance); encoding='elias' varies: use "
-                             "encoding='fixed'.")
+        check_payload_settings(codec, min_numel, "the DDP hooks")
         self.process_group = process_group
         self.codec, self.second_codec, self.exchange, self.min_numel = codec, second_codec, exchange, int(min_numel)
         self.iteration = 0  # the RNG's step; advanced after each iteration's last bucket
@@ -508,39 +501,6 @@ class _Exchange:
         return as_array(self.owner_residual)
 
 
-class _Transport(TorchBuffers):
-    """The engine's collectives (:class:`~horovod_qsgd.common.collectives.Collective`) over ``torch.distributed``'s
-    ``group``, where this rank is ``rank``; tensors on ``device``. Every size is known in advance (the hooks
-    take fixed-size payloads only): an allgather of equal parts is one ``all_gather_single``, one of parts
-    that differ (the owners' sums) an ``all_to_all_single`` of this rank's part to every rank."""
-
-    def __init__(self, group, rank, device):
-        super().__init__(device)
-        self.group, self.rank = group, rank
-        self.started = 0
-
-    def start(self, collective, async_op=True):
-        """(the work of ``collective``, what the conduct is sent once it is done: the tensor it receives into,
-        for an alltoall with the bytes from each rank)."""
-        arriving, send = collective.arriving, collective.send
-        received = torch.empty(sum(arriving), dtype=torch.uint8, device=self.device)
-        self.started += 1
-        if collective.kind == ALLTOALL:
-            return dist.all_to_all_single(received, send, arriving, collective.splits, group=self.group,
-                                          async_op=async_op), (received, arriving)
-        part = arriving[self.rank]
-        if send.numel() < part:  # a refusal notice: zero-padded to the size every peer expects
-            send = torch.cat([send, torch.zeros(part - send.numel(), dtype=torch.uint8, device=self.device)])
-        if collective.equal_parts:
-            return _all_gather_single(received, send, group=self.group, async_op=async_op), received
-        return dist.all_to_all_single(received, send.repeat(len(arriving)), arriving, [part] * len(arriving),
-                                      group=self.group, async_op=async_op), received
-
-    def run(self, collective):
-        """``collective`` run to its end; what the conduct is sent."""
-        return self.start(collective, async_op=False)[1]
-
-
 def payload_hook(state, bucket):
     """The DDP communication hook of :class:`QSGDState` and :class:`TopKState` (``qsgd_hook``, ``topk_hook``)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
@@ -586,7 +546,7 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
     exchange = _Exchange(state, bucket, plan, split, flat, residual, _new_future(flat.device))
     exchange.stamps, exchange.stamp = stamps, stamp
     future = _with_small(exchange.future, small_future, split, bucket_flat)
-    exchange.transport = _Transport(group, group.rank(), flat.device)
+    exchange.transport = DistributedTransport(group, group.rank(), flat.device)
     with kernel_stream(flat.device):
         exchange.conduct = plan.conduct(exchange.transport, flat, exchange.step, as_array(residual),
                                         exchange.take_owner_residual if state.error_feedback else None)
@@ -650,7 +610,7 @@ def _node_aware(state, bucket, group, buffer, split):
     node_sum = slices[:shard]
     for j in range(1, nodes.local_size):  # in local-rank order: the same bits on every node
         node_sum += slices[j * shard:(j + 1) * shard]
-    cross = _Transport(nodes.cross, nodes.cross_rank, device)
+    cross = DistributedTransport(nodes.cross, nodes.cross_rank, device)
     with kernel_stream(device):
         gathered, refusal = drive(plan.conduct(cross, node_sum, step, as_array(residual),
                                                lambda: as_array(owner_residual)), cross.run)
@@ -661,7 +621,7 @@ def _node_aware(state, bucket, group, buffer, split):
     row = torch.cat([torch.frombuffer(bytearray(gather_flag(error is not None)), dtype=torch.uint8).to(device),
                      gathered])
     rows = torch.empty(nodes.local_size * row.numel(), dtype=torch.uint8, device=device)
-    _all_gather_single(rows, row, group=nodes.local)
+    all_gather_single(rows, row, group=nodes.local)
     shards = send.zero_()  # sent long ago: its buffer takes the node's shards in local-rank order
     if error is None:
         plans = [plan if j == nodes.local_rank else state._engine.plan(

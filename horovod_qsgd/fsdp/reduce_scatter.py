@@ -1,0 +1,330 @@
+r"""QSGD and top-k as FSDP2's gradient reduce-scatter (``torch.distributed.fsdp.fully_shard``).
+
+FSDP2 reduces each ``fully_shard`` module's gradients with one reduce-scatter
+per backward pass: its input is N rows (row j: this rank's gradient of what
+rank j owns, every parameter's shard, padded), its output this rank's row of
+the sum, averaged. :func:`compress_reduce_scatter` installs on every such
+module a :class:`ModuleReduceScatter` (FSDP2's ``set_custom_reduce_scatter``)
+that runs :class:`~horovod_qsgd.common.reduce_scatter.ReduceScatterPlan`:
+
+1. the rows are staged in float32, each parameter's piece at a multiple of
+   QSGD's ``bucket_size`` (no scale spans two parameters);
+2. every row but this rank's own is encoded and sent to its owner in one
+   ``all_to_all_single``; the owner adds the N-1 decoded rows, in rank
+   order, to its own row (kept at full precision);
+3. the sum is scaled as FSDP2's ``op`` says (``AVG``: 1/N, ``SUM``: 1,
+   ``PREMUL_SUM``: its factor) and written into FSDP2's output, in its
+   dtype (bfloat16 under ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``).
+
+Bytes: a rank sends N-1 compressed rows, where an ideal reduce-scatter sends
+N-1 rows at full precision: QSGD-4 about 4 + 32/bucket_size bits per
+coordinate against 32 (fp32) or 16 (bf16). Top-k's error feedback is the
+sender's: what a row did not send stays in this rank's residual of that row.
+
+Every rank checks every rank's settings and each module's row layout at the
+module's first reduce-scatter (``CompressionMismatchError`` on every rank).
+With error feedback, a step whose sum holds inf or NaN on any rank (a loss
+scaler's overflow) leaves every rank's residual as it was: the owners'
+verdicts meet in a one-element all-reduce, started after the alltoall and
+read at the module's next reduce-scatter (or checkpoint), so nothing waits
+for it. QSGD keeps no state but the step counter of its RNG.
+
+Modules whose input has fewer than ``min_numel`` elements go through an
+uncompressed ``all_to_all_single`` of the rows, summed in rank order: an
+ideal reduce-scatter's bytes.
+
+Costs and limits of this first version: the exchange runs synchronously in
+FSDP2's reduce-scatter call, on its stream; one alltoall per module, not
+fused across modules; no node-aware form yet; on a GPU the verdict is read
+on the host at the next call. A module whose parameters do not all get a
+gradient in a step (without ``set_reduce_scatter_unused_params(True)``) is
+compressed as one piece, with a warning, since its row layout is then
+unknown here.
+"""
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from horovod_qsgd.codecs import TopKCodec
+from horovod_qsgd.common.chunks import chunk_unit
+from horovod_qsgd.common.collectives import drive
+from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.common.reduce_scatter import REDUCE_SCATTER, ReduceScatterPlan, RowLayout
+from horovod_qsgd.common.state import check_loadable, state_header
+from horovod_qsgd.common.stats import CompressionStats
+from horovod_qsgd.common.two_stage import qsgd_codecs
+from horovod_qsgd.kernels import finish_sum
+from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_distributed import DistributedTransport, check_payload_settings
+from horovod_qsgd.torch_feedback import KeptResidual
+
+
+def reduction_scale(op, num_ranks):
+    """What FSDP2's ``op`` multiplies the sum by; ValueError for an op a reduce-scatter of gradients does not
+    take."""
+    kind = getattr(op, "op", op)
+    if kind == ReduceOp.AVG:
+        return 1.0 / num_ranks
+    if kind == ReduceOp.SUM:
+        return 1.0
+    if kind == ReduceOp.PREMUL_SUM:
+        return float(op.factor)
+    raise ValueError(f"horovod_qsgd: FSDP2 asked for a {kind} reduce-scatter; the compressed reduce-scatter sums "
+                     "gradients (AVG, SUM or PREMUL_SUM): leave FSDP2's reduce op at its default.")
+
+
+class ModuleReduceScatter(ReduceScatter):
+    """One ``fully_shard`` module's compressed gradient reduce-scatter and its state: the step counter of the
+    codec's RNG and, with error feedback, this rank's residual of every row it sends."""
+
+    def __init__(self, compressor, name, module):
+        self.compressor, self.name, self.module = compressor, name, module
+        self.step = 0
+        self.residual = None   # KeptResidual of the staged input, N rows (error feedback)
+        self._verified = None  # the row layout every rank agreed on at the first call
+        self._verdict = None   # (work, flag, written): the last step's residual, until every rank's verdict is in
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        compressor, stats = self.compressor, self.compressor._stats
+        num_ranks, rank = group.size(), group.rank()
+        scale = reduction_scale(op, num_ranks)
+        self.settle()
+        rows = input_tensor.view(num_ranks, -1)
+        pieces = self._pieces(rows.shape[1])
+        self._handshake(group, input_tensor, pieces)
+        if input_tensor.numel() < compressor.min_numel:
+            self._pass_through(output_tensor, rows, group, scale)
+            return None
+        layout = RowLayout(pieces, chunk_unit(compressor.codec))
+        staged = _stage(rows, layout)
+        plan = ReduceScatterPlan(compressor.codec, self.name, layout.staged_numel, num_ranks, rank, stats,
+                                 (num_ranks - 1) * rows.shape[1] * input_tensor.element_size())
+        stats.note_exchange(self.name, REDUCE_SCATTER)
+        written = self._residual_for_step(staged) if compressor.error_feedback else None
+        transport = DistributedTransport(group, rank, staged.device)
+        with kernel_stream(staged.device):
+            total, refusal = drive(plan.conduct(transport, staged, self.step, as_array(written)), transport.run)
+        stats.add(collectives_started=transport.started)
+        if refusal is not None:
+            raise refusal
+        finite = _scaled_and_finite(total, scale)
+        if not finite:
+            stats.add(tensors_nonfinite=1)
+        _unstage(total, layout, output_tensor)
+        if written is not None:
+            flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=staged.device)
+            self._verdict = (dist.all_reduce(flag, op=ReduceOp.MAX, group=group, async_op=True), flag, written)
+        self.step += 1
+        return None
+
+    # -- the parts of a call ----------------------------------------------------------------
+    def _pieces(self, row_numel):
+        """Each parameter's piece of a row (its padded shard), in FSDP2's order; one piece where they do not add
+        up to the row (some parameters got no gradient this step)."""
+        pieces = [fsdp_param.padded_sharded_param_size.numel() for fsdp_param in _param_group(self.module).fsdp_params]
+        if sum(pieces) == row_numel:
+            return pieces
+        warnings.warn(f"horovod_qsgd: FSDP2 module {self.name!r}: the reduce-scatter's rows ({row_numel} elements) "
+                      f"are not the shards of all its parameters ({sum(pieces)}): some got no gradient this step. "
+                      "They are compressed as one piece (a QSGD scale may span two parameters); call "
+                      "set_reduce_scatter_unused_params(True) on the model to keep every parameter's place.")
+        return [row_numel]
+
+    def _handshake(self, group, input_tensor, pieces):
+        """At the module's first call, every rank checks every rank's settings and row layout (raises on all)."""
+        if self._verified is not None:
+            if self._verified != pieces:
+                raise ValueError(f"horovod_qsgd: FSDP2 module {self.name!r} changed its row layout from "
+                                 f"{self._verified} to {pieces} elements per parameter; install the compressed "
+                                 "reduce-scatter again after changing the model.")
+            return
+        records = [None] * group.size()
+        mine = settings_record(type(self.compressor).__name__, dict(
+            self.compressor.settings(), module=self.name, pieces=pieces, dtype=str(input_tensor.dtype),
+            device=input_tensor.device.type))
+        dist.all_gather_object(records, mine, group=group)
+        check_settings(records)
+        self._verified = list(pieces)
+
+    def _pass_through(self, output_tensor, rows, group, scale):
+        """A small module's reduce-scatter at full precision: every row to its owner, summed in rank order."""
+        received = torch.empty_like(rows)
+        dist.all_to_all_single(received, rows.contiguous(), group=group)
+        total = received[0].float().clone()
+        for row in received[1:]:
+            total += row.float()
+        output_tensor.copy_(total.mul_(scale).reshape(output_tensor.shape))
+        nbytes = (rows.shape[0] - 1) * rows.shape[1] * rows.element_size()
+        self.compressor._stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
+
+    def _residual_for_step(self, staged):
+        """What this step reads the residual through and writes the new one into (zeros at first, or where the
+        staged input changed size: then warned, its mass lost once)."""
+        if self.residual is not None and self.residual.numel() != staged.numel():
+            warnings.warn(f"horovod_qsgd: FSDP2 module {self.name!r}: the residual has {self.residual.numel()} "
+                          f"elements, the staged rows {staged.numel()}; it is reset to zeros (its unsent mass is "
+                          "lost once).")
+            self.residual = None
+        if self.residual is None:
+            self.residual = KeptResidual.zeros(staged.numel(), staged.device)
+        return self.residual.to(staged.device).for_step()
+
+    def settle(self):
+        """Keeps the last step's residual if its sum was finite on every rank (waits for their verdicts)."""
+        verdict, self._verdict = self._verdict, None
+        if verdict is None:
+            return
+        work, flag, written = verdict
+        work.wait()
+        if int(flag.item()) == 0:
+            self.residual.keep(written)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state(self):
+        self.settle()
+        return {"step": self.step, "residual": None if self.residual is None else self.residual.kept.clone()}
+
+    def load(self, saved):
+        self._verdict = None
+        self.step = int(saved["step"])
+        residual = saved["residual"]
+        self.residual = None if residual is None else KeptResidual(residual.clone().float())
+
+
+def _param_group(module):
+    return module._get_fsdp_state()._fsdp_param_groups[0]
+
+
+def _stage(rows, layout):
+    """The N rows as one flat float32 tensor, each parameter's piece where ``layout`` places it: ``rows``
+    themselves where they are float32 already and nothing moves."""
+    if layout.in_place and rows.dtype == torch.float32:
+        return rows.reshape(-1)
+    staged = torch.zeros(rows.shape[0], layout.staged_numel, dtype=torch.float32, device=rows.device)
+    for at, offset, numel in layout.runs():
+        staged[:, offset:offset + numel] = rows[:, at:at + numel]
+    return staged.reshape(-1)
+
+
+def _unstage(total, layout, output_tensor):
+    """This rank's staged row of the sum into FSDP2's output (in its dtype)."""
+    out = output_tensor.reshape(-1)
+    for at, offset, numel in layout.runs():
+        out[at:at + numel] = total[offset:offset + numel]
+
+
+def _scaled_and_finite(total, scale):
+    """Multiplies ``total`` by ``scale``; whether the result is finite (one pass on the CPU; a check and one
+    host read on a GPU)."""
+    if total.is_cuda:
+        total.mul_(scale)
+        return bool(torch.isfinite(total).all())
+    return finish_sum(as_array(total), scale)
+
+
+class _ReduceScatterCompressor:
+    """What the modules of one model share: settings, statistics, checkpoints."""
+
+    def __init__(self, codec, min_numel):
+        check_payload_settings(codec, min_numel, "the FSDP2 reduce-scatter")
+        self.codec, self.min_numel = codec, int(min_numel)
+        self._stats = CompressionStats()
+        self._modules = {}  # name -> ModuleReduceScatter
+
+    @property
+    def error_feedback(self):
+        return bool(getattr(self.codec, "error_feedback", False))
+
+    def settings(self):
+        return dict(self.codec.config(), min_numel=self.min_numel)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
+        return f"{type(self).__name__}({args})"
+
+    def compression_stats(self, reset=False):
+        """Counters since the last reset: modules' reduce-scatters compressed (``tensors_compressed``) and passed
+        through, bytes an ideal reduce-scatter would have sent (``bytes_uncompressed``) and sent
+        (``bytes_sent``), collectives, non-finite sums (see ``horovod_qsgd.torch.QSGD.compression_stats``)."""
+        return self._stats.snapshot(reset)
+
+    def state_dict(self):
+        """Every module's step and residual, plus the settings they belong to; every rank saves its own."""
+        return dict(state_header(type(self).__name__, self.settings()),
+                    modules={name: module.state() for name, module in self._modules.items()})
+
+    def load_state_dict(self, state):
+        check_loadable(state, type(self).__name__, self.settings())
+        unknown = sorted(set(state["modules"]) - set(self._modules))
+        if unknown:
+            raise ValueError(f"horovod_qsgd: the state holds FSDP2 modules {unknown} that this model has not; "
+                             f"it has {sorted(self._modules)}. Call compress_reduce_scatter(model, compressor) "
+                             "on the same model before loading.")
+        for name, saved in state["modules"].items():
+            self._modules[name].load(saved)
+
+
+class QSGD(_ReduceScatterCompressor):
+    """QSGD as FSDP2's gradient reduce-scatter (see :mod:`horovod_qsgd.fsdp`).
+
+    Each coordinate x of a bucket of ``bucket_size`` with scale s = max|x| (``norm="max"``; ``"l2"``: the
+    bucket's 2-norm) is sent as sign(x) * s * l / L, l in 0..L with L = 2^(bits-1) - 1 levels, rounded up with
+    probability L|x|/s - l (``rounding="stochastic"``: unbiased; ``"nearest"``: biased, less variance): bits
+    per coordinate plus one scale per bucket. Defaults: ``bits=4`` (about 7.5x fewer bytes than fp32 at
+    ``bucket_size=512``), ``norm="max"``; raise ``bits`` to 8 where a model does not converge at 4 (QSGD-8 is
+    about 3.9x fewer bytes), lower ``bucket_size`` for gradients of very unequal coordinates (more scales, more
+    bytes). ``min_numel``: modules whose reduce-scatter input is smaller go uncompressed. ``seed``: every rank
+    the same. No state but the RNG's step counter (``state_dict`` all the same, to resume bit-identically).
+    """
+
+    def __init__(self, bits=4, bucket_size=512, norm="max", scale_dtype="float32", rounding="stochastic",
+                 min_numel=10000, seed=0):
+        codec, _, _ = qsgd_codecs(bits, bucket_size, norm, "fixed", scale_dtype, rounding, seed, "allgather", None)
+        super().__init__(codec, min_numel)
+
+
+class TopK(_ReduceScatterCompressor):
+    """Top-k sparsification with error feedback as FSDP2's gradient reduce-scatter (see :mod:`horovod_qsgd.fsdp`).
+
+    Each row a rank sends its owner carries the ``ratio`` of that row's coordinates largest in magnitude, of
+    the gradient plus the residual (indices and values); what is not sent stays in the residual and joins the
+    next step's row (error feedback, on by default: without it top-k biases the update). ``selector``:
+    ``"exact"`` (default), ``"gaussian"`` or ``"sample"`` (threshold estimated, cheaper on large rows).
+    ``ratio=0.01`` sends about 8% of fp32's bytes (4-byte index and 4-byte value per kept coordinate); raise it
+    if the loss stalls. The residuals (one per module, this rank's rows) are ``state_dict()`` on every rank;
+    a step whose sum is not finite on any rank leaves them as they were.
+    """
+
+    def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
+                 sample_ratio=0.01, min_numel=10000, seed=0):
+        super().__init__(TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype,
+                                   error_feedback=error_feedback, seed=seed, sample_ratio=sample_ratio), min_numel)
+
+
+def compress_reduce_scatter(model, compressor):
+    """Installs ``compressor`` (:class:`QSGD` or :class:`TopK`) as the gradient reduce-scatter of every
+    ``fully_shard`` module of ``model`` with parameters of its own, each module with its own state
+    (named ``fsdp.<module path>``, ``fsdp.root`` for ``model``); returns ``compressor``. Call it on every rank,
+    after ``fully_shard`` and before the first backward pass."""
+    if not isinstance(compressor, _ReduceScatterCompressor):
+        raise TypeError(f"horovod_qsgd: compress_reduce_scatter takes horovod_qsgd.fsdp.QSGD or TopK, got "
+                        f"{type(compressor).__name__}.")
+    installed = 0
+    for path, module in model.named_modules():
+        if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
+            continue
+        name = f"fsdp.{path or 'root'}"
+        reduce_scatter = compressor._modules[name] = ModuleReduceScatter(compressor, name, module)
+        module.set_custom_reduce_scatter(reduce_scatter)
+        installed += 1
+    if not installed:
+        raise ValueError("horovod_qsgd: compress_reduce_scatter found no fully_shard module with parameters in "
+                         "the model; call fully_shard(module) on its layers and the model first.")
+    return compressor

@@ -1,0 +1,267 @@
+"""The FSDP2 compressed reduce-scatter under torchrun (Gloo): every rank's sharded gradient against the codecs
+alone, FSDP2's ops and bfloat16, residuals, a resumed job, a non-finite step, settings refused on every rank."""
+import io
+
+import numpy as np
+import pytest
+
+from tests.reduce_scatter_reference import reduce_scatter_reference, stage, staged, unstage
+
+SHARED_LAUNCHES = True  # tests with the same rank count run in one launch (tests/multirank.py)
+
+# fully_shard modules: "a" (three parameters, none a multiple of 512 or of the rank count: padded shards),
+# "small" (fewer than MIN_NUMEL elements: passed through uncompressed) and the root (the parameters of "b").
+MODULES = {"fsdp.a": (20_000, 5, 3001), "fsdp.small": (50,), "fsdp.root": (12_345,)}
+MIN_NUMEL = 1000
+
+
+def _on(*counts, timeout=300):
+    return [pytest.param(n, marks=pytest.mark.ranks(n, timeout=timeout, launcher="torchrun")) for n in counts]
+
+
+def _gradients(name, rank, step):
+    rng = np.random.default_rng([rank, step, len(name), sum(MODULES[name])])
+    return [rng.standard_normal(n).astype(np.float32) for n in MODULES[name]]
+
+
+def _model(torch, mp_policy=None):
+    """loss = sum_i <w_i, g_i> over every module: the gradient of w_i is exactly g_i (rounded to the param dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    class Weights(torch.nn.Module):
+        def __init__(self, sizes):
+            super().__init__()
+            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
+
+        def forward(self, grads):
+            return sum((w * g.to(w.dtype)).sum() for w, g in zip(self.w, grads))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.small, self.b = (Weights(MODULES[n]) for n in ("fsdp.a", "fsdp.small", "fsdp.root"))
+
+        def forward(self, grads):
+            return self.a(grads["fsdp.a"]) + self.small(grads["fsdp.small"]) + self.b(grads["fsdp.root"])
+
+    model = Model()
+    policy = mp_policy or MixedPrecisionPolicy()
+    fully_shard(model.a, mp_policy=policy)
+    fully_shard(model.small, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _fsdp_modules(model):
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]  # FSDP2's setters act on one module each
+
+
+def _step(torch, model, rank, step, poison=None):
+    """One backward pass; {module name: [this rank's sharded gradient of each parameter]} (float32 numpy)."""
+    grads = {name: [torch.from_numpy(g) for g in _gradients(name, rank, step)] for name in MODULES}
+    if poison is not None:
+        grads[poison][0][3] = float("inf")
+    model.zero_grad(set_to_none=True)
+    model(grads).backward()
+    params = {"fsdp.a": model.a.w, "fsdp.small": model.small.w, "fsdp.root": model.b.w}
+    return {name: [p.grad.to_local().float().numpy().copy() for p in ps] for name, ps in params.items()}
+
+
+def _rows(grads, num_ranks):
+    """FSDP2's reduce-scatter input for a module: row j holds every parameter's j-th dim-0 shard, padded."""
+    pieces = [-(-g.size // num_ranks) for g in grads]
+    rows = np.zeros((num_ranks, sum(pieces)), np.float32)
+    at = 0
+    for g, piece in zip(grads, pieces):
+        padded = np.zeros(piece * num_ranks, np.float32)
+        padded[:g.size] = g
+        rows[:, at:at + piece] = padded.reshape(num_ranks, piece)
+        at += piece
+    return rows, pieces
+
+
+def _shards(row, pieces, sizes, rank):
+    """A module's row of the sum split into each parameter's shard on ``rank`` (the padding dropped)."""
+    shards, at = [], 0
+    for piece, n in zip(pieces, sizes):
+        valid = max(0, min(piece, n - rank * piece))
+        shards.append(row[at:at + valid])
+        at += piece
+    return shards
+
+
+class _Reference:
+    """Every rank's sharded gradients and residuals, from the codecs alone."""
+
+    def __init__(self, compressor, num_ranks):
+        self.compressor, self.num_ranks, self.steps = compressor, num_ranks, {}
+        unit = getattr(compressor.codec, "bucket_size", 1)
+        self.residuals = {name: [np.zeros(num_ranks * staged(_rows(_gradients(name, 0, 0), num_ranks)[1], unit)[1],
+                                          np.float32) for _ in range(num_ranks)]
+                          for name in MODULES} if compressor.error_feedback else None
+
+    def step(self, step, rank, finish, rounding=None, poisoned=None):
+        """{name: this rank's shards}; ``finish(total)``: the scaling FSDP2's op and divide factor give;
+        ``rounding``: the reduce dtype's rounding of the gradients; ``poisoned``: (module, rank) with an inf."""
+        rounding = rounding or (lambda a: a)
+        codec, unit, out = self.compressor.codec, getattr(self.compressor.codec, "bucket_size", 1), {}
+        for name, sizes in MODULES.items():
+            grads = [[rounding(g) for g in _gradients(name, r, step)] for r in range(self.num_ranks)]
+            if poisoned is not None and poisoned[0] == name:
+                grads[poisoned[1]][0][3] = np.inf
+            rows = [_rows(g, self.num_ranks) for g in grads]
+            pieces = rows[0][1]
+            if sum(pieces) * self.num_ranks < MIN_NUMEL:
+                total = sum((r[rank] for r, _ in rows[1:]), rows[0][0][rank].copy())
+                out[name] = _shards(rounding(finish(total)), pieces, sizes, rank)
+                continue
+            xs = [stage(r, pieces, unit) for r, _ in rows]
+            before = None if self.residuals is None else [r.copy() for r in self.residuals[name]]
+            residuals = None if self.residuals is None else self.residuals[name]
+            sums = reduce_scatter_reference(codec, name, xs, self.steps.get(name, 0), residuals)
+            self.steps[name] = self.steps.get(name, 0) + 1
+            if before is not None and not all(np.isfinite(s).all() for s in sums):
+                self.residuals[name] = before  # a non-finite step on any rank leaves every residual
+            out[name] = _shards(rounding(finish(unstage(sums[rank], pieces, unit))), pieces, sizes, rank)
+        return out
+
+
+def _compressor(kind):
+    from horovod_qsgd.fsdp import QSGD, TopK
+    return QSGD(bits=4, min_numel=MIN_NUMEL) if kind == "qsgd" else TopK(ratio=0.02, min_numel=MIN_NUMEL)
+
+
+def _assert_equal(ours, expected):
+    for name in MODULES:
+        for got, want in zip(ours[name], expected[name]):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def _assert_residuals(compressor, reference, rank):
+    if reference.residuals is None:
+        return
+    for name in ("fsdp.a", "fsdp.root"):
+        saved = compressor.state_dict()["modules"][name]["residual"].numpy()
+        np.testing.assert_array_equal(saved, reference.residuals[name][rank], err_msg=name)
+
+
+@pytest.mark.parametrize("num_ranks", _on(2, 3, 4))
+def test_sharded_gradients_are_the_codecs_alone_on_every_rank(num_ranks, dist_gloo):
+    """QSGD-4 and top-k with error feedback, 3 steps, FSDP2's default AVG: each rank's sharded gradients are
+    bitwise the codecs' result for its row (padded shards, each parameter's piece on its own QSGD buckets),
+    the small module's an exact sum, the residuals the reference's; the statistics count what was sent."""
+    import torch
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+    assert dist_gloo.get_world_size() == num_ranks
+    for kind in ("qsgd", "topk"):
+        model = _model(torch)
+        compressor = compress_reduce_scatter(model, _compressor(kind))
+        reference = _Reference(compressor, num_ranks)
+        for step in range(3):
+            _assert_equal(_step(torch, model, rank, step), reference.step(step, rank, lambda t: t * (1.0 / num_ranks)))
+            _assert_residuals(compressor, reference, rank)
+        stats = compressor.compression_stats()
+        assert (stats["tensors_compressed"], stats["tensors_passed_through"]) == (6, 3)
+        assert stats["exchanges"] == {"fsdp.a": "reduce_scatter", "fsdp.root": "reduce_scatter"}
+        unit = getattr(compressor.codec, "bucket_size", 1)
+        rows = {n: staged(_rows(_gradients(n, 0, 0), num_ranks)[1], unit)[1] for n in ("fsdp.a", "fsdp.root")}
+        payloads = sum(compressor.codec.max_payload_nbytes(rows[n]) for n in rows)
+        small = (num_ranks - 1) * -(-50 // num_ranks) * 4
+        assert stats["bytes_sent"] == 3 * ((num_ranks - 1) * payloads + small)
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_fsdp_ops_and_bfloat16(num_ranks, dist_gloo):
+    """PREMUL_SUM (a gradient divide factor), SUM then FSDP2's own division (force_sum_reduction_for_comms) and
+    bfloat16 reduce dtype: the codecs' bits scaled as FSDP2 asks, rounded to bfloat16 where it reduces in it."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+
+    def bf16(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16).float().numpy()
+
+    for kind in ("qsgd", "topk"):
+        model = _model(torch)
+        for module in _fsdp_modules(model):
+            module.set_gradient_divide_factor(2.0)  # fp32: PREMUL_SUM(1/2)
+        reference = _Reference(compress_reduce_scatter(model, _compressor(kind)), num_ranks)
+        _assert_equal(_step(torch, model, rank, 0), reference.step(0, rank, lambda t: t * np.float32(0.5)))
+
+        model = _model(torch)
+        for module in _fsdp_modules(model):
+            module.set_force_sum_reduction_for_comms(True)  # SUM, then FSDP2 divides by N itself
+        reference = _Reference(compress_reduce_scatter(model, _compressor(kind)), num_ranks)
+        _assert_equal(_step(torch, model, rank, 0), reference.step(0, rank, lambda t: t / np.float32(num_ranks)))
+
+        model = _model(torch, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+        compressor = compress_reduce_scatter(model, _compressor(kind))
+        reference = _Reference(compressor, num_ranks)
+        for step in range(2):
+            _assert_equal(_step(torch, model, rank, step),
+                          reference.step(step, rank, lambda t: t * (1.0 / num_ranks), rounding=bf16))
+        _assert_residuals(compressor, reference, rank)
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_a_non_finite_step_leaves_every_ranks_residuals_and_a_resumed_job_continues_bitwise(num_ranks, dist_gloo):
+    """Top-k: inf in rank 1's gradient of module "a" at step 1: every rank's residual of "a" is what step 0 left
+    (also on ranks whose rows were finite), the sums it reached are not finite, step 2 goes on from there.
+    A job resumed from the state after step 1 (its model rebuilt) gives step 2's bits again."""
+    import torch
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+    model = _model(torch)
+    compressor = compress_reduce_scatter(model, _compressor("topk"))
+    reference = _Reference(compressor, num_ranks)
+
+    def average(t):
+        return t * (1.0 / num_ranks)
+
+    _step(torch, model, rank, 0)
+    reference.step(0, rank, average)
+    left = compressor.state_dict()["modules"]["fsdp.a"]["residual"].clone()
+    ours = _step(torch, model, rank, 1, poison="fsdp.a" if rank == 1 else None)
+    expected = reference.step(1, rank, average, poisoned=("fsdp.a", 1))
+    _assert_equal(ours, expected)
+    assert torch.equal(compressor.state_dict()["modules"]["fsdp.a"]["residual"], left)
+    _assert_residuals(compressor, reference, rank)
+    finite = all(np.isfinite(s).all() for s in ours["fsdp.a"])
+    assert compressor.compression_stats()["tensors_nonfinite"] == (0 if finite else 1)
+    saved = io.BytesIO()
+    torch.save(compressor.state_dict(), saved)
+    after = _step(torch, model, rank, 2)
+    _assert_equal(after, reference.step(2, rank, average))
+
+    _assert_equal(_resumed(torch, "topk", saved, rank, 2), after)
+
+    model = _model(torch)  # QSGD: the RNG's step counters resume too
+    compressor = compress_reduce_scatter(model, _compressor("qsgd"))
+    _step(torch, model, rank, 0)
+    saved = io.BytesIO()
+    torch.save(compressor.state_dict(), saved)
+    _assert_equal(_resumed(torch, "qsgd", saved, rank, 1), _step(torch, model, rank, 1))
+
+
+def _resumed(torch, kind, saved, rank, step):
+    """Step ``step`` of a model rebuilt with a compressor loaded from ``saved``."""
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    model = _model(torch)
+    resumed = compress_reduce_scatter(model, _compressor(kind))
+    saved.seek(0)
+    resumed.load_state_dict(torch.load(saved))
+    return _step(torch, model, rank, step)
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_other_settings_on_one_rank_are_refused_on_every_rank(num_ranks, dist_gloo):
+    import torch
+    from horovod_qsgd.fsdp import QSGD, CompressionMismatchError, compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+    model = _model(torch)
+    compress_reduce_scatter(model, QSGD(bits=8 if rank == 1 else 4, min_numel=MIN_NUMEL))
+    with pytest.raises(CompressionMismatchError, match=r"settings.bits: rank 0=4, rank 1=8, rank 2=4"):
+        _step(torch, model, rank, 0)
