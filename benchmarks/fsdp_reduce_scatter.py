@@ -1,0 +1,236 @@
+"""FSDP2's gradient reduce-scatter, compressed and not: bytes on the wire per step (needs root).
+
+    python benchmarks/fsdp_reduce_scatter.py [--ranks 2,4,8] [--rate none] [--out benchmarks/results/fsdp]
+
+For each rank count and variant, ``torchrun --nproc_per_node N`` trains the
+synthetic ``mlp25m`` (25.2M parameters; each Linear and the model
+``fully_shard``-ed with ``reshard_after_forward=False``, batch 8 per rank,
+SGD) inside a private network namespace whose ``/proc/net/dev`` counts
+every byte the ranks exchange. The backward pass then runs no all-gather:
+the bytes between a barrier before it and one after it are its
+reduce-scatters' (the barriers add a few hundred bytes). Variants: FSDP2's
+own reduce-scatter (``fsdp-fp32``, ``fsdp-bf16``:
+``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``; on Gloo with
+``set_force_sum_reduction_for_comms``, Gloo having no AVG), an ideal fp32
+reduce-scatter (``alltoall-fp32``: every row to its owner, one
+``all_to_all_single``), and ``horovod_qsgd.fsdp``'s QSGD-4, QSGD-8 and
+top-k 1% on fp32 and bf16 gradients.
+
+The formula: N ranks each send (N-1) rows per module, of the input's dtype
+(ideal) or of the codec's payload of the staged row
+(:meth:`~horovod_qsgd.common.reduce_scatter.ReduceScatterPlan.send_capacity`),
+plus top-k's 4-byte verdict all-reduce per module. Ranks beyond the 2
+cores oversubscribe them: bytes do not depend on it.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ["fsdp-fp32", "alltoall-fp32", "qsgd-4bit", "qsgd-8bit", "topk-1%",
+            "fsdp-bf16", "qsgd-4bit-bf16", "topk-1%-bf16"]
+WARMUP, MEASURED = 2, 3
+
+
+def _compressor(variant):
+    from horovod_qsgd.fsdp import QSGD, TopK
+    if variant.startswith("qsgd"):
+        return QSGD(bits=int(variant.split("-")[1][0]))
+    if variant.startswith("topk"):
+        return TopK(ratio=0.01)
+    return None
+
+
+def _alltoall():
+    """FSDP2's reduce-scatter as every row sent to its owner in one ``all_to_all_single``: an ideal one's bytes."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class AllToAll(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            rows = input_tensor.view(group.size(), -1)
+            received = torch.empty_like(rows)
+            dist.all_to_all_single(received, rows, group=group)
+            output_tensor.copy_(received.sum(0))
+            return None
+    return AllToAll()
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from benchmarks import netlab
+    from benchmarks.models_torch import build_model
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if args.variant.endswith("bf16") \
+        else MixedPrecisionPolicy()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
+    compressor = _compressor(args.variant)
+    if compressor is not None:
+        compress_reduce_scatter(model, compressor)
+    for module in modules:
+        if args.variant == "alltoall-fp32":
+            module.set_custom_reduce_scatter(_alltoall())
+        module.set_force_sum_reduction_for_comms(True)  # Gloo's reduce-scatter takes no AVG
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, model[0].in_features)
+    y = torch.randint(0, 1000, (8,))
+    rows = [m._get_fsdp_state()._fsdp_param_groups[0] for m in modules]
+    rows = [[p.padded_sharded_param_size.numel() for p in group.fsdp_params] for group in rows]
+    reduce_scatters = []
+    for step in range(WARMUP + MEASURED):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        dist.barrier()
+        before = netlab.loopback_bytes()
+        loss.backward()
+        dist.barrier()
+        if step >= WARMUP:
+            reduce_scatters.append(netlab.loopback_bytes() - before)
+        optimizer.step()
+    if dist.get_rank() == 0:
+        with open(args.json_out, "w") as f:
+            json.dump({"reduce_scatter_bytes_per_step": sum(reduce_scatters) / MEASURED,
+                       "each_step": reduce_scatters, "rows": rows,
+                       "stats": None if compressor is None else compressor.compression_stats()}, f)
+    dist.destroy_process_group()
+
+
+def formula(variant, rows, ranks):
+    """Reduce-scatter bytes all ranks send per step (see the module's docstring); None for Gloo's own."""
+    from horovod_qsgd.common.chunks import chunk_unit
+    from horovod_qsgd.common.reduce_scatter import ReduceScatterPlan, RowLayout
+    from horovod_qsgd.common.stats import CompressionStats
+    if variant.startswith("fsdp"):
+        return None
+    total = 0
+    for pieces in rows:
+        if variant == "alltoall-fp32":
+            total += (ranks - 1) * sum(pieces) * 4
+            continue
+        codec = _compressor(variant).codec
+        layout = RowLayout(pieces, chunk_unit(codec))
+        plan = ReduceScatterPlan(codec, "x", layout.staged_numel, ranks, 0, CompressionStats(), 0)
+        total += plan.send_capacity() + (4 * 2 * (ranks - 1) / ranks if variant.startswith("topk") else 0)
+    return ranks * total
+
+
+def run(ranks, variant, model, rate, tmp):
+    import socket
+    from benchmarks import netlab
+    out = os.path.join(tmp, f"r{ranks}-{variant}.json")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
+           "127.0.0.1", "--master_port", str(port), os.path.abspath(__file__), "--worker", "--variant", variant,
+           "--model", model, "--json-out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=ROOT)
+    with netlab.Namespace(rate=None if rate == "none" else rate) as ns:
+        proc = ns.run(job, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{ranks} ranks {variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="2,4,8")
+    ap.add_argument("--rate", default="none")
+    ap.add_argument("--model", default="mlp25m")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fsdp"))
+    ap.add_argument("--record-only", action="store_true", help="rewrite --out's README.md from its results.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--json-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.record_only:
+        return write_record(args.out)
+    from benchmarks import netlab
+    reason = netlab.unavailable_reason()
+    if reason:
+        sys.exit(f"cannot count bytes here: {reason}")
+    import subprocess
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="hq-fsdp-")
+    variants = args.variants.split(",")
+    results = []
+    for ranks in (int(r) for r in args.ranks.split(",")):
+        by_variant = {}
+        for variant in variants:
+            result = run(ranks, variant, args.model, args.rate, tmp)
+            rs = by_variant[variant] = result["reduce_scatter_bytes_per_step"]
+            expected = formula(variant, result["rows"], ranks)
+            row = dict(ranks=ranks, variant=variant, reduce_scatter_mb=rs / 1e6,
+                       formula_mb=None if expected is None else expected / 1e6)
+            for base in ("fsdp-fp32", "alltoall-fp32", "fsdp-bf16"):
+                if base in by_variant and variant != base:
+                    row[f"fewer_than_{base}"] = by_variant[base] / rs
+            results.append(row)
+            vs = "" if expected is None else f"  formula {expected / 1e6:8.2f} MB ({100 * (rs / expected - 1):+.1f}%)"
+            print(f"{ranks} ranks  {variant:15s} reduce-scatter {rs / 1e6:8.2f} MB/step{vs}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"model": args.model, "rate": args.rate, "ranks": args.ranks, "commit": commit, "rows": results},
+                  f, indent=1)
+    write_record(args.out)
+
+
+def write_record(out):
+    """``out``/README.md from ``out``/results.json."""
+    with open(os.path.join(out, "results.json")) as f:
+        record = json.load(f)
+    ideal = {row["ranks"]: row["reduce_scatter_mb"] for row in record["rows"] if row["variant"] == "alltoall-fp32"}
+    lines = ["# FSDP2's gradient reduce-scatter: bytes on the wire per step", "",
+             f"`{record['model']}` (25.2M parameters; each Linear and the model `fully_shard`-ed), batch 8 per rank, "
+             "SGD, `torchrun` ranks (Gloo) in one network namespace, loopback "
+             + ("unshaped" if record["rate"] == "none" else f"shaped to {record['rate']}")
+             + f"; {MEASURED} steps measured after {WARMUP} of warm-up. Reduce-scatter MB per step of all ranks: "
+             "the bytes of the backward pass, which runs no all-gather (`reshard_after_forward=False`), between "
+             "two barriers. Formula: `formula` in `benchmarks/fsdp_reduce_scatter.py` (payload bytes only; the "
+             "measured bytes add TCP/IP headers). Gloo's own reduce-scatter (`fsdp-*`) sends twice an ideal one's "
+             "bytes; NCCL's ring sends an ideal one's, so the columns against `alltoall-fp32` (measured) and an "
+             "ideal bf16 reduce-scatter (half of it) are the fair ones. Library at commit "
+             f"{record['commit']}; machine: the project's 2-core VM (ranks oversubscribe it; bytes do not depend "
+             "on that).", "",
+             "```bash", f"sudo python benchmarks/fsdp_reduce_scatter.py --ranks {record['ranks']}"
+             + ("" if record["rate"] == "none" else f" --rate {record['rate']}"), "```", "",
+             "| ranks | variant | reduce-scatter MB/step | formula MB | fewer than FSDP2 fp32 (Gloo) | fewer than an "
+             "ideal fp32 reduce-scatter | fewer than FSDP2 bf16 (Gloo) | fewer than an ideal bf16 reduce-scatter |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def ratio(row, key):
+        return f"{row[key]:.2f}x" if key in row else ""
+    for row in record["rows"]:
+        formula_mb = "" if row["formula_mb"] is None else f"{row['formula_mb']:.2f}"
+        bf16 = f"{ideal[row['ranks']] / 2 / row['reduce_scatter_mb']:.2f}x" \
+            if row["variant"].endswith("bf16") and row["ranks"] in ideal else ""
+        lines.append(f"| {row['ranks']} | {row['variant']} | {row['reduce_scatter_mb']:.2f} | {formula_mb} | "
+                     f"{ratio(row, 'fewer_than_fsdp-fp32')} | {ratio(row, 'fewer_than_alltoall-fp32')} | "
+                     f"{ratio(row, 'fewer_than_fsdp-bf16')} | {bf16} |")
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+if __name__ == "__main__":
+    main()
