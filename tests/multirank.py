@@ -172,19 +172,22 @@ def pytest_configure(config):
         "markers", "ranks(n, timeout=180, env=None, launcher='horovodrun', alone=False): run the test on n ranks "
         "under horovodrun --gloo, or torchrun with launcher='torchrun', or on M network-namespace nodes of L "
         "ranks with launcher='nodes:MxL' (Horovod) or 'torchrun-nodes:MxL' (env: extra variables; a None value "
-        "removes one). In a module with SHARED_LAUNCHES = True, tests with the same n, env and launcher share "
-        "one launch unless alone=True")
+        "removes one). In a module with SHARED_LAUNCHES = True (or a group name, shared with the group's "
+        "modules), tests with the same n, env and launcher share one launch unless alone=True")
 
 
 def _shared_launch_key(item, marker):
     """Tests of a module that sets ``SHARED_LAUNCHES = True`` share one launch per (ranks, timeout-free marker
     arguments): the workers run them one after another, saving a launch (horovodrun, interpreters, imports)
-    each. ``ranks(..., alone=True)`` keeps a test to itself (its own hvd.init arguments, a job it breaks)."""
-    if not getattr(item.module, "SHARED_LAUNCHES", False) or marker.kwargs.get("alone"):
+    each. ``SHARED_LAUNCHES = "<group>"`` shares them with every module of that group (modules whose tests
+    leave nothing behind that another module's could trip on). ``ranks(..., alone=True)`` keeps a test to
+    itself (its own hvd.init arguments, a job it breaks)."""
+    shared = getattr(item.module, "SHARED_LAUNCHES", False)
+    if not shared or marker.kwargs.get("alone"):
         return None
     env = marker.kwargs.get("env") or {}
-    return (item.module.__name__, _ranks_of(marker), tuple(sorted(env.items())),
-            marker.kwargs.get("launcher", "horovodrun"))
+    return (shared if isinstance(shared, str) else item.module.__name__, _ranks_of(marker),
+            tuple(sorted(env.items())), marker.kwargs.get("launcher", "horovodrun"))
 
 
 def _ranks_of(marker):

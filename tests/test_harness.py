@@ -45,3 +45,19 @@ def test_tests_of_a_shared_launch_run_in_one_job_and_are_judged_apart(tmp_path):
     # three tests, two processes: one per rank, each ran all three
     notes = sorted(os.listdir(tmp_path))
     assert len(notes) == 2 and {n.split(".")[1] for n in notes} == {"rank0", "rank1"}, notes
+
+
+def test_modules_naming_one_group_share_a_launch(tmp_path):
+    """Two modules with SHARED_LAUNCHES = "<the same group>": their tests run in one job (two processes, each
+    ran both modules' tests), not one job per module."""
+    env = dict(os.environ, HQ_SAMPLE_PIDS=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.join("tests", "harness_samples", "shared_group_one.py"),
+                           os.path.join("tests", "harness_samples", "shared_group_two.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert "2 passed" in proc.stdout, proc.stdout[-3000:]
+    notes = sorted(os.listdir(tmp_path))
+    assert len(notes) == 2 and {n.split(".")[1] for n in notes} == {"rank0", "rank1"}, notes
+    for note in notes:
+        with open(tmp_path / note) as f:
+            assert f.read().split() == ["one", "two"], note

@@ -7,7 +7,7 @@ import pytest
 from tests.two_stage_reference import bounds
 from tests.two_stage_reference import reference as two_stage_reference
 
-SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "torch.distributed"  # one launch per rank count and env with the group's modules (tests/multirank.py)
 
 # DDP puts all three into one bucket in the first iteration and rebuilds them into one bucket each after it
 # (bucket_cap_mb=0.5). The small one passes through (fewer than MIN_NUMEL elements): beside the others in the
