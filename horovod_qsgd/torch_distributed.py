@@ -2,10 +2,14 @@
 
 Imports no Horovod.
 """
+import os
+import socket
+
 import torch
 import torch.distributed as dist
 
 from horovod_qsgd.common.collectives import ALLTOALL
+from horovod_qsgd.common.node_aware import warn_node_blind
 from horovod_qsgd.torch_arrays import TorchBuffers
 
 # torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
@@ -54,3 +58,45 @@ class DistributedTransport(TorchBuffers):
     def run(self, collective):
         """``collective`` run to its end; what the conduct is sent."""
         return self.start(collective, async_op=False)[1]
+
+
+class DistributedNodes:
+    """The job's nodes for the node-aware exchanges (DDP hooks, FSDP2): this rank's node's process group
+    (``local``), the group of the ranks with this rank's local index on every node (``cross``), and where this
+    rank is in both (``local_rank``; ``cross_rank``: its node's index); ``members``: each node's ranks."""
+
+    def __init__(self, members, rank):
+        self.members, self.count, self.local_size = members, len(members), len(members[0])
+        self.cross_rank = next(k for k, ranks in enumerate(members) if rank in ranks)
+        self.local_rank = members[self.cross_rank].index(rank)
+        # every rank creates every group, in the same order, as torch.distributed requires
+        for ranks in members:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self.local = group
+        for j in range(self.local_size):
+            group = dist.new_group([ranks[j] for ranks in members])
+            if j == self.local_rank:
+                self.cross = group
+
+    @classmethod
+    def of_this_job(cls, group, process_group, quiet=False):
+        """The layout from torchrun's ``GROUP_RANK`` (else the host name), alike on every rank; None (flat
+        exchange, with a warning on every rank unless ``quiet``: ``"auto"`` asked for no layout in
+        particular) where nodes differ in size or there is one node or one rank per node."""
+        if process_group is not None:
+            raise ValueError("horovod_qsgd: exchange='node_aware' needs the default process group "
+                             "(process_group=None)")
+        nodes = [None] * group.size()
+        dist.all_gather_object(nodes, os.environ.get("GROUP_RANK") or socket.gethostname(), group=group)
+        members = {}
+        for rank, node in enumerate(nodes):
+            members.setdefault(node, []).append(rank)
+        members = list(members.values())
+        sizes = sorted({len(m) for m in members})
+        if len(sizes) > 1 or len(members) == 1 or sizes[0] == 1:
+            if quiet:
+                return None
+            warn_node_blind(f"it has {len(members)} node(s) of {sizes} rank(s)")
+            return None
+        return cls(members, dist.get_rank())

@@ -65,8 +65,9 @@ def test_node_aware_exchange_is_offered_by_every_payload_compressor_and_document
 
 def test_fsdp_compressors_take_the_horovod_compressors_arguments_need_no_horovod_and_refuse_what_they_cannot():
     """horovod_qsgd.fsdp's QSGD and TopK take the Horovod compressors' arguments with their defaults, less the
-    exchange and fusion ones (a reduce-scatter has one exchange) and QSGD's encoding (fixed sizes only); it
-    imports without Horovod; a compressor of another adapter or a model without fully_shard is refused."""
+    fusion and second-stage ones (a reduce-scatter has one stage) and QSGD's encoding (fixed sizes only); their
+    exchanges are the flat reduce-scatter and the node-aware one; it imports without Horovod; a compressor of
+    another adapter or a model without fully_shard is refused."""
     import inspect
     import subprocess
     import sys
@@ -77,8 +78,10 @@ def test_fsdp_compressors_take_the_horovod_compressors_arguments_need_no_horovod
     import horovod_qsgd.torch as hvd_adapter
     for ours, compressor in [(fsdp.QSGD, hvd_adapter.QSGD), (fsdp.TopK, hvd_adapter.TopK)]:
         theirs = {k: p.default for k, p in inspect.signature(compressor).parameters.items()
-                  if k not in ("exchange", "second_stage_bits", "fusion_threshold", "encoding")}
+                  if k not in ("second_stage_bits", "fusion_threshold", "encoding")}
         assert {k: p.default for k, p in inspect.signature(ours).parameters.items()} == theirs, ours
+    with pytest.raises(ValueError, match="allowed values: 'auto', 'reduce_scatter', 'node_aware'"):
+        fsdp.TopK(exchange="two_stage")
     with pytest.raises(TypeError, match="takes horovod_qsgd.fsdp.QSGD or TopK, got QSGD"):
         fsdp.compress_reduce_scatter(torch.nn.Linear(2, 2), hvd_adapter.QSGD())
     with pytest.raises(ValueError, match="found no fully_shard module"):

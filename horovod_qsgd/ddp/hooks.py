@@ -82,8 +82,6 @@ layout; when a bucket's layout changes, its old owner residual moves into
 this rank's residuals of the parameters it covered, before the bucket's
 first stage, and is sent by each parameter's next first stage.
 """
-import os
-import socket
 import threading
 import time
 
@@ -96,14 +94,14 @@ from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.collectives import drive
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
-from horovod_qsgd.common.node_aware import (NODE_AWARE, decode_forwarded, gather_flag, looks_for_nodes,
-                                            warn_node_blind)
+from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag, looks_for_nodes
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_distributed import DistributedTransport, all_gather_single, check_payload_settings
+from horovod_qsgd.torch_distributed import (DistributedNodes, DistributedTransport, all_gather_single,
+                                            check_payload_settings)
 from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -119,7 +117,7 @@ class _PayloadState:
         self.iteration = 0  # the RNG's step; advanced after each iteration's last bucket
         self._stats = CompressionStats()
         self._engine = PayloadEngine(codec, second_codec, exchange, self._stats)
-        self._nodes = None          # _Nodes, when the exchange is node-aware
+        self._nodes = None          # DistributedNodes, when the exchange is node-aware
         self._lock = threading.Lock()
         self._verified = False
         self._keys = {}             # id(parameter) -> its key: the order the hook first saw it in
@@ -193,7 +191,7 @@ class _PayloadState:
         check_settings(records)
         if self.exchange == NODE_AWARE or looks_for_nodes(self.exchange, device.type == "cuda",
                                                           self.process_group is None):
-            self._nodes = _Nodes.of_this_job(group, self.process_group, quiet=self.exchange != NODE_AWARE)
+            self._nodes = DistributedNodes.of_this_job(group, self.process_group, quiet=self.exchange != NODE_AWARE)
         self._verified = True
 
     def _split(self, bucket):
@@ -338,47 +336,6 @@ class _PayloadState:
                         if part is not None:
                             store[key] = part
         return staged, restore
-
-
-class _Nodes:
-    """The job's nodes for the node-aware exchange: this rank's node's process group (``local``), the group of
-    the ranks with this rank's local index on every node (``cross``), and where this rank is in both."""
-
-    def __init__(self, members, rank):
-        self.count, self.local_size = len(members), len(members[0])
-        self.cross_rank = next(k for k, ranks in enumerate(members) if rank in ranks)
-        self.local_rank = members[self.cross_rank].index(rank)
-        # every rank creates every group, in the same order, as torch.distributed requires
-        for ranks in members:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                self.local = group
-        for j in range(self.local_size):
-            group = dist.new_group([ranks[j] for ranks in members])
-            if j == self.local_rank:
-                self.cross = group
-
-    @classmethod
-    def of_this_job(cls, group, process_group, quiet=False):
-        """The layout from torchrun's ``GROUP_RANK`` (else the host name), alike on every rank; None (flat
-        exchange, with a warning on every rank unless ``quiet``: ``"auto"`` asked for no layout in
-        particular) where nodes differ in size or there is one node or one rank per node."""
-        if process_group is not None:
-            raise ValueError("horovod_qsgd: exchange='node_aware' needs the default process group "
-                             "(process_group=None)")
-        nodes = [None] * group.size()
-        dist.all_gather_object(nodes, os.environ.get("GROUP_RANK") or socket.gethostname(), group=group)
-        members = {}
-        for rank, node in enumerate(nodes):
-            members.setdefault(node, []).append(rank)
-        members = list(members.values())
-        sizes = sorted({len(m) for m in members})
-        if len(sizes) > 1 or len(members) == 1 or sizes[0] == 1:
-            if quiet:
-                return None
-            warn_node_blind(f"it has {len(members)} node(s) of {sizes} rank(s)")
-            return None
-        return cls(members, dist.get_rank())
 
 
 class _Split:

@@ -33,10 +33,23 @@ Modules whose input has fewer than ``min_numel`` elements go through an
 uncompressed ``all_to_all_single`` of the rows, summed in rank order: an
 ideal reduce-scatter's bytes.
 
+``exchange="node_aware"`` (ZeRO++'s qgZ shape), on nodes of L ranks each
+(torchrun's ``GROUP_RANK``, else the host name): each rank first sends the
+node's other ranks, at full precision, the rows their counterparts on every
+node own (one ``all_to_all_single`` in the node) and sums what arrives, in
+local-rank order; then the plan above runs among the M ranks of its local
+index (one per node) on those M node sums. Only compressed rows cross
+between nodes: L (M-1) per node, where the flat exchange sends L·L (M-1)
+(and an ideal fp32 reduce-scatter as many at full precision).
+``exchange="auto"`` (default) takes it for CUDA gradients on several nodes
+of equal size, else the flat exchange (``"reduce_scatter"``): on CPU nodes
+the full-precision sum in the node costs about what it saves (as measured
+for the DDP hooks).
+
 Costs and limits of this first version: the exchange runs synchronously in
 FSDP2's reduce-scatter call, on its stream; one alltoall per module, not
-fused across modules; no node-aware form yet; on a GPU the verdict is read
-on the host at the next call. A module whose parameters do not all get a
+fused across modules; on a GPU the verdict is read on the host at the next
+call. A module whose parameters do not all get a
 gradient in a step (without ``set_reduce_scatter_unused_params(True)``) is
 compressed as one piece, with a warning, since its row layout is then
 unknown here.
@@ -53,14 +66,18 @@ from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.collectives import drive
 from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.common.node_aware import NODE_AWARE, looks_for_nodes
 from horovod_qsgd.common.reduce_scatter import REDUCE_SCATTER, ReduceScatterPlan, RowLayout
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import qsgd_codecs
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_distributed import DistributedTransport, check_payload_settings
+from horovod_qsgd.torch_distributed import DistributedNodes, DistributedTransport, check_payload_settings
 from horovod_qsgd.torch_feedback import KeptResidual
+
+
+EXCHANGES = ("auto", REDUCE_SCATTER, NODE_AWARE)
 
 
 def reduction_scale(op, num_ranks):
@@ -93,7 +110,7 @@ class ModuleReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         compressor, stats = self.compressor, self.compressor._stats
-        num_ranks, rank = group.size(), group.rank()
+        num_ranks = group.size()
         scale = reduction_scale(op, num_ranks)
         self.settle()
         rows = input_tensor.view(num_ranks, -1)
@@ -102,13 +119,19 @@ class ModuleReduceScatter(ReduceScatter):
         if input_tensor.numel() < compressor.min_numel:
             self._pass_through(output_tensor, rows, group, scale)
             return None
+        nodes = compressor._nodes_of(group, input_tensor.device)
+        if nodes is None:
+            name, cross, exchange = self.name, group, REDUCE_SCATTER
+        else:  # the node's sum of the rows this rank's counterparts on every node own, at full precision
+            rows = _sum_in_node(rows, nodes, stats)
+            name, cross, exchange = f"{self.name}.shard{nodes.local_rank}", nodes.cross, NODE_AWARE
         layout = RowLayout(pieces, chunk_unit(compressor.codec))
         staged = _stage(rows, layout)
-        plan = ReduceScatterPlan(compressor.codec, self.name, layout.staged_numel, num_ranks, rank, stats,
+        plan = ReduceScatterPlan(compressor.codec, name, layout.staged_numel, cross.size(), cross.rank(), stats,
                                  (num_ranks - 1) * rows.shape[1] * input_tensor.element_size())
-        stats.note_exchange(self.name, REDUCE_SCATTER)
+        stats.note_exchange(self.name, exchange)
         written = self._residual_for_step(staged) if compressor.error_feedback else None
-        transport = DistributedTransport(group, rank, staged.device)
+        transport = DistributedTransport(cross, cross.rank(), staged.device)
         with kernel_stream(staged.device):
             total, refusal = drive(plan.conduct(transport, staged, self.step, as_array(written)), transport.run)
         stats.add(collectives_started=transport.started)
@@ -138,12 +161,10 @@ class ModuleReduceScatter(ReduceScatter):
         return [row_numel]
 
     def _handshake(self, group, input_tensor, pieces):
-        """At the module's first call, every rank checks every rank's settings and row layout (raises on all)."""
-        if self._verified is not None:
-            if self._verified != pieces:
-                raise ValueError(f"horovod_qsgd: FSDP2 module {self.name!r} changed its row layout from "
-                                 f"{self._verified} to {pieces} elements per parameter; install the compressed "
-                                 "reduce-scatter again after changing the model.")
+        """At the module's first call, and again where its row layout changed (parameters without a gradient in
+        a step: FSDP2 itself needs every rank to leave out the same ones), every rank checks every rank's
+        settings and row layout (raises on all)."""
+        if self._verified == pieces:
             return
         records = [None] * group.size()
         mine = settings_record(type(self.compressor).__name__, dict(
@@ -202,6 +223,23 @@ def _param_group(module):
     return module._get_fsdp_state()._fsdp_param_groups[0]
 
 
+def _sum_in_node(rows, nodes, stats):
+    """Step 1 of the node-aware reduce-scatter: each of the node's L ranks sends every other the rows that rank's
+    counterparts on every node own (M rows, full precision, one ``all_to_all_single`` in the node) and adds what
+    arrives in local-rank order: returns this node's sum of the M rows this rank's counterparts own, float32, in
+    the order of its ``cross`` group's ranks."""
+    owners = [sorted(ranks[j] for ranks in nodes.members) for j in range(nodes.local_size)]
+    send = rows[torch.tensor([owner for counterparts in owners for owner in counterparts], device=rows.device)]
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=nodes.local)
+    received = received.view(nodes.local_size, nodes.count, -1)
+    total = received[0].float()  # float32 rows: summed in place, in this call's own buffer
+    for part in received[1:]:
+        total += part.float()
+    stats.add(bytes_sent_in_node=(nodes.local_size - 1) * nodes.count * rows.shape[1] * rows.element_size())
+    return total
+
+
 def _stage(rows, layout):
     """The N rows as one flat float32 tensor, each parameter's piece where ``layout`` places it: ``rows``
     themselves where they are float32 already and nothing moves."""
@@ -232,18 +270,35 @@ def _scaled_and_finite(total, scale):
 class _ReduceScatterCompressor:
     """What the modules of one model share: settings, statistics, checkpoints."""
 
-    def __init__(self, codec, min_numel):
+    def __init__(self, codec, min_numel, exchange):
         check_payload_settings(codec, min_numel, "the FSDP2 reduce-scatter")
-        self.codec, self.min_numel = codec, int(min_numel)
+        if exchange not in EXCHANGES:
+            raise ValueError(f"horovod_qsgd: exchange={exchange!r} is not an FSDP2 reduce-scatter's; allowed "
+                             "values: " + ", ".join(repr(e) for e in EXCHANGES))
+        self.codec, self.min_numel, self.exchange = codec, int(min_numel), exchange
         self._stats = CompressionStats()
         self._modules = {}  # name -> ModuleReduceScatter
+        self._nodes = ()    # not looked for yet; then None (flat) or DistributedNodes
 
     @property
     def error_feedback(self):
         return bool(getattr(self.codec, "error_feedback", False))
 
     def settings(self):
-        return dict(self.codec.config(), min_numel=self.min_numel)
+        return dict(self.codec.config(), min_numel=self.min_numel, exchange=self.exchange)
+
+    def _nodes_of(self, group, device):
+        """The job's nodes where the exchange is node-aware (found at the first compressed reduce-scatter, on
+        every rank alike), else None. Only for FSDP2's whole world (not HSDP's shard groups)."""
+        if self._nodes == ():
+            self._nodes = None
+            whole = group.size() == dist.get_world_size()
+            if looks_for_nodes(self.exchange, device.type == "cuda", whole):
+                self._nodes = DistributedNodes.of_this_job(group, None, quiet=self.exchange != NODE_AWARE)
+            elif self.exchange == NODE_AWARE:
+                warnings.warn("horovod_qsgd: exchange='node_aware' needs FSDP2's reduce-scatter over every rank "
+                              f"(its group has {group.size()} of {dist.get_world_size()}): it is flat instead.")
+        return self._nodes
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
@@ -281,13 +336,15 @@ class QSGD(_ReduceScatterCompressor):
     ``bucket_size=512``), ``norm="max"``; raise ``bits`` to 8 where a model does not converge at 4 (QSGD-8 is
     about 3.9x fewer bytes), lower ``bucket_size`` for gradients of very unequal coordinates (more scales, more
     bytes). ``min_numel``: modules whose reduce-scatter input is smaller go uncompressed. ``seed``: every rank
-    the same. No state but the RNG's step counter (``state_dict`` all the same, to resume bit-identically).
+    the same. ``exchange``: ``"auto"`` (default), ``"reduce_scatter"`` (flat) or ``"node_aware"`` (full
+    precision inside a node, compressed between nodes; see :mod:`horovod_qsgd.fsdp`). No state but the RNG's
+    step counter (``state_dict`` all the same, to resume bit-identically).
     """
 
     def __init__(self, bits=4, bucket_size=512, norm="max", scale_dtype="float32", rounding="stochastic",
-                 min_numel=10000, seed=0):
+                 min_numel=10000, seed=0, exchange="auto"):
         codec, _, _ = qsgd_codecs(bits, bucket_size, norm, "fixed", scale_dtype, rounding, seed, "allgather", None)
-        super().__init__(codec, min_numel)
+        super().__init__(codec, min_numel, exchange)
 
 
 class TopK(_ReduceScatterCompressor):
@@ -298,14 +355,15 @@ class TopK(_ReduceScatterCompressor):
     next step's row (error feedback, on by default: without it top-k biases the update). ``selector``:
     ``"exact"`` (default), ``"gaussian"`` or ``"sample"`` (threshold estimated, cheaper on large rows).
     ``ratio=0.01`` sends about 8% of fp32's bytes (4-byte index and 4-byte value per kept coordinate); raise it
-    if the loss stalls. The residuals (one per module, this rank's rows) are ``state_dict()`` on every rank;
-    a step whose sum is not finite on any rank leaves them as they were.
+    if the loss stalls. ``exchange``: as :class:`QSGD`'s. The residuals (one per module, this rank's rows) are
+    ``state_dict()`` on every rank; a step whose sum is not finite on any rank leaves them as they were.
     """
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0):
+                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
         super().__init__(TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype,
-                                   error_feedback=error_feedback, seed=seed, sample_ratio=sample_ratio), min_numel)
+                                   error_feedback=error_feedback, seed=seed, sample_ratio=sample_ratio), min_numel,
+                         exchange)
 
 
 def compress_reduce_scatter(model, compressor):

@@ -7,7 +7,7 @@ import pytest
 
 from tests.reduce_scatter_reference import reduce_scatter_reference, stage, staged, unstage
 
-SHARED_LAUNCHES = True  # tests with the same rank count run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "torch.distributed"  # one launch per rank count and env with the group's modules (tests/multirank.py)
 
 # fully_shard modules: "a" (three parameters, none a multiple of 512 or of the rank count: padded shards),
 # "small" (fewer than MIN_NUMEL elements: passed through uncompressed) and the root (the parameters of "b").
@@ -33,8 +33,8 @@ def _model(torch, mp_policy=None):
             super().__init__()
             self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
 
-        def forward(self, grads):
-            return sum((w * g.to(w.dtype)).sum() for w, g in zip(self.w, grads))
+        def forward(self, grads):  # a None gradient: that parameter is left out of this step's loss
+            return sum((w * g.to(w.dtype)).sum() for w, g in zip(self.w, grads) if g is not None)
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -57,15 +57,19 @@ def _fsdp_modules(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]  # FSDP2's setters act on one module each
 
 
-def _step(torch, model, rank, step, poison=None):
-    """One backward pass; {module name: [this rank's sharded gradient of each parameter]} (float32 numpy)."""
+def _step(torch, model, rank, step, poison=None, unused=None):
+    """One backward pass; {module name: [this rank's sharded gradient of each parameter, or None]} (float32
+    numpy). ``unused``: (module, parameter index) left out of the loss."""
     grads = {name: [torch.from_numpy(g) for g in _gradients(name, rank, step)] for name in MODULES}
     if poison is not None:
         grads[poison][0][3] = float("inf")
+    if unused is not None:
+        grads[unused[0]][unused[1]] = None
     model.zero_grad(set_to_none=True)
     model(grads).backward()
     params = {"fsdp.a": model.a.w, "fsdp.small": model.small.w, "fsdp.root": model.b.w}
-    return {name: [p.grad.to_local().float().numpy().copy() for p in ps] for name, ps in params.items()}
+    return {name: [None if p.grad is None else p.grad.to_local().float().numpy().copy() for p in ps]
+            for name, ps in params.items()}
 
 
 def _rows(grads, num_ranks):
@@ -92,50 +96,87 @@ def _shards(row, pieces, sizes, rank):
 
 
 class _Reference:
-    """Every rank's sharded gradients and residuals, from the codecs alone."""
+    """Every rank's sharded gradients and residuals, from the codecs alone; ``per_node``: the node-aware exchange
+    on nodes of that many ranks (rank = node * per_node + local rank, as torchrun numbers them)."""
 
-    def __init__(self, compressor, num_ranks):
-        self.compressor, self.num_ranks, self.steps = compressor, num_ranks, {}
-        unit = getattr(compressor.codec, "bucket_size", 1)
-        self.residuals = {name: [np.zeros(num_ranks * staged(_rows(_gradients(name, 0, 0), num_ranks)[1], unit)[1],
-                                          np.float32) for _ in range(num_ranks)]
-                          for name in MODULES} if compressor.error_feedback else None
+    def __init__(self, compressor, num_ranks, per_node=None):
+        self.compressor, self.num_ranks, self.per_node, self.steps = compressor, num_ranks, per_node, {}
+        self.residuals = {} if compressor.error_feedback else None  # name -> {rank: staged residual}
 
-    def step(self, step, rank, finish, rounding=None, poisoned=None):
+    def _crossing(self, rows, rank):
+        """(the ranks whose exchange ``rank`` is in, their rows as it compresses them, its name's suffix): every
+        rank and its own rows, or node-aware the ranks of its local index, one per node, each with its node's
+        sum (in local-rank order) of the rows they own."""
+        if self.per_node is None:
+            return list(range(self.num_ranks)), rows, ""
+        per_node, local = self.per_node, rank % self.per_node
+        holders = list(range(local, self.num_ranks, per_node))
+        sums = []
+        for node in range(self.num_ranks // per_node):
+            total = rows[node * per_node][holders].copy()
+            for i in range(1, per_node):
+                total += rows[node * per_node + i][holders]
+            sums.append(total)
+        return holders, sums, f".shard{local}"
+
+    def step(self, step, rank, finish, rounding=None, poisoned=None, unused=None, zero_unused=False):
         """{name: this rank's shards}; ``finish(total)``: the scaling FSDP2's op and divide factor give;
-        ``rounding``: the reduce dtype's rounding of the gradients; ``poisoned``: (module, rank) with an inf."""
+        ``rounding``: the reduce dtype's rounding of the gradients; ``poisoned``: (module, rank) with an inf;
+        ``unused``: (module, parameter index) without a gradient, left out of the rows, which are then
+        compressed as one piece (or, ``zero_unused``, a zero gradient in its place)."""
         rounding = rounding or (lambda a: a)
         codec, unit, out = self.compressor.codec, getattr(self.compressor.codec, "bucket_size", 1), {}
         for name, sizes in MODULES.items():
             grads = [[rounding(g) for g in _gradients(name, r, step)] for r in range(self.num_ranks)]
             if poisoned is not None and poisoned[0] == name:
                 grads[poisoned[1]][0][3] = np.inf
-            rows = [_rows(g, self.num_ranks) for g in grads]
+            left_out = unused is not None and unused[0] == name
+            if left_out:
+                for g in grads:
+                    g[unused[1]] = np.zeros_like(g[unused[1]]) if zero_unused else None
+                left_out = not zero_unused
+            kept_sizes = [n for i, n in enumerate(sizes) if not (left_out and i == unused[1])]
+            rows = [_rows([g for g in gs if g is not None], self.num_ranks) for gs in grads]
             pieces = rows[0][1]
+            stage_pieces = [sum(pieces)] if left_out else pieces
             if sum(pieces) * self.num_ranks < MIN_NUMEL:
                 total = sum((r[rank] for r, _ in rows[1:]), rows[0][0][rank].copy())
                 out[name] = _shards(rounding(finish(total)), pieces, sizes, rank)
                 continue
-            xs = [stage(r, pieces, unit) for r, _ in rows]
-            before = None if self.residuals is None else [r.copy() for r in self.residuals[name]]
-            residuals = None if self.residuals is None else self.residuals[name]
-            sums = reduce_scatter_reference(codec, name, xs, self.steps.get(name, 0), residuals)
+            holders, inputs, suffix = self._crossing([r for r, _ in rows], rank)
+            xs = [stage(x, stage_pieces, unit) for x in inputs]
+            residuals = None
+            if self.residuals is not None:  # one of another size (the rows changed) starts again from zeros
+                kept = self.residuals.setdefault(name, {})
+                for r in holders:
+                    if kept.get(r) is None or kept[r].size != xs[0].size:
+                        kept[r] = np.zeros(xs[0].size, np.float32)
+                residuals = [kept[r] for r in holders]
+                before = [r.copy() for r in residuals]
+            sums = reduce_scatter_reference(codec, name + suffix, xs, self.steps.get(name, 0), residuals)
             self.steps[name] = self.steps.get(name, 0) + 1
-            if before is not None and not all(np.isfinite(s).all() for s in sums):
-                self.residuals[name] = before  # a non-finite step on any rank leaves every residual
-            out[name] = _shards(rounding(finish(unstage(sums[rank], pieces, unit))), pieces, sizes, rank)
+            if residuals is not None and not all(np.isfinite(s).all() for s in sums):
+                for r, saved in zip(holders, before):  # a non-finite step on any rank leaves every residual
+                    kept[r][:] = saved
+            own = _shards(rounding(finish(unstage(sums[holders.index(rank)], stage_pieces, unit))), pieces,
+                          kept_sizes, rank)
+            out[name] = [own.pop(0) if not (left_out and i == unused[1]) else None for i in range(len(sizes))]
         return out
 
 
-def _compressor(kind):
+def _compressor(kind, exchange="auto"):
     from horovod_qsgd.fsdp import QSGD, TopK
-    return QSGD(bits=4, min_numel=MIN_NUMEL) if kind == "qsgd" else TopK(ratio=0.02, min_numel=MIN_NUMEL)
+    return QSGD(bits=4, min_numel=MIN_NUMEL, exchange=exchange) if kind == "qsgd" else \
+        TopK(ratio=0.02, min_numel=MIN_NUMEL, exchange=exchange)
 
 
 def _assert_equal(ours, expected):
     for name in MODULES:
+        assert len(ours[name]) == len(expected[name]), name
         for got, want in zip(ours[name], expected[name]):
-            np.testing.assert_array_equal(got, want, err_msg=name)
+            assert (got is None) == (want is None), name
+            if want is not None:
+                np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 def _assert_residuals(compressor, reference, rank):
@@ -146,22 +187,28 @@ def _assert_residuals(compressor, reference, rank):
         np.testing.assert_array_equal(saved, reference.residuals[name][rank], err_msg=name)
 
 
+def _check_against_reference(torch, rank, num_ranks, kind, exchange="auto", per_node=None):
+    """3 steps of FSDP2's default AVG: every sharded gradient and residual the reference's; the statistics."""
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    model = _model(torch)
+    compressor = compress_reduce_scatter(model, _compressor(kind, exchange))
+    reference = _Reference(compressor, num_ranks, per_node)
+    for step in range(3):
+        _assert_equal(_step(torch, model, rank, step), reference.step(step, rank, lambda t: t * (1.0 / num_ranks)))
+        _assert_residuals(compressor, reference, rank)
+    return compressor
+
+
 @pytest.mark.parametrize("num_ranks", _on(2, 3, 4))
 def test_sharded_gradients_are_the_codecs_alone_on_every_rank(num_ranks, dist_gloo):
     """QSGD-4 and top-k with error feedback, 3 steps, FSDP2's default AVG: each rank's sharded gradients are
     bitwise the codecs' result for its row (padded shards, each parameter's piece on its own QSGD buckets),
     the small module's an exact sum, the residuals the reference's; the statistics count what was sent."""
     import torch
-    from horovod_qsgd.fsdp import compress_reduce_scatter
     rank = dist_gloo.get_rank()
     assert dist_gloo.get_world_size() == num_ranks
     for kind in ("qsgd", "topk"):
-        model = _model(torch)
-        compressor = compress_reduce_scatter(model, _compressor(kind))
-        reference = _Reference(compressor, num_ranks)
-        for step in range(3):
-            _assert_equal(_step(torch, model, rank, step), reference.step(step, rank, lambda t: t * (1.0 / num_ranks)))
-            _assert_residuals(compressor, reference, rank)
+        compressor = _check_against_reference(torch, rank, num_ranks, kind)
         stats = compressor.compression_stats()
         assert (stats["tensors_compressed"], stats["tensors_passed_through"]) == (6, 3)
         assert stats["exchanges"] == {"fsdp.a": "reduce_scatter", "fsdp.root": "reduce_scatter"}
@@ -170,6 +217,31 @@ def test_sharded_gradients_are_the_codecs_alone_on_every_rank(num_ranks, dist_gl
         payloads = sum(compressor.codec.max_payload_nbytes(rows[n]) for n in rows)
         small = (num_ranks - 1) * -(-50 // num_ranks) * 4
         assert stats["bytes_sent"] == 3 * ((num_ranks - 1) * payloads + small)
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(4, marks=pytest.mark.ranks(4, timeout=300,
+                                                                            launcher="torchrun-nodes:2x2"))])
+def test_node_aware_across_two_nodes(num_ranks, dist_gloo):
+    """torchrun on two network-namespace nodes of two ranks (``benchmarks/nodelab.py``), exchange="node_aware":
+    each rank's sharded gradients are the codecs' result for its node sums (in local-rank order) exchanged
+    among the ranks of its local index; only compressed rows crossed; "auto" stays flat on CPU gradients."""
+    import os
+
+    import torch
+    rank = dist_gloo.get_rank()
+    assert (os.environ["LOCAL_WORLD_SIZE"], os.environ["GROUP_RANK"]) == ("2", str(rank // 2))
+    for kind in ("qsgd", "topk"):
+        compressor = _check_against_reference(torch, rank, num_ranks, kind, "node_aware", per_node=2)
+        stats = compressor.compression_stats()
+        assert stats["exchanges"] == {"fsdp.a": "node_aware", "fsdp.root": "node_aware"}
+        unit = getattr(compressor.codec, "bucket_size", 1)
+        pieces = {n: _rows(_gradients(n, 0, 0), num_ranks)[1] for n in ("fsdp.a", "fsdp.root")}
+        between = sum(compressor.codec.max_payload_nbytes(staged(p, unit)[1]) for p in pieces.values())
+        in_node = sum(2 * sum(p) * 4 for p in pieces.values())  # 2 nodes' rows to the node's other rank
+        small = 3 * -(-50 // num_ranks) * 4
+        assert (stats["bytes_sent"], stats["bytes_sent_in_node"]) == (3 * (between + small), 3 * in_node)
+    assert _check_against_reference(torch, rank, num_ranks, "qsgd").compression_stats()["exchanges"] == \
+        {"fsdp.a": "reduce_scatter", "fsdp.root": "reduce_scatter"}
 
 
 @pytest.mark.parametrize("num_ranks", _on(3))
@@ -254,6 +326,39 @@ def _resumed(torch, kind, saved, rank, step):
     saved.seek(0)
     resumed.load_state_dict(torch.load(saved))
     return _step(torch, model, rank, step)
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_a_parameter_without_a_gradient(num_ranks, dist_gloo):
+    """Module "a"'s last parameter left out of step 1 on every rank: FSDP2 leaves it out of the rows, which are
+    compressed as one piece with a warning (top-k's residual of the other layout restarts from zeros, warned
+    too), and its gradient is None; step 2 has it back. With set_reduce_scatter_unused_params(True) its zero
+    gradient keeps every parameter's place, and nothing warns."""
+    import warnings
+
+    import torch
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+
+    def average(t):
+        return t * (1.0 / num_ranks)
+
+    for kind in ("qsgd", "topk"):
+        for zero_unused in (False, True):
+            model = _model(torch)
+            if zero_unused:
+                model.set_reduce_scatter_unused_params(True)
+            compressor = compress_reduce_scatter(model, _compressor(kind))
+            reference = _Reference(compressor, num_ranks)
+            for step in range(3):
+                unused = ("fsdp.a", 2) if step == 1 else None
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    ours = _step(torch, model, rank, step, unused=unused)
+                said = " ".join(str(w.message) for w in caught if "horovod_qsgd" in str(w.message))
+                assert ("are not the shards of all its parameters" in said) == (step == 1 and not zero_unused), said
+                _assert_equal(ours, reference.step(step, rank, average, unused=unused, zero_unused=zero_unused))
+                _assert_residuals(compressor, reference, rank)
 
 
 @pytest.mark.parametrize("num_ranks", _on(3))
