@@ -260,9 +260,16 @@ def write_record(out):
              + f"; {MEASURED} steps measured after {WARMUP} of warm-up. Reduce-scatter MB per step of all ranks: "
              "the bytes of the backward pass, which runs no all-gather (`reshard_after_forward=False`), between "
              "two barriers. Formula: `formula` in `benchmarks/fsdp_reduce_scatter.py` (payload bytes only; the "
-             "measured bytes add TCP/IP headers). Gloo's own reduce-scatter (`fsdp-*`) sends twice an ideal one's "
-             "bytes; NCCL's ring sends an ideal one's, so the columns against `alltoall-fp32` (measured) and an "
-             "ideal bf16 reduce-scatter (half of it) are the fair ones. Library at commit "
+             "measured bytes add TCP/IP headers). "
+             + ("Between nodes, `alltoall-fp32` sends every row to its owner (L (M-1) rows per rank cross); Gloo's "
+                "own reduce-scatter crosses less as nodes grow (its exchange pattern, not a smaller payload); a "
+                "ring over the ranks in node order (NCCL's) puts 2 (N-1) fp32 rows between two nodes per "
+                "reduce-scatter (a formula, not measured here). "
+                if layouts else
+                "Gloo's own reduce-scatter (`fsdp-*`) sends twice an ideal one's bytes; NCCL's ring sends an ideal "
+                "one's, so the columns against `alltoall-fp32` (measured) and an ideal bf16 reduce-scatter (half "
+                "of it) are the fair ones. ")
+             + "Library at commit "
              f"{record['commit']}; machine: the project's 2-core VM (ranks oversubscribe it; bytes do not depend "
              "on that).", "",
              "```bash", "sudo python benchmarks/fsdp_reduce_scatter.py "
