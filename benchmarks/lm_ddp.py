@@ -88,8 +88,8 @@ def _payload_bytes(name, state, model):
     return state.compression_stats()["bytes_sent"]
 
 
-def train_ddp(dist, name, corpus, seed, s, bucket_cap_mb=25):
-    """One run: DDP around the byte LM with hook ``name``; returns the record and this rank's bytes per step."""
+def byte_lm_module(seed, s):
+    """The byte LM as a torch.nn.Module whose parameters are the study's initial weights for ``seed``."""
     import torch
 
     class ByteLM(torch.nn.Module):
@@ -101,10 +101,33 @@ def train_ddp(dist, name, corpus, seed, s, bucket_cap_mb=25):
         def forward(self, tokens):
             return byte_lm.forward(dict(self.named_parameters()), tokens, byte_lm.TorchOps(), s["heads"])
 
-    model = torch.nn.parallel.DistributedDataParallel(ByteLM(), bucket_cap_mb=bucket_cap_mb)
+    return ByteLM()
+
+
+def train_ddp(dist, name, corpus, seed, s, bucket_cap_mb=25):
+    """One run: DDP around the byte LM with hook ``name``; returns the record and this rank's bytes per step."""
+    import torch
+    model = torch.nn.parallel.DistributedDataParallel(byte_lm_module(seed, s), bucket_cap_mb=bucket_cap_mb)
     hook, state = hook_and_state(name, seed, s["steps"])
     if hook is not None:
         model.register_comm_hook(state, hook)
+
+    def before_last_step():
+        if name.startswith("powersgd-"):
+            state.total_numel_after_compression = 0
+        elif hook is not None:
+            state.compression_stats(reset=True)
+
+    # evaluation through the plain module: it must not touch DDP's reducer
+    return train_module(dist, model, model.module, corpus, seed, s, before_last_step,
+                        lambda: _payload_bytes(name, state, model))
+
+
+def train_module(dist, model, evaluated, corpus, seed, s, before_last_step, bytes_of_last_step):
+    """The study's Adam loop around a distributed ``model`` (validation through ``evaluated``), on every rank;
+    ``before_last_step()`` resets the counters that ``bytes_of_last_step()`` reads after it. Returns the
+    record and this rank's bytes per step."""
+    import torch
     optimizer = torch.optim.Adam(model.parameters(), lr=s["lr"], betas=BETAS, eps=EPS)
     measured = {}
 
@@ -118,22 +141,20 @@ def train_ddp(dist, name, corpus, seed, s, bucket_cap_mb=25):
         for group in optimizer.param_groups:
             group["lr"] = rate
         last = measured.setdefault("steps", 0) == s["steps"] - 1
-        if last and name.startswith("powersgd-"):
-            state.total_numel_after_compression = 0
-        elif last and hook is not None:
-            state.compression_stats(reset=True)
+        if last:
+            before_last_step()
         optimizer.zero_grad()
         loss = loss_of(model, batch)
         loss.backward()
         optimizer.step()
         measured["steps"] += 1
         if last:
-            measured["bytes"] = _payload_bytes(name, state, model)
+            measured["bytes"] = bytes_of_last_step()
         return loss.item()
 
     def validation_sums(batch):
-        with torch.no_grad():  # the plain module: evaluation must not touch DDP's reducer
-            return loss_of(model.module, batch, "sum").item(), batch[:, 1:].size
+        with torch.no_grad():
+            return loss_of(evaluated, batch, "sum").item(), batch[:, 1:].size
 
     def sum_over_ranks(values, _name):
         total = torch.tensor(values, dtype=torch.float64)
@@ -142,6 +163,42 @@ def train_ddp(dist, name, corpus, seed, s, bucket_cap_mb=25):
 
     record = _train(_Ranks(dist), corpus, s, seed, step, validation_sums, sum_over_ranks)
     return record, measured["bytes"]
+
+
+def run_study(dist, path, framework, settings, corpus, configs, seeds, resume, train):
+    """Trains every configuration and seed not yet in ``path`` (``resume``) with ``train(name, seed)`` (on every
+    rank: the record and this rank's bytes per step); rank 0 writes the record after each run, then its plot
+    and table."""
+    results, payload, earlier_seconds = {}, {}, 0.0
+    if resume and os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        if earlier["settings"] != settings:
+            raise SystemExit(f"--resume: {path} was made with other settings; use another --out")
+        results, payload, earlier_seconds = earlier["results"], earlier["bytes_per_step"], earlier["wall_seconds"]
+    start = time.perf_counter() - earlier_seconds
+    for name in configs:
+        for seed in (int(x) for x in seeds.split(",")):
+            if any(r["seed"] == seed for r in results.get(name, [])):
+                continue
+            run_start = time.perf_counter()
+            run, sent = train(name, seed)
+            run["seconds"] = time.perf_counter() - run_start
+            results.setdefault(name, []).append(run)
+            payload[name] = sent
+            if dist.get_rank() == 0:
+                print(f"{name:>12} seed {seed}: validation {run['validation'][-1]:.4f} nats/byte, "
+                      f"{sent / 1e3:.1f} kB per rank per step ({run['seconds']:.1f} s)", flush=True)
+                _write(path, framework, dist.get_world_size(), settings, corpus, results,
+                       time.perf_counter() - start, bytes_per_step=payload)
+    if dist.get_rank() == 0:
+        with open(path) as f:
+            record = json.load(f)
+        report(record, path[:-len(".json")] + ".png")
+        base = record["bytes_per_step"].get("none")
+        print("\nPayload per rank per step: " + ", ".join(
+            f"{name} {sent / 1e3:.1f} kB" + (f" ({base / sent:.1f}x fewer)" if base and name != "none" else "")
+            for name, sent in record["bytes_per_step"].items()))
 
 
 def main():
@@ -169,36 +226,8 @@ def main():
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     path = os.path.join(args.out, f"ddp_{dist.get_world_size() // per_node}x{per_node}nodes.json"
                         if nodelab.on_a_node() else f"ddp_{dist.get_world_size()}ranks.json")
-    results, payload, earlier_seconds = {}, {}, 0.0
-    if args.resume and os.path.exists(path):
-        with open(path) as f:
-            earlier = json.load(f)
-        if earlier["settings"] != settings:
-            raise SystemExit(f"--resume: {path} was made with other settings; use another --out")
-        results, payload, earlier_seconds = earlier["results"], earlier["bytes_per_step"], earlier["wall_seconds"]
-    start = time.perf_counter() - earlier_seconds
-    for name in args.configs.split(","):
-        for seed in (int(x) for x in args.seeds.split(",")):
-            if any(r["seed"] == seed for r in results.get(name, [])):
-                continue
-            run_start = time.perf_counter()
-            run, sent = train_ddp(dist, name, corpus, seed, settings, args.bucket_cap_mb)
-            run["seconds"] = time.perf_counter() - run_start
-            results.setdefault(name, []).append(run)
-            payload[name] = sent
-            if dist.get_rank() == 0:
-                print(f"{name:>12} seed {seed}: validation {run['validation'][-1]:.4f} nats/byte, "
-                      f"{sent / 1e3:.1f} kB per rank per step ({run['seconds']:.1f} s)", flush=True)
-                _write(path, "pytorch-ddp", dist.get_world_size(), settings, corpus, results,
-                       time.perf_counter() - start, bytes_per_step=payload)
-    if dist.get_rank() == 0:
-        with open(path) as f:
-            record = json.load(f)
-        report(record, path[:-len(".json")] + ".png")
-        base = record["bytes_per_step"].get("none")
-        print("\nPayload per rank per step: " + ", ".join(
-            f"{name} {sent / 1e3:.1f} kB" + (f" ({base / sent:.1f}x fewer)" if base and name != "none" else "")
-            for name, sent in record["bytes_per_step"].items()))
+    run_study(dist, path, "pytorch-ddp", settings, corpus, args.configs.split(","), args.seeds, args.resume,
+              lambda name, seed: train_ddp(dist, name, corpus, seed, settings, args.bucket_cap_mb))
     dist.destroy_process_group()
 
 
