@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,21 +102,23 @@ def worker(args):
     rows = [m._get_fsdp_state()._fsdp_param_groups[0] for m in modules]
     rows = [[p.padded_sharded_param_size.numel() for p in group.fsdp_params] for group in rows]
     counted = nodelab.link_bytes if nodelab.on_a_node() else netlab.loopback_bytes  # between nodes: the NICs
-    reduce_scatters = []
+    reduce_scatters, times = [], []
     for step in range(WARMUP + MEASURED):
+        start = time.perf_counter()
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         dist.barrier()
         before = counted()
         loss.backward()
         dist.barrier()
-        if step >= WARMUP:
-            reduce_scatters.append(_sent(counted, before))
         optimizer.step()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - start)
+            reduce_scatters.append(_sent(counted, before))
     if dist.get_rank() == 0:
         with open(args.json_out, "w") as f:
             json.dump({"reduce_scatter_bytes_per_step": sum(reduce_scatters) / MEASURED,
-                       "each_step": reduce_scatters, "rows": rows,
+                       "each_step": reduce_scatters, "step_seconds": sorted(times)[MEASURED // 2], "rows": rows,
                        "stats": None if compressor is None else compressor.compression_stats()}, f)
     dist.destroy_process_group()
 
@@ -227,14 +230,15 @@ def main():
                 result = run(int(label), variant, args.model, args.rate, tmp)
                 expected = formula(variant, result["rows"], int(label))
             rs = by_variant[variant] = result["reduce_scatter_bytes_per_step"]
-            row = dict(ranks=label, variant=variant, reduce_scatter_mb=rs / 1e6,
+            row = dict(ranks=label, variant=variant, reduce_scatter_mb=rs / 1e6, step_seconds=result["step_seconds"],
                        formula_mb=None if expected is None else expected / 1e6)
             for base in ("fsdp-fp32", "alltoall-fp32", "fsdp-bf16"):
                 if base in by_variant and variant != base:
                     row[f"fewer_than_{base}"] = by_variant[base] / rs
             results.append(row)
             vs = "" if expected is None else f"  formula {expected / 1e6:8.2f} MB ({100 * (rs / expected - 1):+.1f}%)"
-            print(f"{label} ranks  {variant:20s} reduce-scatter {rs / 1e6:8.2f} MB/step{vs}", flush=True)
+            print(f"{label} ranks  {variant:20s} reduce-scatter {rs / 1e6:8.2f} MB/step{vs}  "
+                  f"step {result['step_seconds']:.3f} s", flush=True)
     os.makedirs(args.out, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
@@ -279,6 +283,12 @@ def write_record(out):
              "ideal fp32 reduce-scatter | fewer than FSDP2 bf16 (Gloo) | fewer than an ideal bf16 reduce-scatter |",
              "|---|---|---|---|---|---|---|---|"]
 
+    shaped = record["rate"] != "none"
+    if shaped:  # step times mean something on a shaped link only (unshaped, the 2 cores set them)
+        lines[-2] += " step s (median) | step time against FSDP2 fp32 |"
+        lines[-1] += "---|---|"
+    steps = {(row["ranks"], row["variant"]): row.get("step_seconds") for row in record["rows"]}
+
     def ratio(row, key):
         return f"{row[key]:.2f}x" if key in row else ""
     for row in record["rows"]:
@@ -288,6 +298,10 @@ def write_record(out):
         lines.append(f"| {row['ranks']} | {row['variant']} | {row['reduce_scatter_mb']:.2f} | {formula_mb} | "
                      f"{ratio(row, 'fewer_than_fsdp-fp32')} | {ratio(row, 'fewer_than_alltoall-fp32')} | "
                      f"{ratio(row, 'fewer_than_fsdp-bf16')} | {bf16} |")
+        if shaped:
+            base = steps.get((row["ranks"], "fsdp-fp32"))
+            lines[-1] += f" {row['step_seconds']:.3f} | {base / row['step_seconds']:.2f}x faster |" if base else \
+                f" {row['step_seconds']:.3f} | |"
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -89,8 +89,7 @@ class ReduceScatterPlan(TwoStage):
         begin, end = self.owned
         move_into_own_chunk(x[begin:end], None if residual is None else residual[begin:end], own)
         used = sum(splits)
-        self.stats.add(tensors_compressed=1, bytes_uncompressed=self.uncompressed_nbytes, bytes_sent=used,
-                       bytes_sent_first_stage=used)
+        self.stats.add(tensors_compressed=1, bytes_uncompressed=self.uncompressed_nbytes, bytes_sent=used)
         return splits
 
     def conduct(self, transport, x, step, residual=None):

@@ -22,7 +22,8 @@ coordinate against 32 (fp32) or 16 (bf16). Top-k's error feedback is the
 sender's: what a row did not send stays in this rank's residual of that row.
 
 Every rank checks every rank's settings and each module's row layout at the
-module's first reduce-scatter (``CompressionMismatchError`` on every rank).
+module's first reduce-scatter and whenever the layout changes
+(``CompressionMismatchError`` on every rank).
 With error feedback, a step whose sum holds inf or NaN on any rank (a loss
 scaler's overflow) leaves every rank's residual as it was: the owners'
 verdicts meet in a one-element all-reduce, started after the alltoall and
@@ -46,13 +47,15 @@ of equal size, else the flat exchange (``"reduce_scatter"``): on CPU nodes
 the full-precision sum in the node costs about what it saves (as measured
 for the DDP hooks).
 
+A module whose parameters do not all get a gradient in a step (without
+``set_reduce_scatter_unused_params(True)``) is compressed as one piece that
+step, with a warning: FSDP2 does not tell its reduce-scatter which
+parameters it left out, so their places in the row are unknown here.
+
 Costs and limits of this first version: the exchange runs synchronously in
 FSDP2's reduce-scatter call, on its stream; one alltoall per module, not
 fused across modules; on a GPU the verdict is read on the host at the next
-call. A module whose parameters do not all get a
-gradient in a step (without ``set_reduce_scatter_unused_params(True)``) is
-compressed as one piece, with a warning, since its row layout is then
-unknown here.
+call.
 """
 import warnings
 
