@@ -57,13 +57,17 @@ FSDP2's reduce-scatter call, on its stream; one alltoall per module, not
 fused across modules; on a GPU the verdict is read on the host at the next
 call.
 """
+import json
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor, Shard
 
 from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common.chunks import chunk_unit
@@ -221,6 +225,21 @@ class ModuleReduceScatter(ReduceScatter):
         residual = saved["residual"]
         self.residual = None if residual is None else KeptResidual(residual.clone().float())
 
+    def residual_to_save(self):
+        """This rank's residual for a distributed checkpoint: the one kept, or zeros of the size its steps will
+        keep (a module not run yet, as in a job about to load one); None for a module that passes through."""
+        self.settle()
+        if self.residual is not None:
+            return self.residual.kept
+        group = _param_group(self.module)
+        pieces = [p.padded_sharded_param_size.numel() for p in group.fsdp_params]
+        if group.mesh_info.shard_mesh_size * sum(pieces) < self.compressor.min_numel:
+            return None
+        nodes = self.compressor._nodes_of(group.mesh_info.shard_process_group, group.device)
+        rows = group.mesh_info.shard_mesh_size if nodes is None else nodes.count
+        staged = RowLayout(pieces, chunk_unit(self.compressor.codec)).staged_numel
+        return torch.zeros(rows * staged, dtype=torch.float32, device=group.device)
+
 
 def _param_group(module):
     return module._get_fsdp_state()._fsdp_param_groups[0]
@@ -314,9 +333,18 @@ class _ReduceScatterCompressor:
         return self._stats.snapshot(reset)
 
     def state_dict(self):
-        """Every module's step and residual, plus the settings they belong to; every rank saves its own."""
+        """Every module's step and residual, plus the settings they belong to; every rank saves its own (or use
+        :meth:`checkpointable` with ``torch.distributed.checkpoint``)."""
         return dict(state_header(type(self).__name__, self.settings()),
                     modules={name: module.state() for name, module in self._modules.items()})
+
+    def checkpointable(self):
+        """The state for ``torch.distributed.checkpoint``, on every rank: ``dcp.save({"model": ..., "compressor":
+        compressor.checkpointable()}, checkpoint_id=...)`` and ``dcp.load`` of the same dict after
+        :func:`compress_reduce_scatter` on the rebuilt model. Each module's residuals are one DTensor sharded
+        over the ranks (row r: rank r's), so the checkpoint holds every rank's once; steps and settings are
+        the same on every rank."""
+        return _Checkpointable(self)
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
@@ -327,6 +355,33 @@ class _ReduceScatterCompressor:
                              "on the same model before loading.")
         for name, saved in state["modules"].items():
             self._modules[name].load(saved)
+
+
+class _Checkpointable(Stateful):
+    """A compressor's state as ``torch.distributed.checkpoint`` saves and loads it (see
+    :meth:`_ReduceScatterCompressor.checkpointable`)."""
+
+    def __init__(self, compressor):
+        self.compressor = compressor
+
+    def state_dict(self):
+        compressor, modules = self.compressor, {}
+        for name, module in compressor._modules.items():
+            modules[name] = {"step": torch.tensor(module.step, dtype=torch.int64)}
+            local = module.residual_to_save() if compressor.error_feedback else None
+            if local is not None:
+                mesh = init_device_mesh(local.device.type, (dist.get_world_size(),))
+                modules[name]["residual"] = DTensor.from_local(local.reshape(1, -1), mesh, [Shard(0)])
+        return {"header": json.dumps(state_header(type(compressor).__name__, compressor.settings())),
+                "modules": modules}
+
+    def load_state_dict(self, state):
+        compressor = self.compressor
+        check_loadable(json.loads(state["header"]), type(compressor).__name__, compressor.settings())
+        for name, saved in state["modules"].items():
+            residual = saved.get("residual")
+            compressor._modules[name].load({"step": int(saved["step"]),
+                                            "residual": None if residual is None else residual.to_local()[0]})
 
 
 class QSGD(_ReduceScatterCompressor):

@@ -362,6 +362,45 @@ def test_a_parameter_without_a_gradient(num_ranks, dist_gloo):
 
 
 @pytest.mark.parametrize("num_ranks", _on(3))
+def test_a_distributed_checkpoint_holds_every_ranks_residuals_and_resumes_bitwise(num_ranks, dist_gloo):
+    """torch.distributed.checkpoint with compressor.checkpointable(): the checkpoint holds each module's
+    residuals as one [ranks, n] tensor (every rank's row once); a rebuilt model loads it before its first step
+    and continues bitwise (Top-k: the residuals; QSGD: the RNG's step counters)."""
+    import tempfile
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+    for kind in ("topk", "qsgd"):
+        model = _model(torch)
+        compressor = compress_reduce_scatter(model, _compressor(kind))
+        for step in range(2):
+            _step(torch, model, rank, step)
+        where = [tempfile.mkdtemp(prefix="hq-dcp-") if rank == 0 else None]
+        dist_gloo.broadcast_object_list(where, 0)
+        dcp.save({"compressor": compressor.checkpointable()}, checkpoint_id=where[0])
+        saved = compressor.state_dict()["modules"]
+        after = _step(torch, model, rank, 2)
+
+        rebuilt = _model(torch)
+        resumed = compress_reduce_scatter(rebuilt, _compressor(kind))
+        dcp.load({"compressor": resumed.checkpointable()}, checkpoint_id=where[0])
+        assert saved["fsdp.a"]["step"] == 2  # the small module passes through: no step of its own
+        for name, state in resumed.state_dict()["modules"].items():
+            assert state["step"] == saved[name]["step"], name
+            if name == "fsdp.small":  # passes through: keeps no residual
+                assert state["residual"] is None and saved[name]["residual"] is None
+            elif kind == "topk":
+                assert torch.equal(state["residual"], saved[name]["residual"]), name
+        _assert_equal(_step(torch, rebuilt, rank, 2), after)
+        if kind == "topk":
+            stored = dcp.FileSystemReader(where[0]).read_metadata().state_dict_metadata
+            assert tuple(stored["compressor.modules.fsdp.a.residual"].size) == (num_ranks, saved["fsdp.a"][
+                "residual"].numel())
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
 def test_other_settings_on_one_rank_are_refused_on_every_rank(num_ranks, dist_gloo):
     import torch
     from horovod_qsgd.fsdp import QSGD, CompressionMismatchError, compress_reduce_scatter
