@@ -365,12 +365,13 @@ class _Checkpointable(Stateful):
         self.compressor = compressor
 
     def state_dict(self):
-        compressor, modules = self.compressor, {}
+        compressor, modules, meshes = self.compressor, {}, {}
         for name, module in compressor._modules.items():
             modules[name] = {"step": torch.tensor(module.step, dtype=torch.int64)}
             local = module.residual_to_save() if compressor.error_feedback else None
             if local is not None:
-                mesh = init_device_mesh(local.device.type, (dist.get_world_size(),))
+                kind = local.device.type
+                mesh = meshes.get(kind) or meshes.setdefault(kind, init_device_mesh(kind, (dist.get_world_size(),)))
                 modules[name]["residual"] = DTensor.from_local(local.reshape(1, -1), mesh, [Shard(0)])
         return {"header": json.dumps(state_header(type(compressor).__name__, compressor.settings())),
                 "modules": modules}
