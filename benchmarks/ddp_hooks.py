@@ -164,22 +164,10 @@ def run_on_nodes(nodes, per_node, hook, rate, model, tmp):
 
 
 def run(ranks, hook, rate, model, tmp):
-    import socket
     from benchmarks import netlab
     out = os.path.join(tmp, f"r{ranks}-{hook}.json")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
-           "127.0.0.1", "--master_port", str(port), os.path.abspath(__file__), "--worker", "--hook", hook,
-           "--model", model, "--json-out", out]
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=ROOT)
-    with netlab.Namespace(rate=None if rate == "none" else rate) as ns:
-        proc = ns.run(job, capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{ranks} ranks {hook} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    argv = [os.path.abspath(__file__), "--worker", "--hook", hook, "--model", model, "--json-out", out]
+    return netlab.run_torchrun_benchmark(ranks, argv, out, f"{ranks} ranks {hook}", rate)
 
 
 def main():

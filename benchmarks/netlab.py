@@ -103,6 +103,25 @@ def run_horovod_job(job, rate, *, shaped, env, timeout, what):
     return proc
 
 
+def run_torchrun_benchmark(ranks, argv, json_out, what, rate="none", timeout=1800):
+    """``torchrun --nproc_per_node ranks`` of the script command ``argv`` (its path and arguments) in a fresh
+    namespace whose loopback is shaped to ``rate`` ('none': unshaped), one framework and kernel thread per
+    rank, the repository on the path; returns the JSON its rank 0 wrote to ``json_out``, or raises with the
+    tail of the job's output, naming ``what``."""
+    import json
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
+           "127.0.0.1", "--master_port", str(port)] + list(argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=root)
+    run_horovod_job(job, rate, shaped=True, env=env, timeout=timeout, what=what)
+    with open(json_out) as f:
+        return json.load(f)
+
+
 def control_bytes_per_second(barrier, seconds=1.0, counters=None):
     """Loopback bytes per second while the job is idle between two barriers.
 

@@ -25,7 +25,8 @@ import threading
 import numpy as np
 import torch
 
-from horovod_qsgd.kernels import CarriedResidual, committed
+from horovod_qsgd.kernels import CarriedResidual, committed, finish_sum
+from horovod_qsgd.torch_arrays import as_array
 
 DEVICE_VERDICT_ENV = "HOROVOD_QSGD_DEVICE_VERDICT"
 
@@ -63,6 +64,15 @@ class DeviceNonfiniteCounts:
 def last_step_counted(stamps, stamp):
     """Host read of ``stamps``: True where the step before the one stamped ``stamp`` wrote a finite result."""
     return stamps is not None and bool(committed(stamps.cpu().numpy(), np.int64(stamp)))
+
+
+def scaled_and_finite(total, scale):
+    """Multiplies the decoded sum ``total`` by ``scale``; whether the result is finite, decided on the host: found
+    by the same pass on the CPU, by a check and one host read on a GPU (the DDP hooks, FSDP2's reduce-scatter)."""
+    if total.is_cuda:
+        total.mul_(scale)
+        return bool(torch.isfinite(total).all())
+    return finish_sum(as_array(total), scale)
 
 
 class KeptResidual:

@@ -24,8 +24,6 @@ def test_errors_and_thread_setting_come_from_the_adapter(adapter_name):
 
 def test_ddp_states_take_the_horovod_compressors_arguments_and_need_no_horovod():
     import inspect
-    import subprocess
-    import sys
 
     import horovod_qsgd.ddp as ddp
     import horovod_qsgd.torch as hvd_adapter
@@ -36,15 +34,7 @@ def test_ddp_states_take_the_horovod_compressors_arguments_and_need_no_horovod()
         assert [(k, p.default) for k, p in ours.items()] == [(k, p.default) for k, p in theirs.items()], state
     with pytest.raises(ValueError, match="encoding='elias' varies: use encoding='fixed'"):
         ddp.QSGDState(encoding="elias")
-    blocked = ("import sys\n"
-               "class Block:\n"
-               "    def find_spec(self, name, path=None, target=None):\n"
-               "        if name.split('.')[0] == 'horovod':\n"
-               "            raise ImportError('no horovod here')\n"
-               "sys.meta_path.insert(0, Block())\n"
-               "import horovod_qsgd.ddp as d\n"
-               "print(type(d.TopKState()).__name__)\n")
-    proc = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    proc = _without_horovod("import horovod_qsgd.ddp as d\nprint(type(d.TopKState()).__name__)\n")
     assert proc.returncode == 0 and proc.stdout.strip() == "TopKState", proc.stderr[-2000:]
 
 
@@ -69,8 +59,6 @@ def test_fsdp_compressors_take_the_horovod_compressors_arguments_need_no_horovod
     exchanges are the flat reduce-scatter and the node-aware one; it imports without Horovod; a compressor of
     another adapter or a model without fully_shard is refused."""
     import inspect
-    import subprocess
-    import sys
 
     import torch
 
@@ -86,13 +74,18 @@ def test_fsdp_compressors_take_the_horovod_compressors_arguments_need_no_horovod
         fsdp.compress_reduce_scatter(torch.nn.Linear(2, 2), hvd_adapter.QSGD())
     with pytest.raises(ValueError, match="found no fully_shard module"):
         fsdp.compress_reduce_scatter(torch.nn.Linear(2, 2), fsdp.QSGD())
+    proc = _without_horovod("import horovod_qsgd.fsdp as f\nprint(f.TopK())\n")
+    assert proc.returncode == 0 and proc.stdout.startswith("TopK(error_feedback=True"), proc.stderr[-2000:]
+
+
+def _without_horovod(code):
+    """``code`` run by a fresh interpreter in which importing Horovod fails: the finished process."""
+    import subprocess
+    import sys
     blocked = ("import sys\n"
                "class Block:\n"
                "    def find_spec(self, name, path=None, target=None):\n"
                "        if name.split('.')[0] == 'horovod':\n"
                "            raise ImportError('no horovod here')\n"
-               "sys.meta_path.insert(0, Block())\n"
-               "import horovod_qsgd.fsdp as f\n"
-               "print(f.TopK())\n")
-    proc = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith("TopK(error_feedback=True"), proc.stderr[-2000:]
+               "sys.meta_path.insert(0, Block())\n")
+    return subprocess.run([sys.executable, "-c", blocked + code], capture_output=True, text=True, timeout=120)

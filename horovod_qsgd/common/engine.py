@@ -146,11 +146,6 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
         """Bytes of the zeroed buffer :meth:`encode` writes the slices into."""
         return self.send_capacity()
 
-    def own_numel(self):
-        """Elements of this rank's own chunk (the float32 buffer :meth:`encode` fills)."""
-        begin, end = self.owned
-        return end - begin
-
     def owner_layout(self):
         """[ranks, rank]: what an owner-side residual belongs to (saved with it in checkpoints)."""
         return [self.num_ranks, self.rank]

@@ -77,10 +77,6 @@ class ReduceScatterPlan(TwoStage):
         self.stats, self.uncompressed_nbytes = stats, uncompressed_nbytes
         self.payload_name = PAYLOAD_PREFIX + name
 
-    def own_numel(self):
-        begin, end = self.owned
-        return end - begin
-
     def encode(self, x, out, own, step, residual=None):
         """Step 1: the other owners' rows of ``x`` (flat float32, N staged rows) into ``out`` (zeroed uint8 of
         :meth:`send_capacity` bytes); this rank's row into ``own`` (float32), with the residual's mass there.

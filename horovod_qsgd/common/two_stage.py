@@ -151,6 +151,11 @@ class TwoStage:
         self.bounds = chunk_bounds(numel, num_ranks, chunk_unit(first))
         self.owned = self.bounds[rank]
 
+    def own_numel(self):
+        """Elements of this rank's own chunk (the float32 buffer the first stage fills with it)."""
+        begin, end = self.owned
+        return end - begin
+
     def payload_capacity(self):
         """Bytes of the first-stage payloads of every chunk: the tensor's size for fusion, equal on every rank."""
         return sum(self.first.max_payload_nbytes(e - b) for b, e in self.bounds)

@@ -102,7 +102,7 @@ from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch_distributed import (DistributedNodes, DistributedTransport, all_gather_single,
                                             check_payload_settings)
-from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps
+from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, scaled_and_finite, step_stamps
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -589,7 +589,7 @@ def _node_aware(state, bucket, group, buffer, split):
                 as_array(rows), [(j, j * row.numel(), row.numel()) for j in range(nodes.local_size)],
                 lambda j, forwarded: plans[j].decode(forwarded, as_array(shards[j * shard:(j + 1) * shard])),
                 f"bucket {bucket.index()}", ranks_named="local rank")
-        finite = _scaled_and_finite(shards[:flat.numel()], 1.0 / group.size())
+        finite = scaled_and_finite(shards[:flat.numel()], 1.0 / group.size())
     state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
     future = _new_future(device)
     if error is not None:
@@ -685,7 +685,7 @@ def _finish(exchange, received):
                 finish_sum(as_array(total), _device_scale(1.0 / plan.num_ranks, total.device),
                            stamps=as_array(exchange.stamps), stamp=exchange.stamp + 1,
                            counter=as_array(state._nonfinite_on_device.on(total.device)))
-        elif _scaled_and_finite(total, 1.0 / plan.num_ranks):
+        elif scaled_and_finite(total, 1.0 / plan.num_ranks):
             if exchange.residual is not None:
                 state._keep_residual(exchange.index, exchange.layout, exchange.residual)
             if exchange.owner_residual is not None:
@@ -705,13 +705,6 @@ def _device_scale(scale, device):
     return as_array(torch.full((1,), scale, dtype=torch.float32, device=device)) if device.type == "cuda" else scale
 
 
-def _scaled_and_finite(total, scale):
-    """Multiplies ``total`` by ``scale``; whether the result is finite: found by the same pass on the CPU, by a
-    check and one host read on a GPU (the hooks decide on the host)."""
-    if total.is_cuda:
-        total.mul_(scale)
-        return bool(torch.isfinite(total).all())
-    return finish_sum(as_array(total), scale)
 
 
 

@@ -78,10 +78,9 @@ from horovod_qsgd.common.reduce_scatter import REDUCE_SCATTER, ReduceScatterPlan
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import qsgd_codecs
-from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch_distributed import DistributedNodes, DistributedTransport, check_payload_settings
-from horovod_qsgd.torch_feedback import KeptResidual
+from horovod_qsgd.torch_feedback import KeptResidual, scaled_and_finite
 
 
 EXCHANGES = ("auto", REDUCE_SCATTER, NODE_AWARE)
@@ -144,7 +143,7 @@ class ModuleReduceScatter(ReduceScatter):
         stats.add(collectives_started=transport.started)
         if refusal is not None:
             raise refusal
-        finite = _scaled_and_finite(total, scale)
+        finite = scaled_and_finite(total, scale)
         if not finite:
             stats.add(tensors_nonfinite=1)
         _unstage(total, layout, output_tensor)
@@ -280,13 +279,6 @@ def _unstage(total, layout, output_tensor):
         out[at:at + numel] = total[offset:offset + numel]
 
 
-def _scaled_and_finite(total, scale):
-    """Multiplies ``total`` by ``scale``; whether the result is finite (one pass on the CPU; a check and one
-    host read on a GPU)."""
-    if total.is_cuda:
-        total.mul_(scale)
-        return bool(torch.isfinite(total).all())
-    return finish_sum(as_array(total), scale)
 
 
 class _ReduceScatterCompressor:
