@@ -138,9 +138,14 @@ def main():
     check("randomk indices CUDA == CPU",
           same(K.randomk_indices(1000, 37, base), K.randomk_indices(1000, 37, base, gpu=True).copy_to_host()))
     h = rng.standard_normal(300).astype(np.float16).view(np.uint16)
+    payload_bytes = rng.integers(0, 256, 20_000).astype(np.uint8)
+    offsets = list(rng.integers(0, payload_bytes.size - 16, K.bytes.OFFSETS_PER_LAUNCH + 72))
+    check("gather_bytes of more offsets than one launch's arguments CUDA == CPU",
+          same(K.gather_bytes(payload_bytes, offsets, 16), K.gather_bytes(cuda.to_device(payload_bytes), offsets, 16)))
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
     total = len(cases) + 10 + run_elias_exchange_cases(rng) + run_exchange_decode_cases(rng)
     total += run_fused_decode_cases(rng) + run_engine_encode_cases(rng) + run_settled_step_cases(rng)
+    total += run_encode_many_cases(rng)
     if not SIMULATED:
         total += run_large_cases(rng)
     if failures:
@@ -266,6 +271,36 @@ def run_fused_decode_cases(rng, ranks=3, sizes=(3000, 1000)):
             check(f"{label}: CUDA == CPU ({cpu[1]} / {gpu[1]})", cpu == gpu)
             check(f"{label}: raises", (cpu[1] is None) == (name == "whole"))
             count += 1
+    return count
+
+
+def run_encode_many_cases(rng, sizes=(3000, 517, 8, 1, 20_000)):
+    """A group of tensors encoded by one encode_many on CUDA arrays (QSGD's grouped kernels) gives the CPU's
+    one-by-one payloads, into stale bytes (every header and padding byte written)."""
+    count = 0
+    for codec in [QSGDCodec(bits=4), QSGDCodec(bits=3, bucket_size=7, scale_dtype="float16"),
+                  QSGDCodec(bits=8, bucket_size=100, norm="l2", rounding="deterministic")]:
+        xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+        xs[1][5] = np.inf
+        caps = [codec.max_payload_nbytes(n) for n in sizes]
+        starts = np.cumsum([0] + caps)[:-1]
+        cpu = np.full(sum(caps), 0xAB, np.uint8)
+        for x, start, cap, key in zip(xs, starts, caps, range(len(sizes))):
+            codec.encode(x, cpu[start:start + cap], step=9, key=key)
+        gpu = cuda.to_device(np.full(sum(caps), 0xAB, np.uint8))
+        used = codec.encode_many([cuda.to_device(x) for x in xs], [gpu[s:s + c] for s, c in zip(starts, caps)],
+                                 step=9, keys=list(range(len(sizes))))
+        check(f"encode_many of {len(sizes)} tensors {codec!r}: CUDA == CPU",
+              used == caps and same(cpu, gpu.copy_to_host()))
+        # a payload 1 byte off a 4-byte boundary cannot be viewed as float32 scales: the per-payload kernels
+        odd = cuda.to_device(np.full(caps[0] + 1, 0xAB, np.uint8))
+        codec.encode(cuda.to_device(xs[0]), odd[1:], step=9, key=0)
+        check(f"encode into an unaligned slot {codec!r}: CUDA == CPU", same(cpu[:caps[0]], odd.copy_to_host()[1:]))
+        host_total, device_total = np.zeros(sizes[0], np.float32), cuda.to_device(np.zeros(sizes[0], np.float32))
+        codec.decode_accumulate(cpu[:caps[0]], host_total)
+        codec.decode_accumulate(odd[1:], device_total)
+        check(f"decode of an unaligned payload {codec!r}: CUDA == CPU", same(host_total, device_total.copy_to_host()))
+        count += 3
     return count
 
 

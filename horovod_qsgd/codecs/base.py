@@ -167,6 +167,17 @@ class Codec:
     def max_payload_nbytes(self, numel):
         raise NotImplementedError
 
+    def encode_many(self, xs, outs, *, step, keys, residuals=None):
+        """Encodes ``xs[i]`` into ``outs[i]`` under ``keys[i]``, all at ``step``; returns the bytes each used.
+
+        The encodes of a group of tensors, or of one tensor's slices, as :meth:`encode` makes them one by one
+        (the same bytes). Where a codec has grouped kernels (QSGD's fixed width on a GPU) they take one launch
+        sequence for all; otherwise one encode each. ``residuals``: None, or one per input.
+        """
+        residuals = [None] * len(xs) if residuals is None else residuals
+        return [self.encode(x, out, step=step, key=key, residual=residual)
+                for x, out, key, residual in zip(xs, outs, keys, residuals)]
+
     def decode_accumulate(self, payload, out, *, header=None):
         """out += decode(payload) (float32, in place); PayloadError if the payload is damaged or not this codec's.
 

@@ -3,8 +3,8 @@
 import numpy as np
 
 from .. import kernels as K
-from .base import Codec, _check_array, align4, check_choice, check_int, view, write_bytes
-from .header import HEADER_NBYTES, PayloadError
+from .base import Codec, _check_array, _is_cuda, align4, check_choice, check_int, view, write_bytes
+from .header import HEADER_NBYTES, WIRE_VERSION, PayloadError
 
 __all__ = ["QSGDCodec"]
 
@@ -128,6 +128,9 @@ class QSGDCodec(Codec):
         step, key = self._check_step_key(step, key)
         x, out, _, gpu = self._prepare_encode(x, out, residual, need_residual=False)
         n = x.size
+        if self.encoding == "fixed" and gpu and n and K.qsgd_encode_many(
+                [x], [out], [key], [self.max_payload_nbytes(n)], step=step, **self._kernel_settings()):
+            return self.max_payload_nbytes(n)  # the grouped kernels' two launches, header and padding included
         scales, off = self._sections(out, n)
         scales_end = HEADER_NBYTES + self._scale_bytes(n)
         # An odd count of fp16 scales leaves 2 alignment bytes: zero them, never send stale memory.
@@ -145,6 +148,34 @@ class QSGDCodec(Codec):
             s0 = off + 4 * nb
             used = s0 + K.elias_encode(x, scales, ends, out[s0:s0 + self._max_stream_bytes(n)], **kw)
         return self._finish(out, n, used)
+
+    def encode_many(self, xs, outs, *, step, keys, residuals=None):
+        """See :meth:`Codec.encode_many`: fixed-width payloads on a GPU take two launches for all of them."""
+        if self.encoding == "fixed" and xs and residuals is None:
+            step = self._check_step_key(step, 0)[0]
+            keys = [self._check_step_key(0, key)[1] for key in keys]
+            prepared = [self._prepare_encode(x, out, None, need_residual=False) for x, out in zip(xs, outs)]
+            xs, outs = [x for x, _, _, _ in prepared], [out for _, out, _, _ in prepared]  # converted once
+            if all(gpu for _, _, _, gpu in prepared):
+                nbytes = [self.max_payload_nbytes(x.size) for x in xs]
+                if K.qsgd_encode_many(xs, outs, keys, nbytes, step=step, **self._kernel_settings()):
+                    return nbytes
+        return super().encode_many(xs, outs, step=step, keys=keys, residuals=residuals)
+
+    def _kernel_settings(self):
+        return dict(bucket_size=self.bucket_size, bits=self.bits, half=self.scale_dtype == "float16",
+                    use_l2=self.norm == "l2", stochastic=self.rounding == "stochastic", seed=self.seed,
+                    version=WIRE_VERSION, codec_id=self.codec_id, digest=self.digest)
+
+    def decode_sum(self, buffer, payloads, outs, faults=None):
+        """See :meth:`Codec.decode_sum`: fixed-width payloads on a GPU take one launch for all of them."""
+        if self.encoding == "fixed" and isinstance(payloads, list) and payloads and _is_cuda(buffer):
+            opened = [self._open_payload(buffer[start:end], out, header)
+                      for (start, end, header), out in zip(payloads, outs)]
+            if K.qsgd_decode_many(buffer, [start for start, _, _ in payloads], [out for _, _, out, _ in opened],
+                                  bucket_size=self.bucket_size, bits=self.bits, half=self.scale_dtype == "float16"):
+                return None
+        return super().decode_sum(buffer, payloads, outs, faults)
 
     def _decode_one(self, h, payload, out, counters):
         n = h.numel

@@ -40,7 +40,7 @@ from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, Collective
 from horovod_qsgd.common.exchange import decode_gathered
 from horovod_qsgd.common.node_aware import NODE_AWARE, NodeAwarePlan
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, rank_key
-from horovod_qsgd.common.two_stage import KeepsOwnerResidual, TwoStage, choose_exchange
+from horovod_qsgd.common.two_stage import KeepsOwnerResidual, TwoStage, choose_exchange, encode_slices_together
 from horovod_qsgd.kernels import move_into_own_chunk
 
 
@@ -110,6 +110,20 @@ class AllgatherPlan(_Counted):
         self._count_encoded(used)
         return used
 
+    @staticmethod
+    def encode_together(plans, xs, outs, steps, residuals):
+        """Step 1 of several plans of one codec (a fused group's members), as each plan's :meth:`encode`: one
+        ``encode_many`` where they share a step (one launch sequence on a GPU). Returns the bytes each used."""
+        codec = plans[0].codec
+        if len(set(steps)) == 1:
+            used = codec.encode_many(xs, outs, step=steps[0], keys=[rank_key(plan.name, plan.rank) for plan in plans],
+                                     residuals=None if all(r is None for r in residuals) else list(residuals))
+            for plan, nbytes in zip(plans, used):
+                plan._count_encoded(nbytes)
+            return used
+        return [plan.encode(x, out, step, residual) for plan, x, out, step, residual
+                in zip(plans, xs, outs, steps, residuals)]
+
     def decode(self, gathered, out):
         """Step 2: adds every rank's payload in the allgather's result, checked, in rank order, to ``out``."""
         decode_gathered(self.codec, gathered, self.num_ranks, self.numel, self.name, out)
@@ -159,11 +173,27 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
         Elsewhere the residual is updated as each slice's encode leaves it.
         """
         splits = self.encode_for_owners(x, out, step, residual)
+        self._keep_own_chunk(x, own, residual, splits)
+        return splits
+
+    def _keep_own_chunk(self, x, own, residual, splits):
         begin, end = self.owned
         move_into_own_chunk(x[begin:end], None if residual is None else residual[begin:end], own)
         used = sum(splits)
         self._count_encoded(used, tensors_two_stage=1, bytes_sent_first_stage=used)
-        return splits
+
+    @staticmethod
+    def encode_together(plans, xs, outs, owns, steps, residuals):
+        """Step 1 of several plans of one codec (a fused group's members), as each plan's :meth:`encode`: every
+        member's slices in one ``encode_many`` where payload sizes are fixed and the members share a step (one
+        launch sequence on a GPU). Returns each member's splits."""
+        if not plans[0].first.payload_nbytes_is_fixed or len(set(steps)) != 1:
+            return [plan.encode(x, out, own, step, residual) for plan, x, out, own, step, residual
+                    in zip(plans, xs, outs, owns, steps, residuals)]
+        member_splits = encode_slices_together(plans, xs, outs, steps[0], residuals)
+        for plan, x, own, residual, splits in zip(plans, xs, owns, residuals, member_splits):
+            plan._keep_own_chunk(x, own, residual, splits)
+        return member_splits
 
     def sum_and_encode(self, received, total, out, step, owner_residual=None):
         """Step 2 (see :meth:`TwoStage.sum_and_encode`): returns (bytes used, None) or (bytes of a refusal

@@ -128,19 +128,8 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
     if codec.payload_nbytes_is_fixed:
         sizes = [codec.max_payload_nbytes(numel) for numel in numels]
         if sum(sizes) == buffer.size:
-            starts = list(itertools.accumulate(sizes, initial=0))[:-1]
-            headers = [Header(WIRE_VERSION, codec.codec_id, numel, codec.digest, size)
-                       for size, numel in zip(sizes, numels)]
-            faults = codec.fault_counters(len(outs), not isinstance(buffer, np.ndarray))
-            codec.decode_sum(buffer, [(start, start + h.nbytes, h) for start, h in zip(starts, headers)], outs, faults)
-            if faults is None:
-                heads, fault_bytes = read_header_bytes(buffer, starts), None
-            else:
-                heads, fault_bytes = read_header_bytes(buffer, starts, tail=faults.view(np.uint8))
-            for head, sender, numel, name in zip(heads, senders, numels, names):
-                _checked_header(head, sender, numel, codec, name, what)
-            if faults is not None:
-                codec.raise_for_faults(fault_bytes, headers)
+            decode_fixed_at(codec, buffer, list(itertools.accumulate(sizes, initial=0))[:-1], senders, numels, outs,
+                            names, what)
             return
     elif codec.decodes_chained and not isinstance(buffer, np.ndarray):
         chain = follow_header_chain(buffer, len(senders), 8 * codec.fault_width * len(senders))
@@ -151,6 +140,24 @@ def decode_checked(codec, buffer, senders, numels, outs, tensor_name, what="payl
         codec.raise_for_faults(fault_bytes, [header for _, _, header in spans])
         return
     codec.decode_sum(buffer, check_payloads(buffer, senders, numels, codec, tensor_name, what), outs)
+
+
+def decode_fixed_at(codec, buffer, starts, senders, numels, outs, names, what):
+    """Adds the fixed-size payload that ``senders[i]`` sent at byte ``starts[i]`` of ``buffer`` to ``outs[i]``
+    in one decode, then checks every header and the codec's own checks from one device read (see
+    :func:`decode_checked`; ``names``: one per payload)."""
+    headers = [Header(WIRE_VERSION, codec.codec_id, numel, codec.digest, codec.max_payload_nbytes(numel))
+               for numel in numels]
+    faults = codec.fault_counters(len(outs), not isinstance(buffer, np.ndarray))
+    codec.decode_sum(buffer, [(start, start + h.nbytes, h) for start, h in zip(starts, headers)], outs, faults)
+    if faults is None:
+        heads, fault_bytes = read_header_bytes(buffer, starts), None
+    else:
+        heads, fault_bytes = read_header_bytes(buffer, starts, tail=faults.view(np.uint8))
+    for head, sender, numel, name in zip(heads, senders, numels, names):
+        _checked_header(head, sender, numel, codec, name, what)
+    if faults is not None:
+        codec.raise_for_faults(fault_bytes, headers)
 
 
 def decode_gathered(codec, gathered, num_ranks, numel, tensor_name, total):

@@ -35,8 +35,10 @@ import numpy as np
 from horovod_qsgd.codecs import HEADER_NBYTES, WIRE_VERSION, pack_header
 from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, Collective, RefusedEarlier
 from horovod_qsgd.common.errors import CompressionMismatchError
-from horovod_qsgd.common.exchange import GROUP_CODEC_ID, check_payloads, decode_checked, refusal_notice
+from horovod_qsgd.common.exchange import (GROUP_CODEC_ID, check_payloads, decode_checked, decode_fixed_at,
+                                         refusal_notice)
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX
+from horovod_qsgd.common.two_stage import owner_key
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's own HOROVOD_FUSION_THRESHOLD default
 
@@ -180,6 +182,19 @@ class _FusedPayloads:
         """
         parts = check_payloads(buffer, senders, [len(self.names)] * len(senders), self._manifest, self.label,
                                f"group of {what}s")
+        if codec.payload_nbytes_is_fixed:  # every payload's place known: one decode of all senders' parts
+            starts, all_senders, numels, outs = [], [], [], []
+            for sender, (start, end, _) in zip(senders, parts):
+                sizes = [codec.max_payload_nbytes(numel) for numel in numels_from(sender)]
+                if end - start != HEADER_NBYTES + sum(sizes):
+                    break  # a part of another length: decoded part by part below, which names the fault
+                starts += [start + HEADER_NBYTES + offset for offset in itertools.accumulate(sizes[:-1], initial=0)]
+                all_senders += [sender] * len(sizes)
+                numels += numels_from(sender)
+                outs += outs_from(sender)
+            else:
+                decode_fixed_at(codec, buffer, starts, all_senders, numels, outs, self.names * len(parts), what)
+                return
         for sender, (start, end, _) in zip(senders, parts):
             decode_checked(codec, buffer[start + HEADER_NBYTES:end], [sender] * len(self.names),
                            numels_from(sender), outs_from(sender), self.names, what)
@@ -246,6 +261,11 @@ class FusedTwoStage(_FusedPayloads):
                                "first-stage slice")
         except CompressionMismatchError as exc:
             return None, exc
+        if len(set(steps)) == 1:  # the members' sums in one encode_many (one launch sequence on a GPU)
+            residuals = None if all(r is None for r in owner_residuals) else list(owner_residuals)
+            return self.second.encode_many(totals, outs, step=steps[0], keys=[owner_key(stage.name, self.rank)
+                                                                              for stage in self.stages],
+                                           residuals=residuals), None
         return [stage.encode_owned(total, out, step, residual) for stage, total, out, step, residual
                 in zip(self.stages, totals, outs, steps, owner_residuals)], None
 

@@ -407,17 +407,16 @@ class NodeAwareGroup:
         counts): the bytes to send as :mod:`horovod_qsgd.common.fusion` lays them out (bytes, or (member,
         start, end) ranges of ``outs``) and how many go to each node.
         """
+        crosses = [plan.cross for plan in self.plans]
         if self.kind == "two_stage":
-            member_counts = [plan.cross.encode(node_sum, out, own, step, residual) for plan, node_sum, out, own, step,
-                             residual in zip(self.plans, node_sums, outs, owns, steps, residuals)]
+            member_counts = type(crosses[0]).encode_together(crosses, node_sums, outs, owns, steps, residuals)
             if not self.fused:
                 return [(0, 0, sum(member_counts[0]))], member_counts[0]
             pieces, counts = self.cross.first_stage_pieces(member_counts)
             manifests = pieces_nbytes(piece for piece in pieces if isinstance(piece, bytes))
             self.stats.add(bytes_sent=manifests, bytes_sent_first_stage=manifests)
             return pieces, counts
-        used = [plan.cross.encode(node_sum, out, step, residual) for plan, node_sum, out, step, residual
-                in zip(self.plans, node_sums, outs, steps, residuals)]
+        used = type(crosses[0]).encode_together(crosses, node_sums, outs, steps, residuals)
         part = [(0, 0, used[0])]
         if self.fused:
             part = self.cross.part_pieces(used)

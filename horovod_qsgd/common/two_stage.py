@@ -26,6 +26,7 @@ plus an owner-side residual, which keeps what the owner did not send.
 Everything here works on codec arrays (numpy, or CUDA arrays for the CUDA
 kernels) that the adapters allocate; the collectives are the adapters' job.
 """
+import itertools
 import warnings
 import zlib
 
@@ -52,6 +53,23 @@ def owner_layout_changed(tensor_name, saved, layout):
     return (f"horovod_qsgd: tensor {tensor_name!r}: the owner-side residual was saved as "
             f"{_describe_layout(saved)}, this is {_describe_layout(layout)}; it is reset to zeros (its unsent "
             "mass is lost once).")
+
+
+def encode_slices_together(stages, xs, outs, step, residuals):
+    """:meth:`TwoStage.encode_for_owners` of several stages of one fixed-size codec (a fused group's members, or
+    one tensor's), at one step: every slice of every stage in one ``encode_many`` (one launch sequence on a
+    GPU). Returns each stage's splits."""
+    parts = [stage.slices_for_owners(x, out, residual) for stage, x, out, residual in zip(stages, xs, outs, residuals)]
+    keeps_residual = any(part[4] is not None for part in parts)
+    used = iter(stages[0].first.encode_many(
+        [piece for part in parts for piece in part[1]], [slot for part in parts for slot in part[2]], step=step,
+        keys=[key for part in parts for key in part[3]],
+        residuals=[r for part in parts for r in (part[4] or [None] * len(part[1]))] if keeps_residual else None))
+    member_splits = []
+    for stage, (owners, *_) in zip(stages, parts):
+        splits = dict((owner, next(used)) for owner in owners)
+        member_splits.append([splits.get(owner, 0) for owner in range(stage.num_ranks)])
+    return member_splits
 
 
 class KeepsOwnerResidual:
@@ -174,6 +192,8 @@ class TwoStage:
         other owners' chunks; the caller moves its own chunk's residual into
         its own contribution.
         """
+        if self.first.payload_nbytes_is_fixed:  # every slot known in advance: one encode_many for all slices
+            return encode_slices_together([self], [x], [out], step, [residual])[0]
         splits, offset = [], 0
         for owner, (begin, end) in enumerate(self.bounds):
             if owner == self.rank:
@@ -185,6 +205,16 @@ class TwoStage:
             splits.append(used)
             offset += used
         return splits
+
+    def slices_for_owners(self, x, out, residual=None):
+        """(owners, their slices of ``x``, their slots in ``out``, stream keys, residual slices or None) of
+        :meth:`encode_for_owners` where payload sizes are fixed, every slot known before anything is encoded."""
+        owners = [owner for owner in range(self.num_ranks) if owner != self.rank]
+        sizes = [self.first.max_payload_nbytes(self.bounds[owner][1] - self.bounds[owner][0]) for owner in owners]
+        slots = [out[start:start + size] for start, size in zip(itertools.accumulate(sizes, initial=0), sizes)]
+        spans = [slice(*self.bounds[owner]) for owner in owners]
+        return (owners, [x[span] for span in spans], slots, [sender_key(self.name, self.rank, owner) for owner in owners],
+                None if residual is None else [residual[span] for span in spans])
 
     def accumulate_received(self, received, total):
         """Adds the slices the other ranks sent this owner, decoded in rank order, to ``total``.

@@ -16,6 +16,8 @@ Modules:
 * :mod:`.select` - top-k (exact radix select, Gaussian-k, sampled), random-k;
 * :mod:`.lattice` - SwarmSGD's cubic-lattice quantizer and its entry points;
 * :mod:`.api` - the array-level entry points of QSGD, Elias, random-k, fp16;
+* :mod:`.grouped` - QSGD's encodes and decodes of many payloads in one launch
+  sequence (a fusion group's, a tensor's slices, every rank's payloads);
 * :mod:`.topk` - top-k selection (driven from the host on the CPU, by
   :mod:`.select_device`'s kernels on a GPU) and the scatter back;
 * :mod:`.select_device` - the GPU's selection: shared-memory histograms,
@@ -74,7 +76,8 @@ from ._dual import (as_device, cpu_threads, cpu_threads_chosen, current_stream, 
                     set_cpu_threads, threading_layer)
 from .bytes import MAX_STORE, follow_chain, gather_bytes, gather_chain, store_bytes
 from .api import (all_finite, elias_decode_accumulate, elias_decode_chained, elias_encode, elias_error,
-                  finish_sum, move_into_own_chunk, narrow_f16, qsgd_decode_accumulate, qsgd_encode, randomk_gather,
+                  finish_sum, move_into_own_chunk, narrow_f16, qsgd_decode_accumulate, qsgd_decode_many, qsgd_encode,
+                  qsgd_encode_many, randomk_gather,
                   randomk_indices, randomk_scatter_accumulate, randomk_scatter_payload, widen_f16)
 from .elias import max_bucket_bits
 from .lattice import PURPOSE_LATTICE, decodable_radius, lattice_decode, lattice_encode
@@ -87,7 +90,7 @@ __all__ = [
     "elias_encode",
     "elias_error",
     "exact_threshold",
-    "qsgd_decode_accumulate", "qsgd_encode", "randomk_gather", "randomk_indices",
+    "qsgd_decode_accumulate", "qsgd_encode", "qsgd_decode_many", "qsgd_encode_many", "randomk_gather", "randomk_indices",
     "randomk_scatter_accumulate", "randomk_scatter_payload", "sparse_accumulate", "error_counters", "topk_select",
     "widen_f16", "narrow_f16", "move_into_own_chunk", "finish_sum",
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",

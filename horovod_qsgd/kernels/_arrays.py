@@ -1,7 +1,11 @@
 """Scratch arrays and views on the array's device, for the host-side drivers of the kernels."""
+import collections
+import ctypes
+import threading
+
 import numpy as np
 
-from ._dual import as_device, cuda_kernel, current_allocator, current_stream, on_cuda
+from ._dual import _simulated, as_device, cuda_kernel, current_allocator, current_stream, on_cuda
 from .select import ADD_PREVIOUS, IN_PLACE, TAKE_TARGET, committed
 
 
@@ -82,6 +86,77 @@ def to_device(host):
 def copy_to(dst, host):
     """Copies a numpy (or device) array into the device array ``dst`` on the current stream."""
     dst.copy_to_device(host, stream=current_stream())
+
+
+def pointer(a):
+    """The device address of a CUDA array's first element."""
+    if _simulated() and not hasattr(a, "__cuda_array_interface__"):
+        return int(a.ctypes.data)  # a simulated device array is a numpy array underneath
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+def span(arrays, dtype, align=1):
+    """(one device array of ``dtype`` over the memory from the lowest of ``arrays`` to the end of the highest,
+    each array's offset in it in elements), or None where an array does not start at a whole element (or at a
+    multiple of ``align`` bytes) from the lowest, or that one does not.
+
+    The arrays may be separate allocations: the span also covers what lies between them, which a kernel given
+    it must not touch (the grouped kernels index only inside the arrays). It holds no reference to them: the
+    caller keeps them alive while it is in use.
+    """
+    arrays = [device_view(a) for a in arrays]
+    itemsize = np.dtype(dtype).itemsize
+    starts = [pointer(a) for a in arrays]
+    low = min(starts)
+    high = max(start + a.size * np.dtype(a.dtype).itemsize for start, a in zip(starts, arrays))
+    unit = max(itemsize, align)
+    if low % unit or any((start - low) % unit for start in starts):
+        return None
+    count = (high - low) // itemsize
+    offsets = [(start - low) // itemsize for start in starts]
+    if _simulated():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * (count * itemsize)).from_address(low))
+        return FakeCUDAArray(raw.view(dtype)), offsets
+    interface = {"shape": (count,), "strides": None, "typestr": np.dtype(dtype).str, "data": (low, False),
+                 "version": 3, "stream": None}
+    return cuda_module().from_cuda_array_interface(interface, owner=None, sync=False), offsets
+
+
+_TABLES = collections.OrderedDict()  # (stream, dtype, shape, bytes) -> device copy, least recently used first
+_TABLES_KEPT = 256
+_TABLES_LOCK = threading.Lock()  # the adapters encode from several threads (autograd's, TensorFlow's ops)
+
+
+def _stream_key(stream):
+    """What identifies a stream across the wrappers made of it (the adapters wrap PyTorch's anew per call)."""
+    if not stream:
+        return 0
+    handle = getattr(stream, "handle", None)
+    value = getattr(handle, "value", handle)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return id(stream)
+
+
+def to_device_cached(host):
+    """A device copy of a small host table, made once per content and stream and then reused: the grouped
+    kernels' layouts repeat from step to step, and a host copy per step would wait for the GPU."""
+    host = np.ascontiguousarray(host)
+    stream = current_stream()
+    key = (_stream_key(stream), host.dtype.str, host.shape, host.tobytes())
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = to_device(host)
+    with _TABLES_LOCK:
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    return table
 
 
 def float_bits(a):

@@ -12,16 +12,17 @@ import math
 import numpy as np
 
 from . import elias as _el
+from . import grouped as _grouped
 from . import qsgd as _q
 from . import select as _sel
 from . import select_device as _dev
-from .rng import seed_word
+from .rng import PURPOSE_ROUNDING, seed_word
 from .scan import inclusive_sums
 from ._arrays import copy_to, device_view, empty, float_bits, split_residual, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
 __all__ = [
-    "qsgd_encode", "qsgd_decode_accumulate", "elias_encode", "elias_decode_accumulate", "elias_decode_chained",
+    "qsgd_encode", "qsgd_decode_accumulate", "qsgd_encode_many", "qsgd_decode_many", "elias_encode", "elias_decode_accumulate", "elias_decode_chained",
     "randomk_indices", "randomk_gather", "randomk_scatter_accumulate", "widen_f16", "move_into_own_chunk",
     "finish_sum",
 ]
@@ -95,6 +96,26 @@ def qsgd_decode_accumulate(scales, codes, out, *, bucket_size, bits, half):
     else:
         chunk = bucket_size * max(1, _TARGET_CHUNK // bucket_size)
         cpu_launch(_q.decode_fixed_cpu, n, codes, bucket_size, scale32, s, bits, out, chunk)
+
+
+def qsgd_encode_many(xs, outs, keys, nbytes, *, step, bucket_size, bits, use_l2, half, stochastic, seed, version,
+                     codec_id, digest):
+    """Whole fixed-width QSGD payloads (header, scales, codes, padding) of the CUDA arrays ``xs[i]`` (float32)
+    into ``outs[i]`` (uint8), stream (seed, step, ``keys[i]``), ``nbytes[i]`` bytes each: the bytes the codec's
+    one-by-one encodes write, in two launches for all (:mod:`.grouped`). Returns False, having done nothing,
+    where the arrays cannot be taken together: encode them one by one then."""
+    return _grouped.encode([device_view(x) for x in xs], [device_view(out) for out in outs], keys, nbytes,
+                           bucket_size=bucket_size, bits=bits, use_l2=use_l2, half=half, stochastic=stochastic,
+                           seed_word=seed_word(seed), step=step, purpose=PURPOSE_ROUNDING, version=version,
+                           codec_id=codec_id, digest=digest)
+
+
+def qsgd_decode_many(buffer, starts, outs, *, bucket_size, bits, half):
+    """``outs[i] +=`` the checked fixed-width QSGD payload at byte ``starts[i]`` of the CUDA array ``buffer``, in
+    order (an array given several times sums its payloads in that order), in one launch (:mod:`.grouped`).
+    Returns False, having done nothing, where the outputs cannot be taken together."""
+    return _grouped.decode(device_view(buffer), [int(start) for start in starts], [device_view(out) for out in outs],
+                           bucket_size=bucket_size, bits=bits, half=half)
 
 
 def elias_encode(x, scales, ends, stream, *, bucket_size, bits, use_l2, half, stochastic, base):

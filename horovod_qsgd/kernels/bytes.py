@@ -19,7 +19,7 @@ numpy buffers take the plain slice assignments.
 
 import numpy as np
 
-from ._arrays import clear, copy_to, device_view, empty, to_host
+from ._arrays import clear, copy_to, device_view, empty, to_device_cached, to_host
 from ._dual import cuda_kernel, on_cuda
 
 __all__ = ["store_bytes", "gather_bytes", "gather_chain", "follow_chain", "DeviceChain", "MAX_STORE",
@@ -37,11 +37,19 @@ def store_kernel(buf, offset, data):
 
 
 @cuda_kernel
-def gather_kernel(buf, offsets, length, out, first_row):
+def gather_kernel(buf, offsets, length, out):
     t = cuda.grid(1)  # noqa: F821
     row = t // length
     if row < len(offsets):
-        out[first_row + row, t - row * length] = buf[offsets[row] + t - row * length]
+        out[row, t - row * length] = buf[offsets[row] + t - row * length]
+
+
+@cuda_kernel
+def gather_table_kernel(buf, offsets, length, out):
+    t = cuda.grid(1)  # noqa: F821
+    row = t // length
+    if row < offsets.size:
+        out[row, t - row * length] = buf[offsets[row] + t - row * length]
 
 
 @cuda_kernel
@@ -87,7 +95,9 @@ def store_bytes(buf, offset, data):
 def gather_bytes(buf, offsets, length, tail=None):
     """Host uint8 array of shape (len(offsets), length): row i is ``buf[offsets[i]:offsets[i] + length]``.
 
-    A device buffer is read with one copy whatever the number of offsets.
+    A device buffer is read with one copy and one launch whatever the number of offsets (up to
+    ``OFFSETS_PER_LAUNCH`` go as the kernel's arguments, more as a device table, copied there once per set of
+    offsets and kept).
     ``tail`` (a uint8 array on the same device) is read in that same copy:
     then returns (rows, host copy of tail).
     """
@@ -101,9 +111,12 @@ def gather_bytes(buf, offsets, length, tail=None):
     head = len(offsets) * length
     out = empty(head + (0 if tail is None else tail.size), np.uint8, True)
     view, rows = device_view(buf), out[:head].reshape((len(offsets), length))
-    for first in range(0, len(offsets), OFFSETS_PER_LAUNCH):
-        group = tuple(np.int64(o) for o in offsets[first:first + OFFSETS_PER_LAUNCH])
-        gather_kernel[len(group) * length](view, group, np.int64(length), rows, np.int64(first))
+    if len(offsets) > OFFSETS_PER_LAUNCH:  # a fused group's every payload: the offsets as a table, one launch
+        table = to_device_cached(np.array(offsets, np.int64))
+        gather_table_kernel[len(offsets) * length](view, table, np.int64(length), rows)
+    elif offsets:
+        group = tuple(np.int64(o) for o in offsets)
+        gather_kernel[len(group) * length](view, group, np.int64(length), rows)
     if tail is not None and tail.size:
         copy_to(out[head:], device_view(tail))
     host = to_host(out, True)

@@ -46,7 +46,7 @@ from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_missing
 from horovod_qsgd.common.collectives import RefusedEarlier, conclude
-from horovod_qsgd.common.engine import PayloadEngine
+from horovod_qsgd.common.engine import PayloadEngine, TwoStagePlan
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
 from horovod_qsgd.common.node_aware import NODE_AWARE, NODE_AWARE_GROUP_NBYTES, job_nodes, looks_for_nodes
@@ -450,13 +450,13 @@ class _Alone:
 
 
 class _Fused:
-    """A two-stage tensor: its slices, encoded at compress, wait for the rest of its group (:class:`_Group`),
-    whose exchange the engine conducts. ``own``: this rank's own chunk, uncompressed (the start of the owner's
-    sum); ``group``, ``index``: its group once started, and its place there."""
-    __slots__ = ("plan", "sent", "splits", "own", "process_set", "group", "index")
+    """A two-stage tensor waiting for the rest of its group (:class:`_Group`), whose exchange the engine
+    conducts: its flat gradient and residual, encoded with the whole group's when the group starts (one launch
+    sequence for all members on a GPU); ``group``, ``index``: its group once started, and its place there."""
+    __slots__ = ("plan", "flat", "residual", "process_set", "group", "index")
 
-    def __init__(self, plan, sent, splits, own, process_set):
-        self.plan, self.sent, self.splits, self.own, self.process_set = plan, sent, splits, own, process_set
+    def __init__(self, plan, flat, residual, process_set):
+        self.plan, self.flat, self.residual, self.process_set = plan, flat, residual, process_set
         self.group = self.index = None
 
     def join(self, compressor, ctx, site):
@@ -608,10 +608,7 @@ class PayloadCompressor(_CompressorBase):
                                  tensor.numel() * tensor.element_size(), placeholder.element_size())
         residual = None if residual is None else as_array(residual)
         if plan.kind == "two_stage":  # Horovod does not fuse alltoalls: this adapter's Fuser groups them
-            out = torch.zeros(plan.capacity(), dtype=torch.uint8, device=flat.device)
-            own = torch.empty(plan.own_numel(), dtype=torch.float32, device=flat.device)
-            splits = plan.encode(as_array(flat), as_array(out), as_array(own), step, residual)
-            return placeholder, _Fused(plan, out[:sum(splits)], splits, own, site.process_set)
+            return placeholder, _Fused(plan, flat, residual, site.process_set)
         transport = HorovodTransport(site.process_set, flat.device)
         conduct = plan.conduct(transport, flat, step, residual)
         handle = transport.start(next(conduct))
@@ -657,20 +654,30 @@ class PayloadCompressor(_CompressorBase):
     def _start_group(self, name, members):
         """Starts a fused group's exchange, which the engine conducts: first the alltoall of its slices."""
         parts = [member.handle for member in members]
-        fused = FusedTwoStage([part.plan for part in parts])
-        transport = HorovodTransport(parts[0].process_set, parts[0].sent.device)
+        plans = [part.plan for part in parts]
+        fused = FusedTwoStage(plans)
+        device = parts[0].flat.device
+        transport = HorovodTransport(parts[0].process_set, device)
+        outs = [torch.zeros(plan.capacity(), dtype=torch.uint8, device=device) for plan in plans]
+        owns = [torch.empty(plan.own_numel(), dtype=torch.float32, device=device) for plan in plans]
+        with kernel_stream(device):
+            member_splits = TwoStagePlan.encode_together(
+                plans, [as_array(part.flat) for part in parts], [as_array(out) for out in outs],
+                [as_array(own) for own in owns], [member.step for member in members],
+                [part.residual for part in parts])
         numels = [part.plan.own_numel() for part in parts]
 
         def owner_residuals():
             return [as_array(self._owner_residual(member, numel, transport.device))
                     for member, numel in zip(members, numels)]
-        conduct = fused.conduct(transport, name, [part.sent for part in parts], [part.splits for part in parts],
-                                [part.own for part in parts], [member.step for member in members], owner_residuals)
+        conduct = fused.conduct(transport, name, [out[:sum(splits)] for out, splits in zip(outs, member_splits)],
+                                member_splits, owns, [member.step for member in members], owner_residuals)
+        del outs, owns  # the conduct holds what it still needs
         collective = next(conduct)
-        manifests = collective.send.numel() - sum(sum(part.splits) for part in parts)
+        manifests = collective.send.numel() - sum(sum(splits) for splits in member_splits)
         group = _Group(name, fused, members, transport, conduct, transport.start(collective))
         for index, part in enumerate(parts):
-            part.sent = part.own = None
+            part.flat = part.residual = None
             part.group, part.index = group, index
         self._stats.add(collectives_started=1, bytes_sent_first_stage=manifests, bytes_sent=manifests)
         with self._lock:

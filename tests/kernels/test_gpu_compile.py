@@ -5,16 +5,13 @@ when a kernel spills or was never launched in the simulator, so both are
 provoked here from the same recording of launches.
 """
 import os
+import pathlib
 import pickle
 import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GATE = os.path.join(ROOT, "scripts", "gpu_compile_check.py")
-# numba-cuda and ptxas live in a venv of their own (scripts/test.sh makes it): installed beside the
-# other tests, numba-cuda's simulator would run every simulator test several times slower
-GATE_PYTHON = os.path.join(ROOT, ".venv-gpu-compile", "bin", "python")
+from tests.kernels.conftest import GATE, GATE_PYTHON
 
 
 def run_gate(*args):
@@ -25,14 +22,17 @@ def run_gate(*args):
 
 
 @pytest.fixture(scope="module")
-def gate_run(simulator_runs, tmp_path_factory):
+def gate_run(simulator_runs):
     # the launches recorded in numba's own simulator (conftest.py), which runs the checks several times
-    # faster than numba-cuda's would in the gate's venv; the compiles are the gate's
+    # faster than numba-cuda's would in the gate's venv; the compiles are the gate's, started by conftest.py
+    # as soon as the recording ends
     code, out, err = simulator_runs["record"].result()
     assert code == 0, f"the simulator checks failed, see test_kernel_cudasim.py\n{out[-2000:]}{err[-2000:]}"
-    launches, table = simulator_runs["record"].launches, tmp_path_factory.mktemp("gate") / "table.md"
-    code, output = run_gate("--launches", str(launches), "--table", str(table))
-    return code, output, launches, table
+    gate = simulator_runs["gate"]
+    code, output = gate.result()
+    if code is None:
+        pytest.fail(output)
+    return code, output, gate.launches, pathlib.Path(gate.table)
 
 
 @pytest.mark.timeout(900)

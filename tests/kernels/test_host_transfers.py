@@ -21,7 +21,8 @@ def test_every_counted_call_gives_the_cpu_result(report):
 
 @pytest.mark.parametrize("call", ["qsgd-4 encode", "qsgd-4 fp16 scales encode"])
 def test_qsgd_encode_copies_nothing_between_host_and_device(report, call):
-    assert (report[call]["h2d"], report[call]["d2h"]) == (0, 0)
+    # a step after the layout's first: two launches (the grouped kernels, header and padding included)
+    assert (report[call]["h2d"], report[call]["d2h"], report[call]["launch"]) == (0, 0, 2)
 
 
 # The issue's bound is one read per top-k encode; every choice now runs on the device, so none.
@@ -42,6 +43,56 @@ def test_elias_encode_reads_back_only_its_length(report):
 def test_a_header_chain_is_read_in_one_copy(report, case):
     entry = report[f"header chain of 3 elias payloads, {case}"]
     assert (entry["h2d"], entry["d2h"]) == (0, 1)
+
+
+@pytest.mark.parametrize("group", ["qsgd-4 encode_many of 5 tensors", "qsgd-3 fp16 scales encode_many of 3 tensors"])
+def test_a_group_of_payloads_takes_two_launches_and_copies_its_layout_once(report, group):
+    """Issue #51: QSGD's payloads of a group (here 5 tensors of 1 to 20,000 elements) take a scale launch and a
+    code launch for all, not launches per tensor; the table that lays them out is copied to the device at the
+    layout's first step only."""
+    first, following = report[f"{group}, first step"], report[f"{group}, next step"]
+    assert (first["launch"], first["h2d"], first["d2h"]) == (2, 1, 0)
+    assert (following["launch"], following["h2d"], following["d2h"]) == (2, 0, 0)
+
+
+def test_a_tensors_slices_for_the_owners_take_two_launches(report):
+    assert {k: report["qsgd-4 two stages: slices for 3 owners"][k] for k in ("launch", "h2d", "d2h")} == \
+        {"launch": 2, "h2d": 0, "d2h": 0}
+
+
+@pytest.mark.parametrize("call", ["qsgd-4 decode of 3 ranks", "qsgd-8 decode of 3 ranks",
+                                  "qsgd-4 two stages: sum of the first stage's slices",
+                                  "qsgd-4 two stages: decode of the second stage's sums",
+                                  "on a stream: qsgd-4 decode of 3 ranks"])
+def test_qsgd_decodes_every_payload_in_one_launch(report, call):
+    # one decode for all payloads and one gather of their headers
+    assert report[call]["launch"] == 2
+
+
+BUDGETS = [f"budget {model}, threshold {mib} MiB" for model in ("resnet50", "gpt2-small") for mib in (64, 4, 1)]
+
+
+@pytest.mark.parametrize("case", BUDGETS)
+def test_the_codecs_cost_per_step_grows_with_the_groups_not_the_tensors(report, case):
+    """Issue #51's launch budget, for the ~50 compressed gradients of ResNet-50 and GPT-2 small (the shapes in
+    model_shapes.py), QSGD-4 on rank 0 of 4, fused as the adapters fuse them (fusion thresholds of 64, 4 and
+    1 MiB of payload; at 1 MiB nearly every tensor is a group of its own). Per group and step: 2 launches
+    encode its payloads, 1 walks its 4 parts' manifests, 1 gathers every payload's header, 1 decodes them all,
+    plus the walk's scratch cleared: 6 launches; 2 host reads (the manifests, the headers); no host copy to the
+    device once the layouts are known. Before, every tensor paid 5 launches to encode and 2 to decode."""
+    entry = report[case]
+    assert entry["matches_cpu"]
+    assert entry["tensors"] in (52, 50)
+    assert entry["launch"] == 6 * entry["groups"]
+    assert (entry["d2h"], entry["h2d"]) == (2 * entry["groups"], 0)
+
+
+def test_one_group_costs_the_same_whatever_its_tensor_count(report):
+    """ResNet-50's 52 compressed tensors and GPT-2 small's 50 each fit one group at Horovod's default fusion
+    threshold (64 MiB): the same 6 launches and 2 host reads a step."""
+    for model in ("resnet50", "gpt2-small"):
+        entry = report[f"budget {model}, threshold 64 MiB"]
+        assert (entry["groups"], entry["launch"], entry["d2h"]) == (1, 6, 2)
 
 
 @pytest.mark.parametrize("call", ["qsgd-4 decode of 3 ranks", "qsgd-8 decode of 3 ranks",

@@ -77,7 +77,11 @@ FakeCUDAKernel.__getitem__ = _counting_launch(FakeCUDAKernel.__getitem__)
 report = {}
 
 
-def measure(name, call, expected=None):
+def measure(name, call, expected=None, warm=None):
+    """Counts what ``call`` does; ``warm``: called first, uncounted (a step before, whose layouts are cached)."""
+    if warm is not None:
+        with K.launch_stream(scope_stream[0], scope_allocator[0]):
+            warm()
     for kind in counts:
         counts[kind] = 0
     with K.launch_stream(scope_stream[0], scope_allocator[0]):
@@ -99,9 +103,11 @@ def encode_case(name, codec, x, residual=None, step=3, key=11):
     host_out = np.full(cap, 0xAB, np.uint8)  # stale bytes: padding must be written, not assumed zero
     used = codec.encode(x, host_out, step=step, key=key,
                         residual=None if residual is None else residual.copy())
-    d_x, d_out = device(x), device(np.full(cap, 0xAB, np.uint8))
+    d_x, d_out, d_before = device(x), device(np.full(cap, 0xAB, np.uint8)), device(np.zeros(cap, np.uint8))
     d_res = None if residual is None else device(residual.copy())
-    measure(name, lambda: codec.encode(d_x, d_out, step=step, key=key, residual=d_res))
+    # QSGD's layout table goes to the device at its first step (encode_many_case counts that copy)
+    warm = (lambda: codec.encode(d_x, d_before, step=step, key=key)) if isinstance(codec, QSGDCodec) else None
+    measure(name, lambda: codec.encode(d_x, d_out, step=step, key=key, residual=d_res), warm=warm)
     report[name]["matches_cpu"] = bool(np.array_equal(d_out.copy_to_host()[:used], host_out[:used]))
     return host_out[:used]
 
@@ -116,12 +122,109 @@ def payloads(codec, rows, residual=False):
 
 
 def decode_case(name, codec, rows, residual=False):
+    """Every rank's payload decoded into one sum; QSGD's in a step after one of the same layout (its tables
+    cached)."""
     gathered = np.concatenate(payloads(codec, rows, residual))
     n = rows[0].size
     expected = np.zeros(n, np.float32)
     decode_gathered(codec, gathered, len(rows), n, "w", expected)
-    d_gathered, d_total = device(gathered), device(np.zeros(n, np.float32))
-    measure(name, lambda: (decode_gathered(codec, d_gathered, len(rows), n, "w", d_total), d_total)[1], expected)
+    d_gathered, d_total, d_before = device(gathered), device(np.zeros(n, np.float32)), device(np.zeros(n, np.float32))
+    measure(name, lambda: (decode_gathered(codec, d_gathered, len(rows), n, "w", d_total), d_total)[1], expected,
+            warm=(lambda: decode_gathered(codec, d_gathered, len(rows), n, "w", d_before))
+            if isinstance(codec, QSGDCodec) else None)
+
+
+def encode_many_case(name, codec, sizes, step=3):
+    """A group's payloads by one encode_many, against the CPU's one-by-one encodes; the first step of a layout
+    (its table copied to the device) and the next."""
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    caps = [codec.max_payload_nbytes(n) for n in sizes]
+    expected = np.full(sum(caps), 0xAB, np.uint8)
+    starts = np.cumsum([0] + caps)[:-1]
+    for x, start, cap, key in zip(xs, starts, caps, range(len(sizes))):
+        codec.encode(x, expected[start:start + cap], step=step, key=key)
+    d_xs = [device(x) for x in xs]
+    for which in ("first step", "next step"):
+        d_out = device(np.full(sum(caps), 0xAB, np.uint8))  # stale bytes: every byte must be written
+        outs = [d_out[start:start + cap] for start, cap in zip(starts, caps)]
+        measure(f"{name}, {which}", lambda: (codec.encode_many(d_xs, outs, step=step, keys=list(range(len(sizes)))),
+                                             d_out)[1], expected)
+
+
+def two_stage_slices_case(name, codec, numel=5000, ranks=4):
+    """One rank's first stage: its slices for the other owners, in a step after one of the same layout."""
+    x = np.random.default_rng(3).standard_normal(numel).astype(np.float32)
+    stage = TwoStage(codec, codec, "w", numel, ranks, 1)
+    expected = np.zeros(stage.send_capacity(), np.uint8)
+    stage.encode_for_owners(x, expected, step=2)
+    d_x, d_out, d_before = device(x), device(np.zeros(expected.size, np.uint8)), device(np.zeros(expected.size,
+                                                                                                  np.uint8))
+    measure(name, lambda: (stage.encode_for_owners(d_x, d_out, step=2), d_out)[1], expected,
+            warm=lambda: stage.encode_for_owners(d_x, d_before, step=2))
+
+
+# The launch budget (issue #51): the codec's part of one step of a real model's compressed tensors (those of
+# min_numel = 10,000 elements and more), fused as the adapters fuse them, on rank 0 of BUDGET_RANKS: each group's
+# payloads encoded, then every rank's part of the group decoded (the allgather exchange, the same payloads
+# standing in for every rank's). The groups come from the tensors' real sizes; the simulator runs them at
+# 1/BUDGET_SCALE of their elements, which changes no launch or copy count (none depends on a size).
+BUDGET_RANKS, BUDGET_SCALE, BUDGET_MIN_NUMEL = 4, 1 << 16, 10_000
+
+
+class _Member:
+    def __init__(self, name, numel, codec, num_ranks):
+        self.name, self.numel, self.codec, self.num_ranks = name, numel, codec, num_ranks
+
+
+def budget_case(model, shapes, codec, thresholds):
+    from horovod_qsgd.common.fusion import FusedAllgather, join_host_pieces, pack
+    from tests.kernels.model_shapes import gpt2_small, resnet50  # noqa: F401 (documented there)
+    real = sorted((name, int(np.prod(shape))) for name, shape in shapes if np.prod(shape) >= BUDGET_MIN_NUMEL)
+    rng = np.random.default_rng(5)
+    xs = {name: rng.standard_normal(max(8, numel // BUDGET_SCALE)).astype(np.float32) for name, numel in real}
+    d_xs = {name: device(x) for name, x in xs.items()}
+    for threshold in thresholds:
+        groups = pack([((0, name), codec.max_payload_nbytes(numel)) for name, numel in real], threshold)
+        members = [[_Member(name, xs[name].size, codec, BUDGET_RANKS) for _, name in group] for group in groups]
+        host, device_parts = [], []
+        for group in members:
+            fused = FusedAllgather(group)
+            caps = [codec.max_payload_nbytes(m.numel) for m in group]
+            outs = [np.zeros(cap, np.uint8) for cap in caps]
+            used = codec.encode_many([xs[m.name] for m in group], outs, step=1, keys=list(range(len(group))))
+            part = join_host_pieces(fused.part_pieces(used), outs)
+            gathered = np.concatenate([part] * BUDGET_RANKS)
+            sums = [np.zeros(m.numel, np.float32) for m in group]
+            fused.decode(gathered, sums)
+            host.append(sums)
+            device_parts.append((fused, caps, device(gathered)))
+
+        def buffers():  # what the adapter's framework allocates and zeroes: payload buffers, sums
+            return [([device(np.zeros(cap, np.uint8)) for cap in caps], [device(np.zeros(m.numel, np.float32))
+                                                                         for m in group])
+                    for group, (_, caps, _) in zip(members, device_parts)]
+
+        def step(arrays):
+            for group, (fused, _, d_gathered), (outs, sums) in zip(members, device_parts, arrays):
+                codec.encode_many([d_xs[m.name] for m in group], outs, step=1, keys=list(range(len(group))))
+                fused.decode(d_gathered, sums)
+            return [sums for _, sums in arrays]
+
+        def first_step():  # the same arrays, as a training loop's allocator hands back; the sums zeroed after
+            step(arrays)
+            for _, sums in arrays:
+                for total in sums:
+                    total.copy_to_device(np.zeros(total.size, np.float32))
+
+        name = f"budget {model}, threshold {threshold >> 20} MiB"
+        arrays = buffers()
+        got = measure(name, lambda: step(arrays), warm=first_step)
+        report[name].update(
+            tensors=len(real), groups=len(groups),
+            matches_cpu=all(np.array_equal(d.copy_to_host().view(np.uint32), h.view(np.uint32))
+                            for d_sums, h_sums in zip(got, host) for d, h in zip(d_sums, h_sums)))
+
 
 
 def two_stage_case(name, codec, numel=5000, ranks=3):
@@ -135,16 +238,20 @@ def two_stage_case(name, codec, numel=5000, ranks=3):
         d_received, d_total = device(received), device(total)
         stage.accumulate_received(received, total)
         if r == 0:
+            d_before = device(grads[r][begin:end].copy())
             measure(f"{name}: sum of the first stage's slices",
-                    lambda: (stage.accumulate_received(d_received, d_total), d_total)[1], total)
+                    lambda: (stage.accumulate_received(d_received, d_total), d_total)[1], total,
+                    warm=lambda: stage.accumulate_received(d_received, d_before))
         out = np.zeros(stage.owned_capacity(), np.uint8)
         sums.append(out[:stage.encode_owned(total, out, step=0)])
     gathered = np.concatenate(sums)
     expected = np.zeros(numel, np.float32)
     stages[0].decode_gathered(gathered, expected)
-    d_gathered, d_result = device(gathered), device(np.zeros(numel, np.float32))
+    d_gathered, d_result, d_before = device(gathered), device(np.zeros(numel, np.float32)), device(np.zeros(numel,
+                                                                                                           np.float32))
     measure(f"{name}: decode of the second stage's sums",
-            lambda: (stages[0].decode_gathered(d_gathered, d_result), d_result)[1], expected)
+            lambda: (stages[0].decode_gathered(d_gathered, d_result), d_result)[1], expected,
+            warm=lambda: stages[0].decode_gathered(d_gathered, d_before))
 
 
 def settled_steps_case(name, codec, x, nonfinite_steps=(1,), steps=4):
@@ -206,6 +313,13 @@ def main():
     decode_case("qsgd-4 decode of 3 ranks", qsgd, rows)
     decode_case("qsgd-8 decode of 3 ranks", QSGDCodec(bits=8, bucket_size=128), rows)
     two_stage_case("qsgd-4 two stages", QSGDCodec(bits=4, bucket_size=256))
+    two_stage_slices_case("qsgd-4 two stages: slices for 3 owners", qsgd)
+    encode_many_case("qsgd-4 encode_many of 5 tensors", qsgd, [3000, 517, 8, 20_000, 1])
+    encode_many_case("qsgd-3 fp16 scales encode_many of 3 tensors",
+                     QSGDCodec(bits=3, bucket_size=7, scale_dtype="float16"), [1001, 30, 7])
+    from tests.kernels.model_shapes import gpt2_small, resnet50
+    for model, shapes in [("resnet50", resnet50()), ("gpt2-small", gpt2_small())]:
+        budget_case(model, shapes, qsgd, thresholds=[64 << 20, 4 << 20, 1 << 20])
     topk = TopKCodec(ratio=0.01)
     zeros = np.zeros(x.size, np.float32)
     encode_case("topk-1% encode", topk, x, residual=zeros)  # k = 200: the radix select over all of acc
