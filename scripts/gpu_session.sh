@@ -20,7 +20,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-STEPS=${STEPS:-gpu_benchmark cuda_check ddp_2ranks gpu_benchmark_cached ddp_2x2nodes}  # a subset reruns some
+# a subset reruns some; the limits add up to about 10 minutes, one device call's most
+STEPS=${STEPS:-gpu_benchmark gpu_step_cost cuda_check ddp_2ranks gpu_benchmark_cached ddp_2x2nodes}
 
 step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, say how it ended and how long it took
     local name=$1 limit=$2; shift 2
@@ -42,6 +43,8 @@ step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, say how 
 cat "$OUT/machine.log"
 
 step gpu_benchmark 150 $PY benchmarks/gpu_benchmark.py --profile --host-profile --out "$OUT/gpu_benchmark.json"
+# issue #51's budget: the codecs' wall time per step for ResNet-50's and GPT-2 small's gradients
+step gpu_step_cost 90 $PY benchmarks/gpu_step_cost.py --reps 10 --out "$OUT/gpu_step_cost.json"
 step cuda_check 150 $PY scripts/cuda_check.py
 step ddp_2ranks 80 torchrun --nproc_per_node 2 --master_port 29510 scripts/gpu_ddp_check.py
 step gpu_benchmark_cached 60 $PY benchmarks/gpu_benchmark.py --reps 10 --out "$OUT/gpu_benchmark_cached.json"

@@ -75,7 +75,7 @@ BUDGETS = [f"budget {model}, threshold {mib} MiB" for model in ("resnet50", "gpt
 @pytest.mark.parametrize("case", BUDGETS)
 def test_the_codecs_cost_per_step_grows_with_the_groups_not_the_tensors(report, case):
     """Issue #51's launch budget, for the ~50 compressed gradients of ResNet-50 and GPT-2 small (the shapes in
-    model_shapes.py), QSGD-4 on rank 0 of 4, fused as the adapters fuse them (fusion thresholds of 64, 4 and
+    horovod_qsgd/testdata/model_shapes.py), QSGD-4 on rank 0 of 4, fused as the adapters fuse them (fusion thresholds of 64, 4 and
     1 MiB of payload; at 1 MiB nearly every tensor is a group of its own). Per group and step: 2 launches
     encode its payloads, 1 walks its 4 parts' manifests, 1 gathers every payload's header, 1 decodes them all,
     plus the walk's scratch cleared: 6 launches; 2 host reads (the manifests, the headers); no host copy to the

@@ -165,11 +165,11 @@ def two_stage_slices_case(name, codec, numel=5000, ranks=4):
 
 
 # The launch budget (issue #51): the codec's part of one step of a real model's compressed tensors (those of
-# min_numel = 10,000 elements and more), fused as the adapters fuse them, on rank 0 of BUDGET_RANKS: each group's
+# the compressors' min_numel, 10,000 elements, and more), fused as the adapters fuse them, on rank 0 of BUDGET_RANKS: each group's
 # payloads encoded, then every rank's part of the group decoded (the allgather exchange, the same payloads
 # standing in for every rank's). The groups come from the tensors' real sizes; the simulator runs them at
 # 1/BUDGET_SCALE of their elements, which changes no launch or copy count (none depends on a size).
-BUDGET_RANKS, BUDGET_SCALE, BUDGET_MIN_NUMEL = 4, 1 << 16, 10_000
+BUDGET_RANKS, BUDGET_SCALE = 4, 1 << 16
 
 
 class _Member:
@@ -179,8 +179,8 @@ class _Member:
 
 def budget_case(model, shapes, codec, thresholds):
     from horovod_qsgd.common.fusion import FusedAllgather, join_host_pieces, pack
-    from tests.kernels.model_shapes import gpt2_small, resnet50  # noqa: F401 (documented there)
-    real = sorted((name, int(np.prod(shape))) for name, shape in shapes if np.prod(shape) >= BUDGET_MIN_NUMEL)
+    from horovod_qsgd.testdata.model_shapes import compressed
+    real = compressed(shapes)
     rng = np.random.default_rng(5)
     xs = {name: rng.standard_normal(max(8, numel // BUDGET_SCALE)).astype(np.float32) for name, numel in real}
     d_xs = {name: device(x) for name, x in xs.items()}
@@ -317,7 +317,7 @@ def main():
     encode_many_case("qsgd-4 encode_many of 5 tensors", qsgd, [3000, 517, 8, 20_000, 1])
     encode_many_case("qsgd-3 fp16 scales encode_many of 3 tensors",
                      QSGDCodec(bits=3, bucket_size=7, scale_dtype="float16"), [1001, 30, 7])
-    from tests.kernels.model_shapes import gpt2_small, resnet50
+    from horovod_qsgd.testdata.model_shapes import gpt2_small, resnet50
     for model, shapes in [("resnet50", resnet50()), ("gpt2-small", gpt2_small())]:
         budget_case(model, shapes, qsgd, thresholds=[64 << 20, 4 << 20, 1 << 20])
     topk = TopKCodec(ratio=0.01)

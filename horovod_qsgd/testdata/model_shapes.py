@@ -4,8 +4,24 @@
 expansion 4, a downsample convolution and batch norm in each layer's first block, 1000 classes): 161
 tensors, 25,557,032 parameters. ``gpt2_small()`` follows Hugging Face's ``GPT2Model`` for ``gpt2``
 (12 layers, width 768, vocabulary 50,257, 1,024 positions; Conv1D weights stored [in, out]): 148 tensors,
-124,439,808 parameters. test_launch_budget.py checks both totals.
+124,439,808 parameters. tests/kernels/test_model_shapes.py checks both totals; the launch budget
+(tests/kernels/test_host_transfers.py) and benchmarks/gpu_step_cost.py use them.
 """
+
+
+MIN_NUMEL = 10_000  # the compressors' default: smaller gradients are not compressed
+
+
+def compressed(shapes, min_numel=MIN_NUMEL):
+    """[(name, numel)] of the shapes the compressors compress, sorted by name (as fusion groups them)."""
+    return sorted((name, _numel(shape)) for name, shape in shapes if _numel(shape) >= min_numel)
+
+
+def _numel(shape):
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
 
 
 def resnet50():
