@@ -128,9 +128,10 @@ class QSGDCodec(Codec):
         step, key = self._check_step_key(step, key)
         x, out, _, gpu = self._prepare_encode(x, out, residual, need_residual=False)
         n = x.size
-        if self.encoding == "fixed" and gpu and n and K.qsgd_encode_many(
-                [x], [out], [key], [self.max_payload_nbytes(n)], step=step, **self._kernel_settings()):
-            return self.max_payload_nbytes(n)  # the grouped kernels' two launches, header and padding included
+        if self.encoding == "fixed" and gpu and n:
+            nbytes = self.max_payload_nbytes(n)
+            if K.qsgd_encode_many([x], [out], [key], [nbytes], step=step, **self._kernel_settings()):
+                return nbytes  # the grouped kernels' two launches, header and padding included
         scales, off = self._sections(out, n)
         scales_end = HEADER_NBYTES + self._scale_bytes(n)
         # An odd count of fp16 scales leaves 2 alignment bytes: zero them, never send stale memory.
@@ -151,7 +152,7 @@ class QSGDCodec(Codec):
 
     def encode_many(self, xs, outs, *, step, keys, residuals=None):
         """See :meth:`Codec.encode_many`: fixed-width payloads on a GPU take two launches for all of them."""
-        if self.encoding == "fixed" and xs and residuals is None:
+        if self.encoding == "fixed" and xs and residuals is None and _is_cuda(xs[0]):
             step = self._check_step_key(step, 0)[0]
             keys = [self._check_step_key(0, key)[1] for key in keys]
             prepared = [self._prepare_encode(x, out, None, need_residual=False) for x, out in zip(xs, outs)]

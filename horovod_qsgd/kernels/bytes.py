@@ -38,17 +38,10 @@ def store_kernel(buf, offset, data):
 
 @cuda_kernel
 def gather_kernel(buf, offsets, length, out):
+    """``offsets``: a tuple of kernel arguments, or a device array."""
     t = cuda.grid(1)  # noqa: F821
     row = t // length
     if row < len(offsets):
-        out[row, t - row * length] = buf[offsets[row] + t - row * length]
-
-
-@cuda_kernel
-def gather_table_kernel(buf, offsets, length, out):
-    t = cuda.grid(1)  # noqa: F821
-    row = t // length
-    if row < offsets.size:
         out[row, t - row * length] = buf[offsets[row] + t - row * length]
 
 
@@ -113,7 +106,7 @@ def gather_bytes(buf, offsets, length, tail=None):
     view, rows = device_view(buf), out[:head].reshape((len(offsets), length))
     if len(offsets) > OFFSETS_PER_LAUNCH:  # a fused group's every payload: the offsets as a table, one launch
         table = to_device_cached(np.array(offsets, np.int64))
-        gather_table_kernel[len(offsets) * length](view, table, np.int64(length), rows)
+        gather_kernel[len(offsets) * length](view, table, np.int64(length), rows)
     elif offsets:
         group = tuple(np.int64(o) for o in offsets)
         gather_kernel[len(group) * length](view, group, np.int64(length), rows)

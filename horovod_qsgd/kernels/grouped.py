@@ -33,14 +33,13 @@ from ._arrays import pointer, span, to_device_cached
 from ._dual import core, cuda_kernel, fmul32
 from .half import f16_to_f32, f32_to_f16_up
 from .qsgd import bucket_scale, level_code
-from .rng import mix64
+from .rng import keyed_stream_base
 
 __all__ = ["encode", "decode", "row_of", "row_and_index", "stored_scale", "put_u32", "HEADER_BYTES"]
 
 HEADER_BYTES = 16  # codecs/header.py's layout, written here by the kernel from the table and its arguments
 _MAGIC0, _MAGIC1 = 0x48, 0x51  # b"HQ"
 _FF = np.uint64(0xFF)
-_S8 = np.uint64(8)
 
 # encode table columns
 X_AT, NUMEL, OUT_AT, KEY, NBYTES, FIRST_BUCKET, FIRST_GROUP, CODES_AT = range(8)
@@ -68,11 +67,11 @@ def row_of(table, column, t):
 def scale_kernel(x, xbits, out32, out16, table, nbuckets, bucket, use_l2, half):
     t = cuda.grid(1)  # noqa: F821 (bound by cuda_kernel)
     if t < nbuckets:
-        r, b = row_and_index(table, 5, t)  # FIRST_BUCKET
-        lo = table[r, 0] + b * bucket
-        hi = table[r, 0] + min(table[r, 1], (b + 1) * bucket)
+        r, b = row_and_index(table, FIRST_BUCKET, t)
+        lo = table[r, X_AT] + b * bucket
+        hi = table[r, X_AT] + min(table[r, NUMEL], (b + 1) * bucket)
         raw = bucket_scale(x[lo:hi], xbits[lo:hi], use_l2)
-        scales_at = table[r, 2] + 16
+        scales_at = table[r, OUT_AT] + HEADER_BYTES
         if half:
             out16[scales_at // 2 + b] = f32_to_f16_up(raw)
         else:
@@ -91,8 +90,8 @@ def stored_scale(bytes32, bytes16, at, b, half):
     """Bucket b's scale as the payload at byte ``at`` stores it (float32, or fp16 bits widened exactly), read
     through the float32 and uint16 views of the payloads' array."""
     if half:
-        return f16_to_f32(int(bytes16[(at + 16) // 2 + b]))
-    return bytes32[(at + 16) // 4 + b]
+        return f16_to_f32(int(bytes16[(at + HEADER_BYTES) // 2 + b]))
+    return bytes32[(at + HEADER_BYTES) // 4 + b]
 
 
 @core(inline=True)
@@ -106,10 +105,10 @@ def code_kernel(x, out, out32, out16, table, ngroups, bucket, half, s, bits, sto
                 version, codec_id, digest):
     t = cuda.grid(1)  # noqa: F821
     if t < ngroups:
-        r, g = row_and_index(table, 6, t)  # FIRST_GROUP
-        n, at = table[r, 1], table[r, 2]
-        xs = x[table[r, 0]:table[r, 0] + n]
-        base = mix64(mix64(seed_word ^ step) ^ ((np.uint64(table[r, 3]) << _S8) | purpose))
+        r, g = row_and_index(table, FIRST_GROUP, t)
+        n, at = table[r, NUMEL], table[r, OUT_AT]
+        xs = x[table[r, X_AT]:table[r, X_AT] + n]
+        base = keyed_stream_base(seed_word, step, np.uint64(table[r, KEY]), purpose)
         s32 = np.float32(s)
         i0 = g * 8
         m = min(8, n - i0)
@@ -118,7 +117,7 @@ def code_kernel(x, out, out32, out16, table, ngroups, bucket, half, s, bits, sto
             i = i0 + j
             scale = stored_scale(out32, out16, at, i // bucket, half)
             word |= np.uint64(level_code(xs, i, scale, s, s32, stochastic, base)) << np.uint64(j * bits)
-        codes_at = at + table[r, 7]
+        codes_at = at + table[r, CODES_AT]
         for q in range((m * bits + 7) // 8):
             out[codes_at + g * bits + q] = np.uint8((word >> np.uint64(8 * q)) & _FF)
         if g == 0:  # the header, and the padding that no other thread writes
@@ -128,11 +127,11 @@ def code_kernel(x, out, out32, out16, table, ngroups, bucket, half, s, bits, sto
             out[at + 3] = codec_id
             put_u32(out, at + 4, n)
             put_u32(out, at + 8, digest)
-            put_u32(out, at + 12, table[r, 4])
+            put_u32(out, at + 12, table[r, NBYTES])
             nb = (n + bucket - 1) // bucket
-            for p in range(at + 16 + nb * (2 if half else 4), codes_at):
+            for p in range(at + HEADER_BYTES + nb * (2 if half else 4), codes_at):
                 out[p] = 0
-            for p in range(codes_at + (n * bits + 7) // 8, at + table[r, 4]):
+            for p in range(codes_at + (n * bits + 7) // 8, at + table[r, NBYTES]):
                 out[p] = 0
 
 
@@ -140,16 +139,16 @@ def code_kernel(x, out, out32, out16, table, ngroups, bucket, half, s, bits, sto
 def decode_kernel(buf, buf32, buf16, starts, table, ngroups, bucket, half, s, bits, out):
     t = cuda.grid(1)  # noqa: F821
     if t < ngroups:
-        r, g = row_and_index(table, 2, t)  # D_FIRST_GROUP
-        o, n = table[r, 0], table[r, 1]
+        r, g = row_and_index(table, D_FIRST_GROUP, t)
+        o, n = table[r, D_OUT_AT], table[r, D_NUMEL]
         s32 = np.float32(s)
         mask = (1 << bits) - 1
         last = buf.size - 1
         i0 = g * 8
         end = min(n, i0 + 8)
-        for q in range(table[r, 3], table[r, 4]):
+        for q in range(table[r, D_FIRST_PAYLOAD], table[r, D_END_PAYLOAD]):
             at = starts[q]
-            codes_at = at + table[r, 5]
+            codes_at = at + table[r, D_CODES_AT]
             for i in range(i0, end):
                 scale = stored_scale(buf32, buf16, at, i // bucket, half)
                 bp = i * bits
@@ -159,11 +158,10 @@ def decode_kernel(buf, buf32, buf16, starts, table, ngroups, bucket, half, s, bi
                 out[o + i] = out[o + i] + fmul32(np.float32(c - s) / s32, scale)
 
 
-def _layout(numel, bucket, half, bits):
-    """(buckets, byte offset of the codes from the payload's start, code bytes) of one fixed-width payload."""
+def _layout(numel, bucket, half):
+    """(buckets, byte offset of the codes from the payload's start) of one fixed-width payload."""
     nb = (numel + bucket - 1) // bucket
-    scale_bytes = nb * (2 if half else 4)
-    return nb, HEADER_BYTES + ((scale_bytes + 3) & ~3), (numel * bits + 7) // 8
+    return nb, HEADER_BYTES + ((nb * (2 if half else 4) + 3) & ~3)
 
 
 def encode(xs, outs, keys, nbytes, *, bucket_size, bits, use_l2, half, stochastic, seed_word, step, purpose, version,
@@ -182,7 +180,7 @@ def encode(xs, outs, keys, nbytes, *, bucket_size, bits, use_l2, half, stochasti
     (x, x_at), (out, out_at) = x_span, out_span
     rows, buckets, groups = [], 0, 0
     for numel, key, total, xa, oa in zip((x.size for x in xs), keys, nbytes, x_at, out_at):
-        nb, codes_at, _ = _layout(numel, bucket_size, half, bits)
+        nb, codes_at = _layout(numel, bucket_size, half)
         rows.append((xa, numel, oa, key, total, buckets, groups, codes_at))
         buckets += nb
         groups += (numel + 7) // 8
@@ -222,7 +220,7 @@ def decode(buffer, starts, outs, *, bucket_size, bits, half):
     rows, payload_starts, groups = [], [], 0
     for key, oa in zip(order, out_at):
         numel = key[1]
-        _, codes_at, _ = _layout(numel, bucket_size, half, bits)
+        _, codes_at = _layout(numel, bucket_size, half)
         rows.append((oa, numel, groups, len(payload_starts), len(payload_starts) + len(by_array[key]), codes_at))
         payload_starts.extend(starts[i] for i in by_array[key])
         groups += (numel + 7) // 8

@@ -23,7 +23,7 @@ import numpy as np
 from ._dual import core
 
 __all__ = ["stream_base", "mix64", "uniform", "random_u32", "paired_uniform", "paired_fields", "field_uniform",
-           "mix64_py", "uniform_py", "paired_uniform_py",
+           "keyed_stream_base", "mix64_py", "uniform_py", "paired_uniform_py",
            "PURPOSE_ROUNDING", "PURPOSE_SAMPLE", "PURPOSE_RANDOMK"]
 
 PURPOSE_ROUNDING = 1
@@ -114,8 +114,13 @@ def payload_stream_base(meta, seed_w, purpose):
     key = np.uint64(0)
     for i in range(4):
         key |= np.uint64(meta[8 + i]) << np.uint64(8 * i)
-    h = mix64(seed_w ^ step)
-    return mix64(h ^ ((key << _S8) | np.uint64(purpose)))
+    return keyed_stream_base(seed_w, step, key, purpose)
+
+
+@core(inline=True)
+def keyed_stream_base(seed_w, step, key, purpose):
+    """:func:`stream_base` on the device from :func:`seed_word` and the step and key (uint64)."""
+    return mix64(mix64(seed_w ^ step) ^ ((key << _S8) | np.uint64(purpose)))
 
 
 @core(inline=True)
