@@ -12,7 +12,8 @@ of one step of the allgather exchange among ``--ranks`` ranks (every rank's payl
   (what the engine does for a fused group: :mod:`horovod_qsgd.common.fusion`);
 * ``qsgd-4 one by one``: each tensor encoded alone and its ranks' payloads decoded alone (what the PyTorch
   Horovod adapter's allgather tensors still do);
-* ``topk-1% one by one``: Top-k 1% with error feedback, each tensor alone (its codec has no grouped kernels).
+* ``topk-1% grouped`` and ``topk-1% one by one``: Top-k 1% (exact) with error feedback, the same two ways (a
+  group's selection in one launch sequence: :mod:`horovod_qsgd.kernels.select_grouped`).
 
 Each is timed from a synchronised device to a synchronised device (host and device time: the budget's
 "per-step codec wall time, all compressed tensors"); the medians over ``--reps`` steps are printed with the
@@ -82,23 +83,26 @@ class Arrays:
         return kernel_stream(self.torch.device(self.device))
 
 
-def grouped_step(codec, tensors, arrays, ranks):
-    """QSGD's fused groups: one encode_many per group, then every rank's part of the group decoded."""
+def grouped_step(codec, tensors, arrays, ranks, residuals=None):
+    """Fused groups: one encode_many per group, then every rank's part of the group decoded."""
     groups = pack([((0, name), codec.max_payload_nbytes(x.numel() if hasattr(x, "numel") else x.size))
                    for name, x in tensors], DEFAULT_FUSION_THRESHOLD)
     by_name = dict(tensors)
+    residual_of = dict(zip((name for name, _ in tensors), residuals)) if residuals is not None else None
     plans = []
     for group in groups:
         xs = [by_name[name] for _, name in group]
+        rs = None if residual_of is None else [residual_of[name] for _, name in group]
         numels = [int(x.numel() if hasattr(x, "numel") else x.size) for x in xs]
         members = [_Member(name, numel, codec, ranks) for (_, name), numel in zip(group, numels)]
-        plans.append((FusedAllgather(members), xs, numels))
+        plans.append((FusedAllgather(members), xs, rs, numels))
 
     def step():
-        for fused, xs, numels in plans:
+        for fused, xs, rs, numels in plans:
             outs = [arrays.zeros(codec.max_payload_nbytes(n), np.uint8) for n in numels]
             used = codec.encode_many([arrays.view(x) for x in xs], [arrays.view(o) for o in outs], step=1,
-                                     keys=list(range(len(xs))))
+                                     keys=list(range(len(xs))),
+                                     residuals=None if rs is None else [arrays.view(r) for r in rs])
             pieces = fused.part_pieces(used)
             part = arrays.concatenate([_bytes(arrays, pieces[0])] + [out[:n] for out, n in zip(outs, used)])
             gathered = arrays.concatenate([part] * ranks)
@@ -186,15 +190,18 @@ def main():
         tensors = [(name, arrays.random(max(8, numel // args.scale), rng)) for name, numel in compressed(shapes)]
         residuals = [arrays.zeros(int(x.numel() if hasattr(x, "numel") else x.size), np.float32) for _, x in tensors]
         grouped, groups = grouped_step(qsgd, tensors, arrays, args.ranks)
-        steps = {"qsgd-4 grouped": ("qsgd", grouped),
-                 "qsgd-4 one by one": ("qsgd", one_by_one_step(qsgd, tensors, arrays, args.ranks)),
-                 "topk-1% one by one": ("topk", one_by_one_step(topk, tensors, arrays, args.ranks, residuals))}
-        for label, (codec_name, step) in steps.items():
+        topk_grouped, topk_groups = grouped_step(topk, tensors, arrays, args.ranks, residuals)
+        steps = {"qsgd-4 grouped": ("qsgd", grouped, groups),
+                 "qsgd-4 one by one": ("qsgd", one_by_one_step(qsgd, tensors, arrays, args.ranks), len(tensors)),
+                 "topk-1% grouped": ("topk", topk_grouped, topk_groups),
+                 "topk-1% one by one": ("topk", one_by_one_step(topk, tensors, arrays, args.ranks, residuals),
+                                        len(tensors))}
+        for label, (codec_name, step, step_groups) in steps.items():
             median, times = wall_ms(step, arrays, args.reps)
             launches, reads = counted(step, arrays)
             target = TARGETS_MS[(model, codec_name)]
             results["steps"][f"{model}: {label}"] = {
-                "tensors": len(tensors), "groups": groups if "grouped" in label else len(tensors),
+                "tensors": len(tensors), "groups": step_groups,
                 "median_ms": round(median, 3), "target_ms": target, "launches": launches, "host_reads": reads,
                 "times_ms": times}
             print(f"{model:>10} {label:<20} {len(tensors)} tensors: {median:8.3f} ms per step (target <= {target} ms"

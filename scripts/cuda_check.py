@@ -26,6 +26,7 @@ warnings.simplefilter("ignore", RuntimeWarning)  # uint64 wraparound in the simu
 from numba import cuda  # noqa: E402
 
 from horovod_qsgd import kernels as K  # noqa: E402
+from horovod_qsgd.kernels import CarriedResidual  # noqa: E402
 from horovod_qsgd.codecs import QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
 from horovod_qsgd.common.engine import PayloadEngine  # noqa: E402
 from horovod_qsgd.common.exchange import decode_checked  # noqa: E402
@@ -145,7 +146,7 @@ def main():
     check("widen_f16 CUDA == CPU", same(K.widen_f16(h), K.widen_f16(cuda.to_device(h)).copy_to_host()))
     total = len(cases) + 10 + run_elias_exchange_cases(rng) + run_exchange_decode_cases(rng)
     total += run_fused_decode_cases(rng) + run_engine_encode_cases(rng) + run_settled_step_cases(rng)
-    total += run_encode_many_cases(rng)
+    total += run_encode_many_cases(rng) + run_topk_encode_many_cases(rng)
     if not SIMULATED:
         total += run_large_cases(rng)
     if failures:
@@ -296,12 +297,72 @@ def run_encode_many_cases(rng, sizes=(3000, 517, 8, 1, 20_000)):
         odd = cuda.to_device(np.full(caps[0] + 1, 0xAB, np.uint8))
         codec.encode(cuda.to_device(xs[0]), odd[1:], step=9, key=0)
         check(f"encode into an unaligned slot {codec!r}: CUDA == CPU", same(cpu[:caps[0]], odd.copy_to_host()[1:]))
-        host_total, device_total = np.zeros(sizes[0], np.float32), cuda.to_device(np.zeros(sizes[0], np.float32))
-        codec.decode_accumulate(cpu[:caps[0]], host_total)
-        codec.decode_accumulate(odd[1:], device_total)
-        check(f"decode of an unaligned payload {codec!r}: CUDA == CPU", same(host_total, device_total.copy_to_host()))
+        _check_unaligned_decode(codec, cpu[:caps[0]], odd[1:], sizes[0])
         count += 3
     return count
+
+
+def _check_unaligned_decode(codec, payload, unaligned, numel):
+    """``unaligned`` (a device copy of ``payload`` off a 4-byte boundary) decodes by the per-payload kernels as
+    the CPU decodes ``payload``."""
+    host_total, device_total = np.zeros(numel, np.float32), cuda.to_device(np.zeros(numel, np.float32))
+    codec.decode_accumulate(payload, host_total)
+    codec.decode_accumulate(unaligned, device_total)
+    check(f"decode of an unaligned payload {codec!r}: CUDA == CPU", same(host_total, device_total.copy_to_host()))
+
+
+def run_topk_encode_many_cases(rng, sizes=(3000, 517, 8, 1, 20_000)):
+    """Exact top-k's group of tensors by one encode_many (:mod:`horovod_qsgd.kernels.select_grouped`): the CPU's
+    one-by-one payloads and residuals, residuals updated in place and carried (last step counted or not), ties
+    and a NaN; and a payload off a 4-byte boundary decoded by the per-payload scatter."""
+    count = 0
+    for codec in [TopKCodec(ratio=0.05), TopKCodec(ratio=0.01, value_dtype="float16"),
+                  TopKCodec(ratio=0.05, error_feedback=False)]:
+        xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+        xs[0][:30] = 2.0
+        xs[4][7] = np.nan
+        caps = [codec.max_payload_nbytes(n) for n in sizes]
+        starts = np.cumsum([0] + caps)[:-1]
+        targets = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+        previous = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+
+        def residuals(convert):
+            t, p = [convert(a.copy()) for a in targets], [convert(a.copy()) for a in previous]
+            held = [t[i] if i % 2 == 0 else
+                    CarriedResidual(t[i], p[i], convert(np.array([4 - (i % 4 != 1), 0], np.int64)), 4)
+                    for i in range(len(sizes))]
+            return (held, t + p) if codec.error_feedback else (None, [])
+        cpu = np.full(sum(caps), 0xAB, np.uint8)
+        held, cpu_state = residuals(np.asarray)
+        for i, (x, start, cap) in enumerate(zip(xs, starts, caps)):
+            codec.encode(x, cpu[start:start + cap], step=9, key=i, residual=None if held is None else held[i])
+        gpu = cuda.to_device(np.full(sum(caps), 0xAB, np.uint8))
+        held, gpu_state = residuals(cuda.to_device)
+        used = codec.encode_many([cuda.to_device(x) for x in xs], [gpu[s:s + c] for s, c in zip(starts, caps)],
+                                 step=9, keys=list(range(len(sizes))), residuals=held)
+        check(f"encode_many of {len(sizes)} tensors {codec!r}: CUDA == CPU",
+              used == caps and same(cpu, gpu.copy_to_host())
+              and all(same(c, g.copy_to_host()) for c, g in zip(cpu_state, gpu_state)))
+        odd = cuda.to_device(np.concatenate([np.zeros(1, np.uint8), cpu[:caps[0]]]))
+        _check_unaligned_decode(codec, cpu[:caps[0]], odd[1:], sizes[0])
+        count += 2
+    # three senders' payloads with one index in common, added in payload order: 1 + 3e7 - 3e7 is 0 in float32,
+    # the reverse order 1
+    codec = TopKCodec(ratio=0.05, error_feedback=False)
+    parts = []
+    for value in (1.0, 3e7, -3e7):
+        x = np.full(100, 1e-3, np.float32)
+        x[5] = value
+        parts.append(np.zeros(codec.max_payload_nbytes(100), np.uint8))
+        codec.encode(x, parts[-1], step=1, key=1)
+    whole = np.concatenate(parts)
+    spans = [(i * parts[0].size, (i + 1) * parts[0].size, None) for i in range(3)]
+    host_total, device_total = np.zeros(100, np.float32), cuda.to_device(np.zeros(100, np.float32))
+    codec.decode_sum(whole, spans, [host_total] * 3)
+    codec.decode_sum(cuda.to_device(whole), spans, [device_total] * 3)
+    check("top-k decode of 3 payloads sharing an index, in payload order: CUDA == CPU",
+          host_total[5] == 0 and same(host_total, device_total.copy_to_host()))
+    return count + 1
 
 
 def run_engine_encode_cases(rng, numel=3000, ranks=3):

@@ -6,8 +6,8 @@ import numpy as np
 
 from .. import kernels as K
 from .base import (Codec, _check_array, _is_cuda, align4, check_choice, check_int, check_ratio,
-                   check_residual, to_float32, view, write_bytes)
-from .header import HEADER_NBYTES, PayloadError
+                   check_residual, host_copy, to_float32, view, write_bytes)
+from .header import HEADER_NBYTES, WIRE_VERSION, PayloadError
 
 __all__ = ["TopKCodec", "RandomKCodec", "num_selected"]
 
@@ -147,6 +147,40 @@ class TopKCodec(Codec):
                           sample_base=K.stream_base(self.seed, step, key, K.PURPOSE_SAMPLE),
                           sample_size=self.sample_size(n))
         return self._finish(out, n, HEADER_NBYTES + cap * (4 + _value_bytes(self.value_dtype)))
+
+    def encode_many(self, xs, outs, *, step, keys, residuals=None):
+        """See :meth:`Codec.encode_many`: the exact selector on a GPU selects for all inputs in one launch
+        sequence (11 launches, :mod:`horovod_qsgd.kernels.select_grouped`); the others encode one by one."""
+        if self.selector == "exact" and xs and _is_cuda(xs[0]):
+            self._check_step_key(step, 0)
+            for key in keys:
+                self._check_step_key(0, key)
+            given = [None] * len(xs) if residuals is None else residuals
+            prepared = [self._prepare_encode(x, out, residual, need_residual=self.error_feedback)
+                        for x, out, residual in zip(xs, outs, given)]
+            if all(gpu for _, _, _, gpu in prepared):
+                converted = [x for x, _, _, _ in prepared]  # converted once
+                if K.topk_encode_many(converted, [residual for _, _, residual, _ in prepared],
+                                      [out for _, out, _, _ in prepared], [self.capacity(x.size) for x in converted],
+                                      error_feedback=self.error_feedback, half=self.value_dtype == "float16",
+                                      version=WIRE_VERSION, codec_id=self.codec_id, digest=self.digest):
+                    return [self.max_payload_nbytes(x.size) for x in converted]
+        return super().encode_many(xs, outs, step=step, keys=keys, residuals=residuals)
+
+    def decode_sum(self, buffer, payloads, outs, faults=None):
+        """See :meth:`Codec.decode_sum`: on a GPU, one launch per payload of the most-summed output (the
+        senders), not per payload."""
+        if isinstance(payloads, list) and payloads and _is_cuda(buffer):
+            opened = [self._open_payload(buffer[start:end], out, header)
+                      for (start, end, header), out in zip(payloads, outs)]
+            counters = self.fault_counters(len(payloads), True) if faults is None else faults
+            places = [(start, self.capacity(h.numel)) for (start, _, _), (h, _, _, _) in zip(payloads, opened)]
+            if K.sparse_accumulate_many(buffer, places, [out for _, _, out, _ in opened], counters,
+                                        half=self.value_dtype == "float16"):
+                if faults is None:
+                    self.raise_for_faults(host_copy(counters.view(np.uint8)), [h for h, _, _, _ in opened])
+                return None
+        return super().decode_sum(buffer, payloads, outs, faults)
 
     def _decode_one(self, h, payload, out, bad_count):
         """out[index] += value for every entry of the payload; entries with an index out of range counted."""

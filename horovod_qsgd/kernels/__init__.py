@@ -22,6 +22,8 @@ Modules:
   :mod:`.select_device`'s kernels on a GPU) and the scatter back;
 * :mod:`.select_device` - the GPU's selection: shared-memory histograms,
   one-block digit choices and scans, tiles written in index order;
+* :mod:`.select_grouped` - exact top-k of many tensors in one launch
+  sequence, and the sparse decode of many payloads, a launch per sender;
 * :mod:`.scan` - block-wide prefix sums (the selection's tiles, Elias's bucket ends);
 * :mod:`.bytes` - headers written by a kernel from its arguments, many
   payloads' headers read back in one copy, variable-size payloads' header
@@ -83,7 +85,8 @@ from .elias import max_bucket_bits
 from .lattice import PURPOSE_LATTICE, decodable_radius, lattice_decode, lattice_encode
 from .rng import PURPOSE_RANDOMK, PURPOSE_ROUNDING, PURPOSE_SAMPLE, stream_base
 from .select import committed
-from .topk import acklam_ppf, error_counters, exact_threshold, sparse_accumulate, topk_select
+from .topk import (acklam_ppf, error_counters, exact_threshold, sparse_accumulate, sparse_accumulate_many,
+                   topk_encode_many, topk_select)
 
 __all__ = [
     "CarriedResidual", "committed", "acklam_ppf", "all_finite", "elias_decode_accumulate", "elias_decode_chained",
@@ -91,7 +94,8 @@ __all__ = [
     "elias_error",
     "exact_threshold",
     "qsgd_decode_accumulate", "qsgd_encode", "qsgd_decode_many", "qsgd_encode_many", "randomk_gather", "randomk_indices",
-    "randomk_scatter_accumulate", "randomk_scatter_payload", "sparse_accumulate", "error_counters", "topk_select",
+    "randomk_scatter_accumulate", "randomk_scatter_payload", "sparse_accumulate", "sparse_accumulate_many",
+    "error_counters", "topk_select", "topk_encode_many",
     "widen_f16", "narrow_f16", "move_into_own_chunk", "finish_sum",
     "max_bucket_bits", "lattice_encode", "lattice_decode", "decodable_radius",
     "stream_base", "threading_layer", "cpu_threads", "cpu_threads_chosen", "set_cpu_threads",

@@ -35,7 +35,7 @@ from .half import f16_to_f32, f32_to_f16_up
 from .qsgd import bucket_scale, level_code
 from .rng import keyed_stream_base
 
-__all__ = ["encode", "decode", "row_of", "row_and_index", "stored_scale", "put_u32", "HEADER_BYTES"]
+__all__ = ["encode", "decode", "row_of", "row_and_index", "stored_scale", "put_u32", "write_header", "distinct_outputs", "HEADER_BYTES"]
 
 HEADER_BYTES = 16  # codecs/header.py's layout, written here by the kernel from the table and its arguments
 _MAGIC0, _MAGIC1 = 0x48, 0x51  # b"HQ"
@@ -100,6 +100,18 @@ def put_u32(out, at, value):
         out[at + q] = np.uint8((np.uint64(value) >> np.uint64(8 * q)) & _FF)
 
 
+@core(inline=True)
+def write_header(out, at, version, codec_id, numel, digest, nbytes):
+    """The 16-byte header of :mod:`horovod_qsgd.codecs.header` at byte ``at`` of ``out``."""
+    out[at] = _MAGIC0
+    out[at + 1] = _MAGIC1
+    out[at + 2] = version
+    out[at + 3] = codec_id
+    put_u32(out, at + 4, numel)
+    put_u32(out, at + 8, digest)
+    put_u32(out, at + 12, nbytes)
+
+
 @cuda_kernel
 def code_kernel(x, out, out32, out16, table, ngroups, bucket, half, s, bits, stochastic, seed_word, step, purpose,
                 version, codec_id, digest):
@@ -121,13 +133,7 @@ def code_kernel(x, out, out32, out16, table, ngroups, bucket, half, s, bits, sto
         for q in range((m * bits + 7) // 8):
             out[codes_at + g * bits + q] = np.uint8((word >> np.uint64(8 * q)) & _FF)
         if g == 0:  # the header, and the padding that no other thread writes
-            out[at] = _MAGIC0
-            out[at + 1] = _MAGIC1
-            out[at + 2] = version
-            out[at + 3] = codec_id
-            put_u32(out, at + 4, n)
-            put_u32(out, at + 8, digest)
-            put_u32(out, at + 12, table[r, NBYTES])
+            write_header(out, at, version, codec_id, n, digest, table[r, NBYTES])
             nb = (n + bucket - 1) // bucket
             for p in range(at + HEADER_BYTES + nb * (2 if half else 4), codes_at):
                 out[p] = 0
@@ -201,6 +207,30 @@ def decode(buffer, starts, outs, *, bucket_size, bits, half):
     Returns False, doing nothing, where it cannot (outputs that overlap without being the same array, or that
     cannot be spanned): the caller then decodes them one by one.
     """
+    outputs = distinct_outputs(outs)
+    if outputs is None:
+        return False
+    (out, out_at), members = outputs
+    if not buffer.size or buffer.size % 4 or pointer(buffer) % 4 or any(start % 4 for start in starts):
+        return False
+    rows, payload_starts, groups = [], [], 0
+    for oa, indices in zip(out_at, members):
+        numel = outs[indices[0]].size
+        _, codes_at = _layout(numel, bucket_size, half)
+        rows.append((oa, numel, groups, len(payload_starts), len(payload_starts) + len(indices), codes_at))
+        payload_starts.extend(starts[i] for i in indices)
+        groups += (numel + 7) // 8
+    table = to_device_cached(np.array(rows, np.int64).reshape(-1, DECODE_COLUMNS))
+    payloads = to_device_cached(np.array(payload_starts, np.int64))
+    decode_kernel[groups](buffer, buffer.view(np.float32), buffer.view(np.uint16), payloads, table, np.int64(groups),
+                          bucket_size, half, (1 << (bits - 1)) - 1, bits, out)
+    return True
+
+
+def distinct_outputs(outs):
+    """((one float32 span over the distinct arrays of ``outs``, each one's offset in it), for each distinct array
+    in order of first appearance the indices in ``outs`` that name it), or None where they cannot be taken
+    together: an empty array, two that overlap without being one array, or no span."""
     order, by_array = [], {}
     for i, out in enumerate(outs):
         key = (pointer(out), out.size)
@@ -210,25 +240,11 @@ def decode(buffer, starts, outs, *, bucket_size, bits, half):
         by_array[key].append(i)
     distinct = [outs[by_array[key][0]] for key in order]
     if any(a.size == 0 for a in distinct) or _overlap(order):
-        return False
+        return None
     out_span = span(distinct, np.float32)
     if out_span is None:
-        return False
-    out, out_at = out_span
-    if not buffer.size or buffer.size % 4 or pointer(buffer) % 4 or any(start % 4 for start in starts):
-        return False
-    rows, payload_starts, groups = [], [], 0
-    for key, oa in zip(order, out_at):
-        numel = key[1]
-        _, codes_at = _layout(numel, bucket_size, half)
-        rows.append((oa, numel, groups, len(payload_starts), len(payload_starts) + len(by_array[key]), codes_at))
-        payload_starts.extend(starts[i] for i in by_array[key])
-        groups += (numel + 7) // 8
-    table = to_device_cached(np.array(rows, np.int64).reshape(-1, DECODE_COLUMNS))
-    payloads = to_device_cached(np.array(payload_starts, np.int64))
-    decode_kernel[groups](buffer, buffer.view(np.float32), buffer.view(np.uint16), payloads, table, np.int64(groups),
-                          bucket_size, half, (1 << (bits - 1)) - 1, bits, out)
-    return True
+        return None
+    return out_span, [by_array[key] for key in order]
 
 
 def _overlap(keys):

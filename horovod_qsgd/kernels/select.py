@@ -173,19 +173,26 @@ def closer_to(a, b, k):
 
 
 @core(inline=True)
-def emit(src, j, i, pos, idx, val32, val16, half, ef):
-    """Write entry ``pos`` = (i, src[j]); with ``ef`` leave the residual in src[j]."""
+def emit_to(src, j, i, idx, idx_at, val32, val16, val_at, half, ef):
+    """idx[idx_at] = i, the value array's [val_at] = src[j] as sent; with ``ef`` leave the residual in src[j].
+    (The grouped kernels' index and value sections of a payload sit at different offsets of one span.)"""
     a = src[j]
-    idx[pos] = i
+    idx[idx_at] = i
     if half:
         h = f32_to_f16_rne(a)
-        val16[pos] = h
+        val16[val_at] = h
         sent = f16_to_f32(h)
     else:
-        val32[pos] = a
+        val32[val_at] = a
         sent = a
     if ef:
         src[j] = a - sent
+
+
+@core(inline=True)
+def emit(src, j, i, pos, idx, val32, val16, half, ef):
+    """Write entry ``pos`` = (i, src[j]); with ``ef`` leave the residual in src[j]."""
+    emit_to(src, j, i, idx, pos, val32, val16, pos, half, ef)
 
 
 _BLK = 32  # block of the vectorised "any entry here?" pre-check of the write passes

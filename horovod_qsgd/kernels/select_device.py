@@ -436,13 +436,20 @@ def tile_scan_kernel(tiles, st, row, starts):
             source = row
         else:
             source = R_ROUND + st[S_CHOSEN] if mode == MODE_THRESHOLD else R_GT
-        s = 0
-        for j in range(lo, hi):
-            s += tiles[source, j]
-        acc, _ = block_exclusive_scan(buf, t, s)
-        for j in range(lo, hi):
-            starts[which, j] = acc
-            acc += tiles[source, j]
+        scan_tiles(buf, t, tiles, source, starts, which, lo, hi)
+
+
+@gpu_only
+def scan_tiles(buf, t, tiles, source, starts, which, lo, hi):
+    """Thread t's share [lo, hi) of a block-wide exclusive prefix sum of ``tiles[source]`` into ``starts[which]``
+    (the block's threads take consecutive shares in order)."""
+    c = 0
+    for j in range(lo, hi):
+        c += tiles[source, j]
+    acc, _ = block_exclusive_scan(buf, t, c)
+    for j in range(lo, hi):
+        starts[which, j] = acc
+        acc += tiles[source, j]
 
 
 @cuda_kernel

@@ -14,10 +14,12 @@ import numpy as np
 
 from . import select as _sel
 from . import select_device as _dev
+from . import select_grouped as _grouped
 from ._arrays import device_view, split_residual, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
 
-__all__ = ["topk_select", "sparse_accumulate", "exact_threshold", "acklam_ppf"]
+__all__ = ["topk_select", "topk_encode_many", "sparse_accumulate", "sparse_accumulate_many", "exact_threshold",
+           "acklam_ppf"]
 
 
 _EXACT_CHUNK = 1 << 18
@@ -203,6 +205,18 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
     values[used:] = 0
 
 
+def topk_encode_many(xs, residuals, outs, ks, *, error_feedback, half, version, codec_id, digest):
+    """Whole exact top-k payloads of the CUDA arrays ``xs[i]`` (float32) into ``outs[i]`` (uint8), k = ``ks[i]``
+    (the capacity), residuals updated in place or :class:`._arrays.CarriedResidual`: the bytes and residuals of
+    the codec's one-by-one encodes, in one launch sequence for all (:mod:`.select_grouped`). Returns False,
+    having done nothing, where the arrays cannot be taken together: encode them one by one then."""
+    ef = bool(error_feedback)
+    split = [split_residual(residual) for residual in residuals] if ef else None
+    return _grouped.select_exact_many([device_view(x) for x in xs], split, [device_view(out) for out in outs],
+                                      [int(k) for k in ks], ef=ef, half=half, version=version, codec_id=codec_id,
+                                      digest=digest)
+
+
 def _select_cpu(x, r, carried, idx, val32, val16, half, ef, k, selector, sample_base, sample_size):
     n = x.size
     cap = idx.size
@@ -333,6 +347,16 @@ def sparse_accumulate(idx, values, out, *, half, bad_counts=None, slot=0):
     counts = zeros(1, np.int64, True) if bad_counts is None else device_view(bad_counts)
     _sel.scatter_kernel[idx.size](idx, val32, val16, half, out, counts, np.int64(0 if bad_counts is None else slot))
     return int(to_host(counts, True)[0]) if bad_counts is None else None
+
+
+def sparse_accumulate_many(buffer, payloads, outs, bad_counts, *, half):
+    """``outs[i] +=`` the top-k payload at (byte start, capacity) ``payloads[i]`` of the CUDA array ``buffer``
+    (checked by the caller), in order (an array given several times sums its payloads in that order); entries
+    with an index neither valid nor -1 counted in the device counters ``bad_counts[i]``. One launch per
+    payload of the most-given output, not per payload (:mod:`.select_grouped`). Returns False, having done
+    nothing, where the outputs cannot be taken together."""
+    return _grouped.scatter_many(device_view(buffer), [(int(start), int(cap)) for start, cap in payloads],
+                                 [device_view(out) for out in outs], device_view(bad_counts), half=half)
 
 
 def error_counters(n, gpu):

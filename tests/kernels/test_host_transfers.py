@@ -55,6 +55,19 @@ def test_a_group_of_payloads_takes_two_launches_and_copies_its_layout_once(repor
     assert (following["launch"], following["h2d"], following["d2h"]) == (2, 0, 0)
 
 
+@pytest.mark.parametrize("group, launches", [("topk-5% encode_many of 5 tensors", 11),
+                                             ("topk-5% fp16 encode_many of 3 tensors", 11),
+                                             ("topk-5% without error feedback, encode_many of 2 tensors", 10)])
+def test_a_group_of_top_k_payloads_takes_one_launch_sequence(report, group, launches):
+    """Issue #51: exact top-k's selections of a group (tensors of 1 to 20,000 elements, each its own k and
+    residual, carried residuals among them) take one sequence: init, accumulate (with error feedback), three
+    histogram + digit launches, count, scan, write. The step after a layout's first copies nothing, though the
+    carried residuals' stamps advanced."""
+    first, following = report[f"{group}, first step"], report[f"{group}, next step"]
+    assert (first["launch"], first["h2d"], first["d2h"]) == (launches, 1, 0)
+    assert (following["launch"], following["h2d"], following["d2h"]) == (launches, 0, 0)
+
+
 def test_a_tensors_slices_for_the_owners_take_two_launches(report):
     assert {k: report["qsgd-4 two stages: slices for 3 owners"][k] for k in ("launch", "h2d", "d2h")} == \
         {"launch": 2, "h2d": 0, "d2h": 0}
@@ -87,6 +100,18 @@ def test_the_codecs_cost_per_step_grows_with_the_groups_not_the_tensors(report, 
     assert (entry["d2h"], entry["h2d"]) == (2 * entry["groups"], 0)
 
 
+def test_top_k_costs_per_group_and_sender_not_per_tensor(report):
+    """The same budget for Top-k 1% (exact, error feedback) and ResNet-50's 52 compressed gradients in one group
+    (64 MiB): 11 launches select and write every payload, the decode adds the 4 ranks' parts in 4 launches (a
+    round per sender: the i-th payload of every tensor in round i), and the manifests' walk, the header
+    gather, the fault counters and the walk's scratch take 4: 19 launches, 2 host reads. One by one, each
+    tensor takes 12 to 23 launches to encode and 5 to decode."""
+    entry = report["budget resnet50, top-k 1%, threshold 64 MiB"]
+    assert entry["matches_cpu"]
+    assert (entry["tensors"], entry["groups"]) == (52, 1)
+    assert (entry["launch"], entry["d2h"], entry["h2d"]) == (11 + 4 + 4, 2, 0)
+
+
 def test_one_group_costs_the_same_whatever_its_tensor_count(report):
     """ResNet-50's 52 compressed tensors and GPT-2 small's 50 each fit one group at Horovod's default fusion
     threshold (64 MiB): the same 6 launches and 2 host reads a step."""
@@ -112,7 +137,7 @@ def test_decoding_all_ranks_payloads_reads_the_device_once(report, call):
 
 def test_every_launch_allocation_and_copy_goes_to_the_callers_stream(report):
     on_a_stream = {name: entry for name, entry in report.items() if name.startswith("on a stream:")}
-    assert len(on_a_stream) == 11 and all(entry["launch"] > 0 for entry in on_a_stream.values())
+    assert len(on_a_stream) == 13 and all(entry["launch"] > 0 for entry in on_a_stream.values())
     assert {name: entry["off_stream"] for name, entry in report.items() if entry["off_stream"]} == {}
 
 

@@ -25,6 +25,7 @@ from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # noqa: E402
 from numba.cuda.simulator.kernel import FakeCUDAKernel  # noqa: E402
 
 from horovod_qsgd import kernels as K  # noqa: E402
+from horovod_qsgd.kernels import CarriedResidual  # noqa: E402
 from horovod_qsgd.codecs import LatticeCodec, QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
 from horovod_qsgd.common.exchange import decode_gathered  # noqa: E402
 from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
@@ -122,8 +123,8 @@ def payloads(codec, rows, residual=False):
 
 
 def decode_case(name, codec, rows, residual=False):
-    """Every rank's payload decoded into one sum; QSGD's in a step after one of the same layout (its tables
-    cached)."""
+    """Every rank's payload decoded into one sum; QSGD's and top-k's in a step after one of the same layout
+    (their tables cached)."""
     gathered = np.concatenate(payloads(codec, rows, residual))
     n = rows[0].size
     expected = np.zeros(n, np.float32)
@@ -131,25 +132,53 @@ def decode_case(name, codec, rows, residual=False):
     d_gathered, d_total, d_before = device(gathered), device(np.zeros(n, np.float32)), device(np.zeros(n, np.float32))
     measure(name, lambda: (decode_gathered(codec, d_gathered, len(rows), n, "w", d_total), d_total)[1], expected,
             warm=(lambda: decode_gathered(codec, d_gathered, len(rows), n, "w", d_before))
-            if isinstance(codec, QSGDCodec) else None)
+            if isinstance(codec, (QSGDCodec, TopKCodec)) else None)
 
 
-def encode_many_case(name, codec, sizes, step=3):
+def encode_many_case(name, codec, sizes, step=3, residuals=False):
     """A group's payloads by one encode_many, against the CPU's one-by-one encodes; the first step of a layout
-    (its table copied to the device) and the next."""
+    (its table copied to the device) and the next. ``residuals``: each input with an error-feedback residual,
+    half of them carried (:class:`CarriedResidual`, its last step counted for every other one), compared too."""
     rng = np.random.default_rng(2)
     xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    xs[0][:40] = 1.5  # ties broken by the lower index
     caps = [codec.max_payload_nbytes(n) for n in sizes]
-    expected = np.full(sum(caps), 0xAB, np.uint8)
     starts = np.cumsum([0] + caps)[:-1]
-    for x, start, cap, key in zip(xs, starts, caps, range(len(sizes))):
-        codec.encode(x, expected[start:start + cap], step=step, key=key)
+    keys = list(range(len(sizes)))
+    if residuals:
+        targets = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+        previous = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+
+    def residuals_of(convert, stamp=7):
+        """The residuals; the carried ones' last step (stamped ``stamp``) counted for every other one."""
+        if not residuals:
+            return None, []
+        t, p = [convert(a.copy()) for a in targets], [convert(a.copy()) for a in previous]
+        held = [t[i] if i % 2 == 0 else
+                CarriedResidual(t[i], p[i], convert(np.array([stamp - (i % 4 != 1), 0], np.int64)), stamp)
+                for i in keys]
+        return held, t + p
+
+    expected = np.full(sum(caps), 0xAB, np.uint8)
+    held, expected_state = residuals_of(np.asarray)
+    for i, (x, start, cap) in enumerate(zip(xs, starts, caps)):
+        codec.encode(x, expected[start:start + cap], step=step, key=i, residual=None if held is None else held[i])
     d_xs = [device(x) for x in xs]
-    for which in ("first step", "next step"):
-        d_out = device(np.full(sum(caps), 0xAB, np.uint8))  # stale bytes: every byte must be written
+    d_out = device(np.zeros(sum(caps), np.uint8))
+    d_held, d_state = residuals_of(device)  # the arrays a training loop keeps; their content reset each step
+    for stamp, which in ((7, "first step"), (8, "next step")):
+        d_out.copy_to_device(np.full(sum(caps), 0xAB, np.uint8))  # stale bytes: every byte must be written
         outs = [d_out[start:start + cap] for start, cap in zip(starts, caps)]
-        measure(f"{name}, {which}", lambda: (codec.encode_many(d_xs, outs, step=step, keys=list(range(len(sizes)))),
+        for d, h in zip(d_state, (targets + previous) if residuals else []):
+            d.copy_to_device(h)
+        if residuals:  # the next step's stamp, the same decisions (its commit stamps moved with it)
+            for i in keys[1::2]:
+                d_held[i].commit.copy_to_device(np.array([stamp - (i % 4 != 1), 0], np.int64))
+                d_held[i].stamp = stamp
+        measure(f"{name}, {which}", lambda: (codec.encode_many(d_xs, outs, step=step, keys=keys, residuals=d_held),
                                              d_out)[1], expected)
+        report[f"{name}, {which}"]["matches_cpu"] &= all(
+            np.array_equal(d.copy_to_host().view(np.uint32), h.view(np.uint32)) for d, h in zip(d_state, expected_state))
 
 
 def two_stage_slices_case(name, codec, numel=5000, ranks=4):
@@ -177,13 +206,15 @@ class _Member:
         self.name, self.numel, self.codec, self.num_ranks = name, numel, codec, num_ranks
 
 
-def budget_case(model, shapes, codec, thresholds):
+def budget_case(model, shapes, codec, thresholds, label=None):
     from horovod_qsgd.common.fusion import FusedAllgather, join_host_pieces, pack
     from horovod_qsgd.testdata.model_shapes import compressed
     real = compressed(shapes)
     rng = np.random.default_rng(5)
     xs = {name: rng.standard_normal(max(8, numel // BUDGET_SCALE)).astype(np.float32) for name, numel in real}
     d_xs = {name: device(x) for name, x in xs.items()}
+    ef = getattr(codec, "error_feedback", False)
+    d_residuals = {name: device(np.zeros(x.size, np.float32)) for name, x in xs.items()} if ef else {}
     for threshold in thresholds:
         groups = pack([((0, name), codec.max_payload_nbytes(numel)) for name, numel in real], threshold)
         members = [[_Member(name, xs[name].size, codec, BUDGET_RANKS) for _, name in group] for group in groups]
@@ -192,7 +223,8 @@ def budget_case(model, shapes, codec, thresholds):
             fused = FusedAllgather(group)
             caps = [codec.max_payload_nbytes(m.numel) for m in group]
             outs = [np.zeros(cap, np.uint8) for cap in caps]
-            used = codec.encode_many([xs[m.name] for m in group], outs, step=1, keys=list(range(len(group))))
+            used = codec.encode_many([xs[m.name] for m in group], outs, step=1, keys=list(range(len(group))),
+                                     residuals=[np.zeros(m.numel, np.float32) for m in group] if ef else None)
             part = join_host_pieces(fused.part_pieces(used), outs)
             gathered = np.concatenate([part] * BUDGET_RANKS)
             sums = [np.zeros(m.numel, np.float32) for m in group]
@@ -207,17 +239,17 @@ def budget_case(model, shapes, codec, thresholds):
 
         def step(arrays):
             for group, (fused, _, d_gathered), (outs, sums) in zip(members, device_parts, arrays):
-                codec.encode_many([d_xs[m.name] for m in group], outs, step=1, keys=list(range(len(group))))
+                codec.encode_many([d_xs[m.name] for m in group], outs, step=1, keys=list(range(len(group))),
+                                  residuals=[d_residuals[m.name] for m in group] if ef else None)
                 fused.decode(d_gathered, sums)
             return [sums for _, sums in arrays]
 
         def first_step():  # the same arrays, as a training loop's allocator hands back; the sums zeroed after
             step(arrays)
-            for _, sums in arrays:
-                for total in sums:
-                    total.copy_to_device(np.zeros(total.size, np.float32))
+            for total in [total for _, sums in arrays for total in sums] + list(d_residuals.values()):
+                total.copy_to_device(np.zeros(total.size, np.float32))
 
-        name = f"budget {model}, threshold {threshold >> 20} MiB"
+        name = f"budget {model}, {label + ', ' if label else ''}threshold {threshold >> 20} MiB"
         arrays = buffers()
         got = measure(name, lambda: step(arrays), warm=first_step)
         report[name].update(
@@ -321,6 +353,14 @@ def main():
     for model, shapes in [("resnet50", resnet50()), ("gpt2-small", gpt2_small())]:
         budget_case(model, shapes, qsgd, thresholds=[64 << 20, 4 << 20, 1 << 20])
     topk = TopKCodec(ratio=0.01)
+    encode_many_case("topk-5% encode_many of 5 tensors", TopKCodec(ratio=0.05), [3000, 517, 8, 20_000, 1],
+                     residuals=True)
+    encode_many_case("topk-5% fp16 encode_many of 3 tensors", TopKCodec(ratio=0.05, value_dtype="float16"),
+                     [1001, 30, 7], residuals=True)
+    encode_many_case("topk-5% without error feedback, encode_many of 2 tensors",
+                     TopKCodec(ratio=0.05, error_feedback=False), [1001, 300])
+    # one group of 52 tensors (the simulator runs a block per tensor and kernel: ~3 minutes a step)
+    budget_case("resnet50", resnet50(), topk, thresholds=[64 << 20], label="top-k 1%")
     zeros = np.zeros(x.size, np.float32)
     encode_case("topk-1% encode", topk, x, residual=zeros)  # k = 200: the radix select over all of acc
     # k = 1000 of 20,000: over the candidates above a sampled bound
@@ -355,6 +395,8 @@ def main():
                                   ("randomk-1% fp16", RandomKCodec(ratio=0.01, value_dtype="float16"), None)]:
         encode_case(f"on a stream: {name} encode", codec, x, residual=residual)
         decode_case(f"on a stream: {name} decode of 3 ranks", codec, rows, residual=residual is not None)
+    encode_many_case("on a stream: topk-5% encode_many of 3 tensors", TopKCodec(ratio=0.05), [1001, 30, 7],
+                     residuals=True)
     lattice = LatticeCodec(bits=8)
     cap = lattice.max_payload_nbytes(x.size)
     d_x, d_ref, d_out, d_payload = device(x), device(x + 0.01), device(np.zeros(x.size, np.float32)), \
