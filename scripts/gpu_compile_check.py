@@ -81,6 +81,7 @@ def record(path):
         return run
 
     _dual.cuda_kernel.blocks = recording_blocks
+    sys.setswitchinterval(0.0002)  # the simulator's threads wait on GIL switches at every barrier (transfers_check)
     for script in SIMULATED_CHECKS:
         sys.argv = [script]
         status = runpy.run_path(script)["main"]()
