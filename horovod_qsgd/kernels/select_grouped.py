@@ -242,9 +242,8 @@ def select_exact_many(xs, residuals, outs, ks, *, ef, half, version, codec_id, d
     targets = [target for target, _ in residuals] if ef else xs
     previous = [carried[0] for _, carried in residuals] if ef else xs
     commits = [carried[1] for _, carried in residuals if carried[1].size] if ef else []
-    no_commits = (empty(2, np.int64, True), [])  # never read: every row's COMMIT_AT is -1
     spans = [span(xs, np.float32), span(targets, np.float32), span(previous, np.float32),
-             span(outs, np.uint8, align=4), span(commits, np.int64) if commits else no_commits]
+             span(outs, np.uint8, align=4), span(commits, np.int64) if commits else (empty(2, np.int64, True), [])]  # never read
     if any(s is None for s in spans):
         return False
     (x, x_at), (r, r_at), (rc, rc_at), (out, out_at), (commit, commit_at) = spans

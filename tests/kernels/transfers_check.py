@@ -181,9 +181,8 @@ def encode_many_case(name, codec, sizes, step=3, residuals=False):
                 d_held[i].stamp = stamp
         measure(f"{name}, {which}", lambda: (codec.encode_many(d_xs, outs, step=step, keys=keys, residuals=d_held),
                                              d_out)[1], expected)
-        report[f"{name}, {which}"]["matches_cpu"] &= all(np.array_equal(d.copy_to_host().view(np.uint32),
-                                                                        h.view(np.uint32))
-                                                         for d, h in zip(d_state, expected_state))
+        report[f"{name}, {which}"]["matches_cpu"] &= all(
+            np.array_equal(d.copy_to_host().view(np.uint32), h.view(np.uint32)) for d, h in zip(d_state, expected_state))
 
 
 def two_stage_slices_case(name, codec, numel=5000, ranks=4):
