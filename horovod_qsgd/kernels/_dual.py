@@ -182,7 +182,11 @@ def _retarget(fn):
         val = g.get(name)
         if val is not None and id(val) in _REGISTRY and _REGISTRY[id(val)][0] is val:
             g[name] = cuda_twin(val)
-    g["cuda"] = _cuda()
+    if _simulated():
+        from . import _simulator
+        g["cuda"] = _simulator.kernel_cuda_module()
+    else:
+        g["cuda"] = _cuda()
     return types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
