@@ -157,6 +157,30 @@ def radix_hist_kernel(keys, cand_keys, st, prefix_shift, shift, width, hist):
             cuda.atomic.add(hist, b, c)  # noqa: F821
 
 
+@gpu_only
+def find_digit(buf, t, hist, nbins, rank):
+    """Thread t's part of a block's search of a histogram of ``nbins`` bins (a multiple of B) for the bin
+    holding ``rank``, counted from the top: (that bin, the rank within it) for the one thread whose
+    segment holds it, (-1, 0) for the others.  Callers write what they found after it returns: every
+    thread has passed the block's barriers by then."""
+    per = nbins // B
+    hi = nbins - t * per  # thread t sums bins [lo, hi), the t-th segment from the top
+    lo = hi - per
+    s = 0
+    for b in range(lo, hi):
+        s += hist[b]
+    above, _ = block_exclusive_scan(buf, t, s)
+    if above < rank and rank <= above + s:
+        b = hi - 1
+        while b >= lo:
+            c = hist[b]
+            if above + c >= rank:
+                return b, rank - above
+            above += c
+            b -= 1
+    return -1, 0
+
+
 @cuda_kernel
 def radix_choose_kernel(hist, st, width, bits_out):
     """One block: the digit holding the state's rank (counted from the top), appended to the prefix;
@@ -166,27 +190,24 @@ def radix_choose_kernel(hist, st, width, bits_out):
     t = cuda.threadIdx.x  # noqa: F821
     if st[S_MODE] == MODE_THRESHOLD:
         return
-    nbins = 1 << width
-    per = nbins // B
-    hi = nbins - t * per  # thread t sums bins [lo, hi), the t-th segment from the top
-    lo = hi - per
-    s = 0
-    for b in range(lo, hi):
-        s += hist[b]
-    rank = st[S_RANK]  # read by every thread before the one that finds the digit writes it
     prefix = st[S_PREFIX]
-    above, _ = block_exclusive_scan(buf, t, s)
-    if above < rank and rank <= above + s:
-        b = hi - 1
-        while b >= lo:
-            c = hist[b]
-            if above + c >= rank:
-                st[S_RANK] = rank - above
-                st[S_PREFIX] = (prefix << width) | b
-                bits_out[0] = (prefix << width) | b
-                break
-            above += c
-            b -= 1
+    digit, rank = find_digit(buf, t, hist, 1 << width, st[S_RANK])
+    if digit >= 0:
+        st[S_RANK] = rank
+        st[S_PREFIX] = (prefix << width) | digit
+        bits_out[0] = (prefix << width) | digit
+
+
+@gpu_only
+def tile_class_count(keys, at, n, tile, t, thresh):
+    """Of thread t's ITEMS consecutive elements of the tile of keys[at:at + n]: keys above ``thresh`` (low
+    half) and equal to it (high half)."""
+    c = 0
+    for u in range(ITEMS):
+        p = tile * TILE + t * ITEMS + u
+        if p < n:
+            c += key_class(np.int64(keys[at + p]) & _ABS_MASK, thresh)
+    return c
 
 
 @cuda_kernel
@@ -199,13 +220,8 @@ def exact_count_kernel(keys, cand_keys, st, tiles):
     count = st[S_COUNT]
     if mode == MODE_THRESHOLD or tile * TILE >= count:
         return
-    thresh = st[S_PREFIX]
-    c = 0
-    for u in range(ITEMS):
-        p = tile * TILE + t * ITEMS + u
-        if p < count:
-            c += key_class(np.int64(cand_keys[p] if mode == MODE_CANDIDATES else keys[p]) & _ABS_MASK, thresh)
-    _, total = block_exclusive_scan(buf, t, c)
+    listed = cand_keys if mode == MODE_CANDIDATES else keys
+    _, total = block_exclusive_scan(buf, t, tile_class_count(listed, 0, count, tile, t, st[S_PREFIX]))
     if t == 0:
         tiles[R_GT, tile] = total & _LOW32
         tiles[R_EQ, tile] = total >> 32

@@ -44,7 +44,7 @@ from .grouped import HEADER_BYTES, distinct_outputs, row_and_index, write_header
 from .scan import B, block_exclusive_scan
 from .select import emit_to, value_of
 from .select_device import _ABS_MASK, _EQ_ONE, _LOW32, HIST_ITEMS, ITEMS, NBINS, RADIX_BINS, RADIX_DIGITS, TILE, \
-    key_class, scan_tiles
+    find_digit, key_class, scan_tiles, tile_class_count
 
 __all__ = ["select_exact_many", "scatter_many", "HIST_SPAN"]
 
@@ -129,39 +129,13 @@ def choose_kernel(hist, state, width, start):
     """One block per tensor: the digit holding its rank (from the top) joins its prefix; the rank becomes the
     rank within that digit (:func:`.select_device.radix_choose_kernel`, per row)."""
     buf = cuda.shared.array(B, numba.int64)  # noqa: F821
-    t = cuda.threadIdx.x  # noqa: F821
     s = cuda.blockIdx.x  # noqa: F821
     nbins = 1 << width
-    per = nbins // B
-    hi = nbins - t * per
-    lo = hi - per
-    c = 0
-    for b in range(lo, hi):
-        c += hist[s, start + b]
-    rank = state[s, S_RANK]  # read by every thread before the one that finds the digit writes it
     prefix = state[s, S_PREFIX]
-    above, _ = block_exclusive_scan(buf, t, c)
-    if above < rank and rank <= above + c:
-        b = hi - 1
-        while b >= lo:
-            h = hist[s, start + b]
-            if above + h >= rank:
-                state[s, S_RANK] = rank - above
-                state[s, S_PREFIX] = (prefix << width) | b
-                break
-            above += h
-            b -= 1
-
-
-@gpu_only
-def tile_class_count(keys, at, n, tile, t, thresh):
-    """Of thread t's ITEMS consecutive elements of the tile: keys above ``thresh`` (low half) and equal (high)."""
-    c = 0
-    for u in range(ITEMS):
-        p = tile * TILE + t * ITEMS + u
-        if p < n:
-            c += key_class(np.int64(keys[at + p]) & _ABS_MASK, thresh)
-    return c
+    digit, rank = find_digit(buf, cuda.threadIdx.x, hist[s, start:start + nbins], nbins, state[s, S_RANK])  # noqa: F821
+    if digit >= 0:
+        state[s, S_RANK] = rank
+        state[s, S_PREFIX] = (prefix << width) | digit
 
 
 @cuda_kernel
@@ -242,8 +216,9 @@ def select_exact_many(xs, residuals, outs, ks, *, ef, half, version, codec_id, d
     targets = [target for target, _ in residuals] if ef else xs
     previous = [carried[0] for _, carried in residuals] if ef else xs
     commits = [carried[1] for _, carried in residuals if carried[1].size] if ef else []
+    no_commits = (empty(2, np.int64, True), [])  # never read: every row's COMMIT_AT is -1
     spans = [span(xs, np.float32), span(targets, np.float32), span(previous, np.float32),
-             span(outs, np.uint8, align=4), span(commits, np.int64) if commits else (empty(2, np.int64, True), [])]  # never read
+             span(outs, np.uint8, align=4), span(commits, np.int64) if commits else no_commits]
     if any(s is None for s in spans):
         return False
     (x, x_at), (r, r_at), (rc, rc_at), (out, out_at), (commit, commit_at) = spans
