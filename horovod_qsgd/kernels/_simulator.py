@@ -23,6 +23,7 @@ import threading
 import numpy as np
 
 _lock = threading.Lock()
+_launch_cuda = None  # the stand-in, made once the first kernel is retargeted
 
 
 class _LaunchCuda:
@@ -39,10 +40,13 @@ class _LaunchCuda:
 
 def kernel_cuda_module():
     """What ``cuda`` is bound to in our kernels' globals under the simulator; makes its shared arrays safe."""
-    from numba.cuda.simulator import kernelapi
+    global _launch_cuda
+    if _launch_cuda is None:
+        from numba.cuda.simulator import kernelapi
 
-    kernelapi.FakeCUDAShared.array = _shared_array
-    return _LaunchCuda()
+        kernelapi.FakeCUDAShared.array = _shared_array
+        _launch_cuda = _LaunchCuda()
+    return _launch_cuda
 
 
 def _shared_array(self, shape, dtype):
