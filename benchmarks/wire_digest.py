@@ -4,8 +4,9 @@
 
 Trains a small MLP (three weights above ``min_numel``, biases below it) for
 ``--steps`` steps on ``--ranks`` ranks of one machine, once per setting, under
-the DDP hooks (``torchrun``, Gloo) and under Horovod's PyTorch optimizer
-(``horovodrun --gloo``). Every collective call the adapter makes is wrapped:
+the DDP hooks (``torchrun``, Gloo), under Horovod's PyTorch optimizer
+(``horovodrun --gloo``) and under Horovod's TensorFlow ``DistributedGradientTape``
+in a ``tf.function`` (its collectives' inputs noted by a host op in front of each). Every collective call the adapter makes is wrapped:
 its name (Horovod), kind, splits and a SHA-256 of the bytes it sends are
 appended to the rank's log, each name's calls in call order (Horovod's hooks
 compress tensors in the order their gradients become ready, which varies
@@ -38,6 +39,16 @@ DDP_SETTINGS = {
     "qsgd4-node_aware": ("QSGDState", dict(bits=4, bucket_size=128, exchange="node_aware")),
     "topk-node_aware": ("TopKState", dict(ratio=0.05, exchange="node_aware")),
 }
+# (compressor, its arguments, DistributedGradientTape's num_groups: 1 = one grouped call, whose two-stage
+# tensors are fused)
+TENSORFLOW_SETTINGS = {
+    "qsgd4-auto-grouped": ("QSGD", dict(bits=4, bucket_size=128, exchange="auto", min_numel=1000), 1),
+    "qsgd4-two_stage-unfused": ("QSGD", dict(bits=4, bucket_size=128, exchange="two_stage", fusion_threshold=0,
+                                            min_numel=1000), 0),
+    "topk-two_stage": ("TopK", dict(ratio=0.05, exchange="two_stage", min_numel=1000), 0),
+    "topk-two_stage-grouped": ("TopK", dict(ratio=0.05, exchange="two_stage", min_numel=1000), 1),
+    "topk-allgather": ("TopK", dict(ratio=0.05, exchange="allgather", min_numel=1000), 0),
+}
 HOROVOD_SETTINGS = {
     "qsgd4-auto": ("QSGD", dict(bits=4, bucket_size=128, exchange="auto", min_numel=1000)),
     "qsgd4-two_stage-unfused": ("QSGD", dict(bits=4, bucket_size=128, exchange="two_stage", fusion_threshold=0,
@@ -65,17 +76,20 @@ class _Log:
     def __init__(self):
         self.entries, self.calls, self.nbytes = {}, 0, 0
 
-    def note(self, kind, tensor, name=None, **extra):
-        import torch
-        data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
+    def note(self, kind, data, name=None, **extra):
+        """One call's ``data`` (bytes, or a torch tensor)."""
+        if not isinstance(data, bytes):
+            import torch
+            data = data.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
         self.entries.setdefault(name or "", []).append(
             json.dumps(dict(kind=kind, sha=hashlib.sha256(data).hexdigest(), **extra), sort_keys=True))
         self.calls += 1
         self.nbytes += len(data)
 
     def record(self, weights):
+        """``weights``: the trained weights, as bytes."""
         lines = [f"{name} {entry}" for name in sorted(self.entries) for entry in self.entries[name]]
-        lines.append("weights " + hashlib.sha256(b"".join(w.detach().numpy().tobytes() for w in weights)).hexdigest())
+        lines.append("weights " + hashlib.sha256(b"".join(weights)).hexdigest())
         return dict(digest=hashlib.sha256("\n".join(lines).encode()).hexdigest(), calls=self.calls,
                     bytes_sent=self.nbytes)
 
@@ -116,7 +130,7 @@ def _ddp_worker(setting, steps, out):
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     with open(f"{out}.rank{rank}", "w") as f:
-        json.dump(log.record(list(model.parameters())), f)
+        json.dump(log.record([w.detach().numpy().tobytes() for w in model.parameters()]), f)
     dist.barrier()
     os._exit(0)  # Gloo's threads at interpreter exit sometimes abort the process ("terminate called ...")
 
@@ -148,7 +162,60 @@ def _horovod_worker(setting, steps, out):
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     with open(f"{out}.rank{hvd.rank()}", "w") as f:
-        json.dump(log.record(list(model.parameters())), f)
+        json.dump(log.record([w.detach().numpy().tobytes() for w in model.parameters()]), f)
+
+
+def _tensorflow_worker(setting, steps, out):
+    import numpy as np
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import horovod_qsgd.tensorflow as qtf
+    hvd.init()
+    log = _Log()
+    real_allgather, real_alltoall = hvd.allgather, hvd.alltoall
+
+    def noted(kind, tensor, name, splits=None):
+        """``tensor``, its bytes noted when the graph runs (the adapter builds its collectives in a graph)."""
+        def note(data, *split_values):
+            extra = {"splits": split_values[0].tolist()} if split_values else {}
+            log.note(kind, np.ascontiguousarray(data).tobytes(), name=name, **extra)
+            return data
+        passed = tf.numpy_function(note, [tensor] + ([] if splits is None else [splits]), tensor.dtype,
+                                   stateful=False)
+        passed.set_shape(tensor.shape)
+        return passed
+
+    def allgather(tensor, name=None, **kw):
+        return real_allgather(noted("allgather", tensor, name), name=name, **kw)
+
+    def alltoall(tensor, splits=None, name=None, **kw):
+        return real_alltoall(noted("alltoall", tensor, name, splits), splits=splits, name=name, **kw)
+    hvd.allgather, hvd.alltoall = allgather, alltoall
+    cls, kwargs, num_groups = TENSORFLOW_SETTINGS[setting]
+    rng = np.random.default_rng(0)
+    shapes = [(96, 256), (256,), (256, 192), (192,), (192, 80), (80,)]
+    weights = [tf.Variable(rng.standard_normal(shape).astype(np.float32) * 0.05, name=f"w{i}")
+               for i, shape in enumerate(shapes)]
+    compression = getattr(qtf, cls)(**kwargs)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            h = x
+            for i in range(0, len(weights), 2):
+                h = tf.matmul(h, weights[i]) + weights[i + 1]
+                h = tf.nn.relu(h) if i + 2 < len(weights) else h
+            loss = tf.reduce_mean(tf.square(h - y))
+        tape = hvd.DistributedGradientTape(tape, compression=compression, num_groups=num_groups)
+        for weight, grad in zip(weights, tape.gradient(loss, weights)):
+            weight.assign_sub(0.1 * grad)
+
+    for step in range(steps):
+        batch = np.random.default_rng(1000 * hvd.rank() + step)
+        train_step(batch.standard_normal((16, 96)).astype(np.float32),
+                   batch.standard_normal((16, 80)).astype(np.float32))
+    with open(f"{out}.rank{hvd.rank()}", "w") as f:
+        json.dump(log.record([w.numpy().tobytes() for w in weights]), f)
 
 
 def _free_port():
@@ -162,7 +229,8 @@ def _launch(adapter, setting, ranks, steps, tmp):
     # Horovod's own fusion of the small tensors' allreduces packs them as their gradients arrive, which varies
     # between runs, and a ring allreduce's summation order depends on where a value lies in the fused buffer:
     # the weights, then every later payload, would differ by chance
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=ROOT, HOROVOD_FUSION_THRESHOLD="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONPATH=ROOT, HOROVOD_FUSION_THRESHOLD="0",
+               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     me = [os.path.abspath(__file__), "--worker", adapter, setting, str(steps), out]
     if adapter == "ddp":
         job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
@@ -181,7 +249,8 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         adapter, setting, steps, out = sys.argv[2:6]
         sys.path.insert(0, ROOT)
-        (_ddp_worker if adapter == "ddp" else _horovod_worker)(setting, int(steps), out)
+        {"ddp": _ddp_worker, "horovod": _horovod_worker, "tensorflow": _tensorflow_worker}[adapter](
+            setting, int(steps), out)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -192,7 +261,8 @@ def main():
                               text=True).stdout.strip()
     record = dict(revision=revision, steps=args.steps, runs={})
     with tempfile.TemporaryDirectory() as tmp:
-        for adapter, settings in (("ddp", DDP_SETTINGS), ("horovod", HOROVOD_SETTINGS)):
+        for adapter, settings in (("ddp", DDP_SETTINGS), ("horovod", HOROVOD_SETTINGS),
+                                  ("tensorflow", TENSORFLOW_SETTINGS)):
             for setting in settings:
                 ranks = 4 if setting.endswith("node_aware") else 3
                 if args.only and args.only not in f"{adapter} {setting}":

@@ -11,6 +11,8 @@ the collectives, waiting at once (:func:`drive`), polling, or resuming the
 conduct in a later call, without knowing which exchange it carries.
 """
 
+import numpy as np
+
 ALLGATHER, ALLTOALL = "allgather", "alltoall"
 
 
@@ -73,3 +75,19 @@ def conclude(conduct, received):
     except StopIteration as done:
         return done.value
     raise RuntimeError("horovod_qsgd: an exchange asked for a collective after its final one")
+
+
+def join_host_pieces(pieces, buffers):
+    """One host uint8 array of a fused buffer's pieces: bytes (manifests) and (member, start, end) ranges of
+    the numpy ``buffers`` (``FusedTwoStage.first_stage_pieces``, ``FusedTwoStage.second_stage_pieces``)."""
+    return np.concatenate([np.frombuffer(piece, np.uint8) if isinstance(piece, bytes)
+                           else buffers[piece[0]][piece[1]:piece[2]] for piece in pieces])
+
+
+class HostBuffers:
+    """What a conduct allocates and reads through, on the host: numpy arrays, their own codec arrays (the
+    TensorFlow adapter's host ops, and the loopback ranks of the tests)."""
+    zeros = staticmethod(lambda n, dtype: np.zeros(n, dtype))
+    empty = staticmethod(lambda n, dtype: np.empty(n, dtype))
+    array = staticmethod(lambda array: array)
+    concatenate = staticmethod(join_host_pieces)

@@ -100,6 +100,10 @@ class AllgatherPlan(_Counted):
         """Bytes of the zeroed buffer :meth:`encode` writes into."""
         return self.codec.max_payload_nbytes(self.numel)
 
+    def collectives(self):
+        """[(kind, name)] of the collectives :meth:`conduct` yields, in order (for a graph built in advance)."""
+        return [(ALLGATHER, self.payload_name)]
+
     def encode(self, x, out, step, residual=None):
         """Step 1: encodes ``x`` (flat float32) into ``out``; returns the bytes used, to allgather.
 
@@ -160,6 +164,10 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
         """Bytes of the zeroed buffer :meth:`encode` writes the slices into."""
         return self.send_capacity()
 
+    def collectives(self):
+        """[(kind, name)] of the collectives :meth:`conduct` yields, in order (for a graph built in advance)."""
+        return [(ALLTOALL, self.payload_name), (ALLGATHER, self.second_stage_name)]
+
     def owner_layout(self):
         """[ranks, rank]: what an owner-side residual belongs to (saved with it in checkpoints)."""
         return [self.num_ranks, self.rank]
@@ -214,7 +222,13 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
         out = transport.zeros(self.capacity(), "uint8")
         own = transport.empty(self.own_numel(), "float32")
         splits = self.encode(transport.array(x), transport.array(out), transport.array(own), step, residual)
-        received, _ = yield Collective(ALLTOALL, self.payload_name, out[:sum(splits)], splits=splits,
+        return (yield from self.conduct_encoded(transport, out[:sum(splits)], splits, own, step, owner_residual))
+
+    def conduct_encoded(self, transport, slices, splits, own, step, owner_residual=None):
+        """:meth:`conduct` from step 1's results: ``slices`` (the adapter's uint8 tensor), their ``splits`` and
+        this rank's ``own`` chunk, as :meth:`encode` wrote them (an adapter that encodes before it knows whether
+        the tensor is fused with others)."""
+        received, _ = yield Collective(ALLTOALL, self.payload_name, slices, splits=splits,
                                        arriving=self.first_stage_arriving())
         owned = transport.zeros(self.owned_capacity(), "uint8")
         used, refusal = self.sum_and_encode(transport.array(received), transport.array(own), transport.array(owned),

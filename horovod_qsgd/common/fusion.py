@@ -30,8 +30,6 @@ slices into the group's buffer.
 import itertools
 import zlib
 
-import numpy as np
-
 from horovod_qsgd.codecs import HEADER_NBYTES, WIRE_VERSION, pack_header
 from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, Collective, RefusedEarlier
 from horovod_qsgd.common.errors import CompressionMismatchError
@@ -125,13 +123,6 @@ class Fuser:
     def _name(self, keys):
         self._groups_named += 1
         return f"{self.namespace}{keys[0][0]}.group{self._groups_named}"
-
-
-def join_host_pieces(pieces, buffers):
-    """One host uint8 array of a fused buffer's pieces: bytes (manifests) and (member, start, end) ranges of
-    the numpy ``buffers`` (:meth:`FusedTwoStage.first_stage_pieces`, :meth:`FusedTwoStage.second_stage_pieces`)."""
-    return np.concatenate([np.frombuffer(piece, np.uint8) if isinstance(piece, bytes)
-                           else buffers[piece[0]][piece[1]:piece[2]] for piece in pieces])
 
 
 class _Manifest:
@@ -297,6 +288,11 @@ class FusedTwoStage(_FusedPayloads):
             sent = transport.concatenate(self.second_stage_pieces(used), outs)
         gathered = yield Collective(ALLGATHER, SECOND_STAGE_PREFIX + name, sent, final=True, refusal=refusal)
         return gathered, refusal
+
+    @staticmethod
+    def collectives(name):
+        """[(kind, name)] of the collectives :meth:`conduct` yields for a group named ``name``, in order."""
+        return [(ALLTOALL, PAYLOAD_PREFIX + name), (ALLGATHER, SECOND_STAGE_PREFIX + name)]
 
     def second_stage_pieces(self, used):
         """The pieces of this owner's part of the allgather, from ``sum_and_encode``'s bytes used."""

@@ -46,6 +46,7 @@ feedback, an fp32 residual), so a compressor works eagerly and inside
 and non-float tensors go through Horovod's allreduce unchanged; Horovod
 allgathers ``tf.IndexedSlices`` itself without calling the compressor.
 """
+import functools
 import itertools
 import time
 import warnings
@@ -59,6 +60,7 @@ import horovod.tensorflow as hvd
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit
+from horovod_qsgd.common.collectives import HostBuffers
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_threshold
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
@@ -69,8 +71,9 @@ from horovod_qsgd.kernels import CarriedResidual, finish_sum
 from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
                                                      ExchangeContext, adapter_method, decode_scaled, op_name)
 from horovod_qsgd.tensorflow import hvd_join
+from horovod_qsgd.tensorflow.conduct import GraphConduct
 from horovod_qsgd.tensorflow.fusion import FusedRound, group_name
-from horovod_qsgd.tensorflow.host_ops import payload_encoder, values_gatherer
+from horovod_qsgd.tensorflow.host_ops import values_gatherer
 from horovod_qsgd.tensorflow.node_aware import NodeAwareOps
 
 _payload_compressors_built = itertools.count()
@@ -139,68 +142,41 @@ class PayloadCompressor(CompressorBase):
         num_ranks = process_set.size()
         plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
                                  placeholder_dtype.size)
-        payload_name = op_name(plan.payload_name)  # collectives ignore name scopes: see hvd_join
-        if plan.kind == "two_stage":
-            residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
-
-            def encode_for_owners(x, step_value, residual=None):
-                hvd_join.sending(payload_name)
-                start = time.perf_counter()
-                out = np.zeros(plan.capacity(), dtype=np.uint8)
-                own = np.empty(plan.own_numel(), dtype=np.float32)
-                new_residual = None if residual is None else np.empty_like(residual)
-                splits = plan.encode(x, out, own, int(step_value),
-                                     None if residual is None else CarriedResidual(new_residual, residual))
-                stats.add(encode_seconds=time.perf_counter() - start, collectives_started=1)
-                outputs = (out[:sum(splits)], np.asarray(splits, dtype=np.int32), own)
-                return outputs if residual is None else outputs + (new_residual,)
-
-            inputs = [step.flat, step.value] + ([] if residual_var is None else [residual_var.read_value()])
-            out_dtypes = [tf.uint8, tf.int32, tf.float32] + ([] if residual_var is None else [tf.float32])
-            outputs = tf.numpy_function(encode_for_owners, inputs, out_dtypes, stateful=False,
-                                        name="horovod_qsgd_encode_slices")
-            slices, splits, own = outputs[:3]
-            slices.set_shape([None])
-            splits.set_shape([num_ranks])
-            own.set_shape([plan.own_numel()])
-            pending = []
-            if residual_var is not None:
-                outputs[3].set_shape(step.flat.shape)
-                pending.append((residual_var, outputs[3]))
-            ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, step=step.value,
-                                  step_variable=step.variable, plan=plan, own=own, process_set=process_set,
-                                  pending=pending)
-            ctx.slices, ctx.splits = slices, splits
-            if self.fusion_threshold == 0:
-                self._start_alone(ctx)
-            else:  # the alltoall waits for the round's end: the first decompress (see tensorflow/fusion.py)
-                ctx.graph = ops.get_default_graph()
-                with self._runtime.lock:
-                    self._runtime.fusion_round.append(ctx)
+        residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
+        ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, step=step.value,
+                              step_variable=step.variable, plan=plan, process_set=process_set)
+        ctx.conduct = GraphConduct(plan.collectives(), process_set, stats)
+        # Horovod does not fuse alltoalls: a round's two-stage tensors wait for its end to be fused (see
+        # tensorflow/fusion.py), each encoded now, its conduct waiting for its first collective
+        deferred = plan.kind == "two_stage" and self.fusion_threshold != 0
+        inputs = [step.flat, step.value] + ([] if residual_var is None else [residual_var.read_value()])
+        extra = ctx.conduct.start(functools.partial(_begin_encoded if deferred else _begin, plan), inputs,
+                                  [tf.float32] * (int(deferred) + int(residual_var is not None)))
+        if residual_var is not None:
+            new_residual = extra.pop()
+            new_residual.set_shape(step.flat.shape)
+            ctx.pending.append((residual_var, new_residual))
+        if not deferred:
+            self._run_collectives(ctx)
             return placeholder, ctx
+        ctx.own = extra[0]
+        ctx.own.set_shape([plan.own_numel()])
+        ctx.graph = ops.get_default_graph()
+        with self._runtime.lock:
+            self._runtime.fusion_round.append(ctx)
+        return placeholder, ctx
 
-        def on_encoded(seconds):
-            stats.add(encode_seconds=seconds, collectives_started=1)
+    def _run_collectives(self, ctx):
+        """The collectives of ctx's exchange alone, under its tensor's names; its owner residual's new value
+        joins ``ctx.pending``."""
+        owner_var = self._owner_residual_variable(ctx.plan) if self._keeps_owner_residual(ctx.plan) else None
+        new_owner = ctx.conduct.run_collectives([] if owner_var is None else [owner_var.read_value()])
+        if owner_var is not None:
+            ctx.pending.append((owner_var, new_owner[0]))
+        ctx.collectives_built = True
 
-        def encode_unless_refused(x, out, step_value, residual):
-            hvd_join.sending(payload_name)
-            return plan.encode(x, out, step_value, residual)
-
-        encode = payload_encoder(encode_unless_refused, plan.capacity(), on_encoded)
-        payload, pending = self._on_host(step, encode, tf.uint8, "horovod_qsgd_encode")
-        gathered = hvd.allgather(payload, name=payload_name, ignore_name_scope=True, process_set=process_set)
-        hvd_join.note_payload_collective("allgather", payload_name, process_set)
-        return placeholder, ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, gathered=gathered,
-                                            step=step.value, step_variable=step.variable, plan=plan, pending=pending)
-
-    @staticmethod
-    def _start_alone(ctx):
-        """The alltoall of one two-stage tensor's slices, under the tensor's own name."""
-        payload_name = op_name(ctx.plan.payload_name)
-        ctx.gathered, _ = hvd.alltoall(ctx.slices, splits=ctx.splits, name=payload_name, ignore_name_scope=True,
-                                       process_set=ctx.process_set)
-        ctx.slices = ctx.splits = None
-        hvd_join.note_payload_collective("alltoall", payload_name, ctx.process_set)
+    def _keeps_owner_residual(self, plan):
+        return self.error_feedback and plan.owned is not None
 
     def _end_round(self, ctx, placeholder):
         """At a round's first decompress: its two-stage tensors of ctx's graph and process set start, fused
@@ -210,14 +186,14 @@ class PayloadCompressor(CompressorBase):
                        and m.process_set.process_set_id == ctx.process_set.process_set_id]
             self._runtime.fusion_round = [m for m in self._runtime.fusion_round if m not in members]
         if len(members) == 1:
-            self._start_alone(ctx)
+            self._run_collectives(ctx)
             return
         names = _distinct_names(members)
         owner_variables = [self._owner_residual_variable(m.plan) if self.error_feedback else None for m in members]
         fused = FusedRound(group_name(self._fusion_namespace, ctx.process_set.process_set_id, names), members,
                            placeholder, self._runtime, self._finite_flag, owner_variables)
         for index, member in enumerate(members):
-            member.fused, member.index, member.slices, member.splits, member.own = fused, index, None, None, None
+            member.fused, member.index, member.own = fused, index, None
 
     def _node_aware_context(self, step, tensor):
         """A node-aware tensor's context (:mod:`horovod_qsgd.tensorflow.node_aware`): its exchange starts here
@@ -417,33 +393,32 @@ class PayloadCompressor(CompressorBase):
             result = tf.reshape(self._settle(ctx, ctx.result), ctx.shape)
             ctx.result = None
             return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
-        stats, refusals = self._runtime.stats, self._runtime.refusals
-        if ctx.live_plan is None and ctx.plan.kind == "two_stage" and ctx.gathered is None:
+        if ctx.live_plan is not None:
+            return self._decompress_in_any_world(tensor, ctx)
+        if ctx.conduct is not None and not ctx.collectives_built:
             if ctx.fused is None:
                 self._end_round(ctx, tensor)
             if ctx.fused is not None:
                 result = tf.reshape(self._settle(ctx, ctx.fused.result(ctx.index)), ctx.shape)
                 ctx.fused = None
                 return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
-        if ctx.live_plan is not None:
-            gathered = self._second_stage(ctx, lambda: ctx.live_plan(ctx), ctx.owner_variable, ctx.owner_residual,
-                                          SECOND_STAGE_PREFIX + ctx.name)
-        elif ctx.plan.kind == "two_stage":
-            plan = ctx.plan
-            owner_var = self._owner_residual_variable(plan) if self.error_feedback else None
-            gathered = self._second_stage(ctx, lambda: plan, owner_var,
-                                          None if owner_var is None else owner_var.read_value(),
-                                          plan.second_stage_name)
-        else:
-            gathered = ctx.gathered
+        plan = ctx.plan
+        [result] = ctx.conduct.finish(lambda gathered, totals: plan.decode(gathered, totals[0]), tensor, [plan.numel],
+                                      plan.num_ranks, self._finite_flag)
+        result = tf.reshape(self._settle(ctx, result), ctx.shape)
+        return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
+
+    def _decompress_in_any_world(self, tensor, ctx):
+        stats, refusals = self._runtime.stats, self._runtime.refusals
+        gathered = self._second_stage(ctx, lambda: ctx.live_plan(ctx), ctx.owner_variable, ctx.owner_residual,
+                                      SECOND_STAGE_PREFIX + ctx.name)
 
         def decode(gathered, placeholder):
-            plan = ctx.plan if ctx.plan is not None else ctx.live_plan(ctx)
-            num_ranks = plan.num_ranks
+            plan = ctx.live_plan(ctx)
             start = time.perf_counter()
             total = np.zeros(plan.numel, dtype=np.float32)
             [finite] = decode_scaled(lambda: plan.decode(gathered, total), [total], refusals.pop(plan.name, None),
-                                     placeholder, num_ranks)
+                                     placeholder, plan.num_ranks)
             stats.add(decode_seconds=time.perf_counter() - start)
             return total, self._finite_flag(finite)
 
@@ -451,6 +426,29 @@ class PayloadCompressor(CompressorBase):
                                                    stateful=False, name="horovod_qsgd_decode"))
         result = tf.reshape(total, ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
+
+
+def _begin(plan, run, x, step_value, residual=None):
+    """A tensor's conduct from its gradient (a :class:`~horovod_qsgd.tensorflow.conduct.GraphConduct` begin);
+    the new residual comes out beside it."""
+    new_residual = None if residual is None else np.empty_like(residual)
+    conduct = plan.conduct(HostBuffers, x, int(step_value),
+                           None if residual is None else CarriedResidual(new_residual, residual),
+                           run.first_carried)
+    return conduct, [] if residual is None else [new_residual]
+
+
+def _begin_encoded(plan, run, x, step_value, residual=None):
+    """As :func:`_begin`, for a two-stage tensor that may yet be fused: encoded here, its own chunk out beside
+    the conduct (a fused group's conduct takes it over), which waits for its first collective."""
+    step_value = int(step_value)
+    new_residual = None if residual is None else np.empty_like(residual)
+    out = np.zeros(plan.capacity(), dtype=np.uint8)
+    own = np.empty(plan.own_numel(), dtype=np.float32)
+    splits = plan.encode(x, out, own, step_value, None if residual is None else CarriedResidual(new_residual, residual))
+    conduct = plan.conduct_encoded(HostBuffers, out[:sum(splits)], splits, own, step_value,
+                                   run.first_carried)
+    return conduct, [own] + ([] if residual is None else [new_residual])
 
 
 class QSGD(QSGDArguments, PayloadCompressor):

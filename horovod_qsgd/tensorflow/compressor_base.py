@@ -135,8 +135,8 @@ class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
     __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "plan", "own",
                  "process_set", "pending", "live_plan", "numel", "uncompressed_nbytes", "placeholder_nbytes",
-                 "owner_residual", "owner_variable", "node_ops", "residual_variable", "slices", "splits", "graph",
-                 "fused", "index", "node_input", "result")
+                 "owner_residual", "owner_variable", "node_ops", "residual_variable", "conduct", "collectives_built",
+                 "graph", "fused", "index", "node_input", "result")
 
     def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, plan=None,
                  own=None, process_set=None, pending=(), live_plan=None):
@@ -158,9 +158,11 @@ class ExchangeContext:
         # until it starts, its input (the flat gradient and, with error feedback, the residual read); once its
         # results are built, (total, finite flag)
         self.node_input = self.result = None
-        # fusion (horovod_qsgd.tensorflow.fusion): a two-stage tensor's encoded slices and splits until its
-        # alltoall is built, the graph they are in, and its fused group and place there
-        self.slices = self.splits = self.graph = self.fused = self.index = None
+        # the exchange's graph ops (horovod_qsgd.tensorflow.conduct), and whether its collectives are built:
+        # a two-stage tensor's wait for its round's end (horovod_qsgd.tensorflow.fusion), in the graph
+        # ``graph``, unless it joins a fused group (its place there: ``index``)
+        self.conduct, self.collectives_built = None, False
+        self.graph = self.fused = self.index = None
 
 
 class CompressorBase(tf.Module):

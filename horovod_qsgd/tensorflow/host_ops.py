@@ -46,26 +46,6 @@ def host_op(fn, flat, step, residual, out_dtype, op_name):
     return out, new_residual
 
 
-def payload_encoder(encode, capacity, on_encoded=None):
-    """The host function that encodes one gradient into a payload, for :func:`host_op` (QSGD, top-k).
-
-    ``encode(x, out, step, residual)`` writes into ``out`` (``capacity``
-    zeroed bytes) and returns the bytes used: an engine plan's step 1
-    (:mod:`horovod_qsgd.common.engine`), or a codec's ``encode`` with its key.
-    """
-    def encode_payload(x, step, residual):
-        start = time.perf_counter()
-        # Zeroed, not empty: the codec leaves alignment gaps between sections unwritten, and the bytes
-        # on the wire must not depend on what the allocator returned.
-        out = np.zeros(capacity, dtype=np.uint8)
-        nbytes = encode(x, out, step, residual)
-        if on_encoded is not None:
-            on_encoded(time.perf_counter() - start)
-        return out[:nbytes]
-
-    return encode_payload
-
-
 def values_gatherer(codec, key, on_gathered=None):
     """The host function that selects RandomK's values: what :func:`host_op` runs for RandomK."""
     def gather(x, step, residual):

@@ -26,8 +26,8 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
+from horovod_qsgd.common.collectives import join_host_pieces
 from horovod_qsgd.common.exchange import reduction_scale
-from horovod_qsgd.common.fusion import join_host_pieces
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
 from horovod_qsgd.common.node_aware import NodeAwareGroup, collective_names
 from horovod_qsgd.kernels import finish_sum

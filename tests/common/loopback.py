@@ -7,15 +7,6 @@ transports implement over Horovod and torch.distributed (see :mod:`horovod_qsgd.
 import numpy as np
 
 from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL
-from horovod_qsgd.common.fusion import join_host_pieces
-
-
-class Arrays:
-    """The transport's buffers: numpy arrays, which are their own codec arrays."""
-    zeros = staticmethod(lambda n, dtype: np.zeros(n, dtype))
-    empty = staticmethod(lambda n, dtype: np.empty(n, dtype))
-    array = staticmethod(lambda array: array)
-    concatenate = staticmethod(join_host_pieces)
 
 
 def deliver(collectives, sized=True):

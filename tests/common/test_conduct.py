@@ -6,14 +6,14 @@ import pytest
 
 from horovod_qsgd.codecs import QSGDCodec, TopKCodec
 from horovod_qsgd.common.chunks import chunk_unit
-from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, RefusedEarlier, conclude, drive
+from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, HostBuffers, RefusedEarlier, conclude, drive
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.exchange import refusal_notice
 from horovod_qsgd.common.fusion import FusedTwoStage
 from horovod_qsgd.common.naming import rank_key
 from horovod_qsgd.common.stats import CompressionStats
-from tests.common.loopback import Arrays, conduct_all
+from tests.common.loopback import conduct_all
 from tests.two_stage_reference import gradient, reference
 
 
@@ -36,9 +36,11 @@ def test_every_rank_decodes_the_reference_sum_from_the_collectives_it_named(exch
     owner_residuals = [np.zeros(p.own_numel(), np.float32) if feedback and exchange == "two_stage" else None
                        for p in plans]
     ours_owner = [None if o is None else o.copy() for o in owner_residuals]
-    conducts = [plan.conduct(Arrays, grads[r], step, ours[r], lambda r=r: ours_owner[r])
+    conducts = [plan.conduct(HostBuffers, grads[r], step, ours[r], lambda r=r: ours_owner[r])
                 for r, plan in enumerate(plans)]
     asked, returned = conduct_all(conducts)
+    # what a graph builds in advance (tensorflow/conduct.py) is what the conduct asks for
+    assert all([(kind, name) for kind, name, _ in asked] == plan.collectives() for plan in plans)
 
     if exchange == "allgather":
         assert asked == [(ALLGATHER, "horovod_qsgd.payload.w", True)]
@@ -74,7 +76,7 @@ def test_a_mismatched_slice_is_refused_on_every_rank_after_the_last_collective()
         codec = QSGDCodec(bits=4 if rank == 2 else 8, bucket_size=128)
         plans.append(PayloadEngine(codec, codec, "two_stage", CompressionStats()).plan("w", numel, num_ranks, rank,
                                                                                         4 * numel, 0))
-    conducts = [p.conduct(Arrays, gradient(r, numel), 0) for r, p in enumerate(plans)]
+    conducts = [p.conduct(HostBuffers, gradient(r, numel), 0) for r, p in enumerate(plans)]
     asked, returned = conduct_all(conducts, sized=False)  # the slices' sizes differ, as Horovod carries them
     assert [kind for kind, _, _ in asked] == [ALLTOALL, ALLGATHER]
     for rank, (gathered, refusal) in enumerate(returned):
@@ -95,7 +97,7 @@ def test_drive_runs_a_conduct_to_its_end_through_one_function():
     def run(collective):
         seen.append(collective.kind)
         return np.asarray(collective.send)
-    gathered, refusal = drive(plan.conduct(Arrays, gradient(0, 1000), 0), run)
+    gathered, refusal = drive(plan.conduct(HostBuffers, gradient(0, 1000), 0), run)
     total = np.zeros(1000, np.float32)
     plan.decode(gathered, total)
     assert seen == [ALLGATHER] and refusal is None
@@ -116,7 +118,7 @@ def _fused_conducts(codec, sizes, num_ranks, step):
             splits.append(member_splits)
             owns.append(own)
         fused = FusedTwoStage(members)
-        conducts.append(fused.conduct(Arrays, "group1", slices, splits, owns, [step] * len(sizes),
+        conducts.append(fused.conduct(HostBuffers, "group1", slices, splits, owns, [step] * len(sizes),
                                       lambda n=len(sizes): [None] * n))
         plans.append(fused)
     return conducts, plans
@@ -129,6 +131,7 @@ def test_a_fused_group_is_conducted_to_the_sums_of_its_members_alone(num_ranks):
     asked, returned = conduct_all(conducts, sized=False)
     assert asked == [(ALLTOALL, "horovod_qsgd.payload.group1", False),
                      (ALLGATHER, "horovod_qsgd.sum.group1", True)]
+    assert [(kind, name) for kind, name, _ in asked] == FusedTwoStage.collectives("group1")
     for group, (gathered, refusal) in zip(groups, returned):
         assert refusal is None
         outs = [np.zeros(n, np.float32) for n in sizes]

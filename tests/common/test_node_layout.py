@@ -158,7 +158,8 @@ def _node_aware_results(codec, numels, grads, nodes, local_size, fused, spoil=No
     from horovod_qsgd.common.engine import PayloadEngine
     from horovod_qsgd.common.node_aware import NodeAwareGroup
     from horovod_qsgd.common.stats import CompressionStats
-    from tests.common.loopback import Arrays, conduct_all
+    from horovod_qsgd.common.collectives import HostBuffers
+    from tests.common.loopback import conduct_all
     groups, conducts = [], []
     for rank in range(nodes * local_size):
         engine = PayloadEngine(codec, codec, "node_aware", CompressionStats())
@@ -172,7 +173,7 @@ def _node_aware_results(codec, numels, grads, nodes, local_size, fused, spoil=No
             padded[:plan.numel] = grad[:plan.numel]
             rows.append(padded.reshape(local_size, plan.shard))
         none = [None] * len(plans)
-        conducts.append(group.conduct(Arrays, plans[0].collective_names, np.concatenate(rows, axis=1).reshape(-1),
+        conducts.append(group.conduct(HostBuffers, plans[0].collective_names, np.concatenate(rows, axis=1).reshape(-1),
                                       [1] * len(plans), none, none))
         groups.append(group)
     asked, returned = conduct_all(conducts, sized=False)

@@ -5,11 +5,11 @@ import pytest
 
 from horovod_qsgd.codecs import QSGDCodec, TopKCodec
 from horovod_qsgd.common.chunks import chunk_bounds, chunk_unit
-from horovod_qsgd.common.collectives import ALLTOALL
+from horovod_qsgd.common.collectives import ALLTOALL, HostBuffers
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.reduce_scatter import ReduceScatterPlan, RowLayout
 from horovod_qsgd.common.stats import CompressionStats
-from tests.common.loopback import Arrays, conduct_all
+from tests.common.loopback import conduct_all
 from tests.reduce_scatter_reference import reduce_scatter_reference, stage, staged
 
 PIECES = [1000, 7, 300]  # a weight's shard, a bias's, another weight's: none a multiple of 128
@@ -39,7 +39,7 @@ def test_every_owner_gets_the_codecs_alone_sum_of_its_row(codec, num_ranks):
         xs = [stage(np.random.default_rng(100 * r + step).standard_normal((num_ranks, sum(PIECES)))
                     .astype(np.float32), PIECES, unit) for r in range(num_ranks)]
         ours = [None if r is None else r.copy() for r in residuals]
-        asked, returned = conduct_all([plan.conduct(Arrays, xs[r], step, ours[r]) for r, plan in enumerate(plans)])
+        asked, returned = conduct_all([plan.conduct(HostBuffers, xs[r], step, ours[r]) for r, plan in enumerate(plans)])
         assert asked == [(ALLTOALL, "horovod_qsgd.payload.fsdp.layer0", True)]
         expected = reduce_scatter_reference(codec, name, xs, step, residuals if feedback else None)
         for rank, (total, refusal) in enumerate(returned):
@@ -61,7 +61,7 @@ def test_a_sender_with_other_settings_is_refused_by_every_rank():
     row_numel = staged(PIECES, 128)[1]
     plans = [ReduceScatterPlan(c, "w", row_numel, 3, r, CompressionStats(), 0) for r, c in enumerate(codecs)]
     xs = [np.ones(3 * row_numel, np.float32)] * 3
-    _, returned = conduct_all([p.conduct(Arrays, xs[r], 0) for r, p in enumerate(plans)], sized=False)
+    _, returned = conduct_all([p.conduct(HostBuffers, xs[r], 0) for r, p in enumerate(plans)], sized=False)
     for rank, (_, refusal) in enumerate(returned):
         assert isinstance(refusal, CompressionMismatchError), rank
         assert "'w'" in str(refusal)

@@ -211,7 +211,8 @@ class _Member:
 
 
 def budget_case(model, shapes, codec, thresholds, label=None):
-    from horovod_qsgd.common.fusion import FusedAllgather, join_host_pieces, pack
+    from horovod_qsgd.common.collectives import join_host_pieces
+    from horovod_qsgd.common.fusion import FusedAllgather, pack
     from horovod_qsgd.testdata.model_shapes import compressed
     real = compressed(shapes)
     rng = np.random.default_rng(5)

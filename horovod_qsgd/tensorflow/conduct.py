@@ -1,0 +1,204 @@
+"""An exchange's conduct (:mod:`horovod_qsgd.common.collectives`) run by a TensorFlow graph.
+
+A TensorFlow step is a graph built before it runs: each collective is a Horovod op placed when the
+function is traced, and the steps between the collectives run in host ops (``tf.numpy_function``) when
+the graph runs. An exchange states its collectives in advance (its ``collectives()``: kind and name, in
+order), and :class:`GraphConduct` builds:
+
+1. ``start``: a host op that starts the conduct and runs it to its first collective;
+2. ``run_collectives``: each collective's Horovod op, and after each but the last a host op that sends
+   the conduct what arrived and runs it to the next one;
+3. ``finish``: a host op that sends the conduct what the last one received and decodes the result.
+
+Between its host ops a conduct waits in a table, under a token that each op hands to the next: two
+runs of one graph never meet, and a step abandoned halfway (an error in another op) leaves one conduct
+behind, dropped when the table grows past a few. Which exchange it is never enters here: the adapter
+says how to start it, what its first resumed step reads and writes besides what arrived (owner-side
+residuals) and how its result is decoded.
+"""
+import itertools
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from horovod_qsgd.common.collectives import ALLTOALL, conclude
+from horovod_qsgd.kernels import CarriedResidual
+from horovod_qsgd.tensorflow import hvd_join
+from horovod_qsgd.tensorflow.compressor_base import decode_scaled, op_name
+
+_LIVE_LIMIT = 8  # conducts kept waiting per site: more means steps were abandoned halfway
+
+
+class ConductRun:
+    """One run of a site's exchange, between its host ops: the conduct and the residuals its resumed step
+    carries (what a ``begin`` hands the conduct as its owner-side residuals)."""
+    __slots__ = ("conduct", "carried")
+
+    def __init__(self):
+        self.conduct, self.carried = None, None
+
+    def carried_residuals(self):
+        """[CarriedResidual]: the carried values of the step running now, each read as it is and written anew."""
+        return list(self.carried or [])
+
+    def first_carried(self):
+        """The first of :meth:`carried_residuals`, or None (a plan's ``owner_residual`` function)."""
+        return self.carried[0] if self.carried else None
+
+
+class GraphConduct:
+    """The graph ops of one site's exchange: a tensor's, or a fused group's.
+
+    ``collectives``: [(kind, name)] in order, as the exchange states them; ``first_payload``: the first
+    collective carries the tensor's first payload of the step (hvd.join() refuses there, see
+    :mod:`horovod_qsgd.tensorflow.hvd_join`); ``on_collective(index, collective)``: counts what the
+    statistics need besides what the exchange's own steps count.
+    """
+
+    def __init__(self, collectives, process_set, stats, first_payload=True, on_collective=None):
+        self.collectives = [(kind, op_name(name)) for kind, name in collectives]
+        self.process_set, self.stats = process_set, stats
+        self.first_payload, self.on_collective = first_payload, on_collective
+        self._lock = threading.Lock()
+        self._waiting = {}
+        self._tokens = itertools.count(1)
+        # the graph tensors of the step built so far: the token and what the next collective sends
+        self.token = self.send = self.splits = self.received = None
+        self._received_splits = None
+
+    # -- the runs between host ops --------------------------------------------------------------
+    def _park(self, run):
+        with self._lock:
+            token = next(self._tokens)
+            self._waiting[token] = run
+            while len(self._waiting) > _LIVE_LIMIT:
+                del self._waiting[next(iter(self._waiting))]
+        return np.int64(token)
+
+    def _take(self, token):
+        with self._lock:
+            return self._waiting.pop(int(token))
+
+    def discard(self, token):
+        """Drops the run of ``token`` (a tensor that joined a fused group, whose conduct takes over)."""
+        with self._lock:
+            self._waiting.pop(int(token), None)
+
+    def _advance(self, run, index, received, seconds_from):
+        """Runs ``run``'s conduct from collective ``index - 1``'s arrival to collective ``index``; parks it."""
+        if index > 0:
+            hvd_join.sending(self.collectives[index][1], first=False)  # never raises mid-step: see hvd_join
+        collective = next(run.conduct) if index == 0 else run.conduct.send(received)
+        if (collective.kind, op_name(collective.name)) != self.collectives[index]:
+            raise RuntimeError(f"horovod_qsgd: an exchange asked for {collective.kind} {collective.name!r} where it "
+                               f"stated {self.collectives[index]}")
+        if self.on_collective is not None:
+            self.on_collective(index, collective)
+        self.stats.add(collectives_started=1, encode_seconds=time.perf_counter() - seconds_from)
+        splits = collective.splits if collective.kind == ALLTOALL else []
+        return collective, [self._park(run), np.asarray(collective.send), np.asarray(splits, np.int32)]
+
+    # -- the graph ------------------------------------------------------------------------------
+    def start(self, begin, inputs, extra_dtypes=(), name="horovod_qsgd_encode"):
+        """Step 1: one host op that calls ``begin(run, *arrays)`` on ``inputs``' values, which returns (the
+        conduct, [arrays of ``extra_dtypes``]), and runs the conduct to its first collective. Returns the
+        extra outputs (e.g. the new residual)."""
+        def start_host(*arrays):
+            hvd_join.sending(self.collectives[0][1], first=self.first_payload)
+            started = time.perf_counter()
+            run = ConductRun()
+            run.conduct, extra = begin(run, *arrays)
+            _, outputs = self._advance(run, 0, None, started)
+            return outputs + list(extra)
+
+        outputs = tf.numpy_function(start_host, list(inputs), [tf.int64, tf.uint8, tf.int32] + list(extra_dtypes),
+                                    stateful=False, name=name)
+        self._note_outputs(outputs[:3])
+        return list(outputs[3:])
+
+    def _note_outputs(self, outputs):
+        self.token, self.send, self.splits = outputs
+        self.token.set_shape([])
+        self.send.set_shape([None])
+        self.splits.set_shape([None])
+
+    def _collective(self, index):
+        kind, name = self.collectives[index]
+        if kind == ALLTOALL:
+            self.received, self._received_splits = hvd.alltoall(self.send, splits=self.splits, name=name,
+                                                                ignore_name_scope=True,
+                                                                process_set=self.process_set)
+        else:
+            self.received = hvd.allgather(self.send, name=name, ignore_name_scope=True, process_set=self.process_set)
+            self._received_splits = None
+        hvd_join.note_payload_collective(kind, name, self.process_set)
+
+    def _arrival(self):
+        """The inputs that carry what the last collective built received, and how to hand it to a conduct."""
+        if self._received_splits is None:
+            return [self.received], lambda received: received
+        return [self.received, self._received_splits], lambda received, splits: (received, splits.tolist())
+
+    def run_collectives(self, carried=()):
+        """Step 2: every collective, and between them the host ops that resume the conduct. ``carried``:
+        tensors (owner-side residuals) that the first resumed step reads, handed to the conduct as
+        :class:`CarriedResidual`\\ s through its run (``run.carried_residuals()``); returns their values after
+        the step: written anew, or as they were where nothing was encoded into them (a refusal)."""
+        carried = list(carried)
+        new_values = []
+        self._collective(0)
+        for index in range(1, len(self.collectives)):
+            arrival_inputs, arrival = self._arrival()
+            count = len(arrival_inputs)
+            with_carried = carried if index == 1 else []
+
+            def resume_host(token, *arrays, index=index, with_carried=with_carried):
+                started = time.perf_counter()
+                run = self._take(token)
+                olds = arrays[count:]
+                news = [np.empty_like(old) for old in olds]
+                run.carried = [CarriedResidual(new, old) for new, old in zip(news, olds)]
+                collective, outputs = self._advance(run, index, arrival(*arrays[:count]), started)
+                run.carried = None
+                if collective.refusal is not None:
+                    news = list(olds)  # nothing was encoded
+                return outputs + news
+
+            outputs = tf.numpy_function(resume_host, [self.token] + arrival_inputs + with_carried,
+                                        [tf.int64, tf.uint8, tf.int32] + [tf.float32] * len(with_carried),
+                                        stateful=False, name="horovod_qsgd_encode_sum")
+            self._note_outputs(outputs[:3])
+            for value, new in zip(with_carried, outputs[3:]):
+                new.set_shape(value.shape)
+                new_values.append(new)
+            self._collective(index)
+        return new_values
+
+    def finish(self, decode, placeholder, numels, num_ranks, finite_flag, name="horovod_qsgd_decode"):
+        """Step 3: one host op that takes the conduct's result and, unless it refused, ``decode(gathered,
+        totals)`` into zeroed float32 ``totals`` of ``numels``; they are scaled as the allreduced
+        ``placeholder`` says. Returns [(total, finite flag)] per total."""
+        arrival_inputs, arrival = self._arrival()
+        count, stats = len(arrival_inputs), self.stats
+
+        def finish_host(token, *arrays):
+            run = self._take(token)
+            gathered, refusal = conclude(run.conduct, arrival(*arrays[:count]))
+            started = time.perf_counter()
+            totals = [np.zeros(numel, np.float32) for numel in numels]
+            finite = decode_scaled(lambda: decode(gathered, totals), totals, refusal, arrays[count], num_ranks)
+            stats.add(decode_seconds=time.perf_counter() - started)
+            return totals + [finite_flag(flag) for flag in finite]
+
+        outputs = tf.numpy_function(finish_host, [self.token] + arrival_inputs + [placeholder],
+                                    [tf.float32] * len(numels) + [tf.bool] * len(numels), stateful=False, name=name)
+        if not isinstance(outputs, (list, tuple)):
+            outputs = [outputs]
+        for total, numel in zip(outputs, numels):
+            total.set_shape([numel])
+        for finite in outputs[len(numels):]:
+            finite.set_shape([])
+        return list(zip(outputs[:len(numels)], outputs[len(numels):]))
