@@ -45,6 +45,7 @@ TENSORFLOW_SETTINGS = {
     "qsgd4-auto-grouped": ("QSGD", dict(bits=4, bucket_size=128, exchange="auto", min_numel=1000), 1),
     "qsgd4-two_stage-unfused": ("QSGD", dict(bits=4, bucket_size=128, exchange="two_stage", fusion_threshold=0,
                                             min_numel=1000), 0),
+    "qsgd4-two_stage": ("QSGD", dict(bits=4, bucket_size=128, exchange="two_stage", min_numel=1000), 0),
     "topk-two_stage": ("TopK", dict(ratio=0.05, exchange="two_stage", min_numel=1000), 0),
     "topk-two_stage-grouped": ("TopK", dict(ratio=0.05, exchange="two_stage", min_numel=1000), 1),
     "topk-allgather": ("TopK", dict(ratio=0.05, exchange="allgather", min_numel=1000), 0),
