@@ -255,49 +255,6 @@ class PayloadCompressor(CompressorBase):
             if owner_vars is not None:
                 member.pending.append((owner_vars[index], node_ops.new_owner_residuals[index]))
 
-    def _second_stage(self, ctx, plan_of, owner_var, owner_residual, collective_name):
-        """The owner's re-encoded sum, allgathered (TensorFlow's executor orders the collectives).
-
-        ``plan_of()`` gives the plan when the host op runs; in an elastic job
-        it may be an allgather plan, whose payload passes as it is.
-        ``owner_residual`` is the owner-side residual going in (None without
-        error feedback); its new value, for ``owner_var``, joins ``ctx.pending``.
-        """
-        stats, refusals = self._runtime.stats, self._runtime.refusals
-
-        def sum_and_encode(received, own, step_value, owner_residual=None):
-            plan = plan_of()
-            if plan.kind != "two_stage":
-                return received if owner_residual is None else (received, owner_residual)
-            hvd_join.sending(op_name(collective_name), first=False)  # never raises mid-step: see hvd_join
-            start = time.perf_counter()
-            total = np.array(own, dtype=np.float32)
-            new_owner = None if owner_residual is None else np.empty_like(owner_residual)
-            out = np.zeros(plan.owned_capacity(), dtype=np.uint8)
-            carried = None if new_owner is None else CarriedResidual(new_owner, owner_residual)
-            used, refusal = plan.sum_and_encode(received, total, out, int(step_value), carried)
-            if refusal is not None:
-                refusals[plan.name] = refusal  # raised by this tensor's decode, after the allgather
-                new_owner = owner_residual  # nothing was encoded
-            stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-            return out[:used] if owner_residual is None else (out[:used], new_owner)
-
-        if owner_var is None:
-            payload = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step], tf.uint8,
-                                        stateful=False, name="horovod_qsgd_encode_sum")
-        else:
-            payload, new_owner = tf.numpy_function(sum_and_encode, [ctx.gathered, ctx.own, ctx.step, owner_residual],
-                                                   [tf.uint8, tf.float32], stateful=False,
-                                                   name="horovod_qsgd_encode_sum")
-            new_owner.set_shape(owner_var.shape)
-            ctx.pending.append((owner_var, new_owner))
-        payload.set_shape([None])
-        gathered = hvd.allgather(payload, name=op_name(collective_name), ignore_name_scope=True,
-                                 process_set=ctx.process_set)
-        if ctx.live_plan is None:  # an elastic job's collectives follow the world: not answered by hvd.join()
-            hvd_join.note_payload_collective("allgather", op_name(collective_name), ctx.process_set)
-        return gathered
-
     # -- Horovod Elastic: one traced function, worlds of any size ------------------------------
     # Horovod Elastic resets the ranks under a tf.function traced once, so the graph cannot hold a plan: every
     # tensor takes "an alltoall if the plan has two stages, then an allgather", and the host ops make the plan
@@ -409,9 +366,41 @@ class PayloadCompressor(CompressorBase):
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
 
     def _decompress_in_any_world(self, tensor, ctx):
+        """The owner's re-encoded sum allgathered where the plan of the world the ops run in has two stages
+        (else the allgather's payloads pass as they are), and the result decoded."""
         stats, refusals = self._runtime.stats, self._runtime.refusals
-        gathered = self._second_stage(ctx, lambda: ctx.live_plan(ctx), ctx.owner_variable, ctx.owner_residual,
-                                      SECOND_STAGE_PREFIX + ctx.name)
+        collective_name = op_name(SECOND_STAGE_PREFIX + ctx.name)
+
+        def sum_and_encode(received, own, step_value, owner_residual=None):
+            plan = ctx.live_plan(ctx)
+            if plan.kind != "two_stage":
+                return received if owner_residual is None else (received, owner_residual)
+            hvd_join.sending(collective_name, first=False)  # never raises mid-step: see hvd_join
+            start = time.perf_counter()
+            total = np.array(own, dtype=np.float32)
+            new_owner = None if owner_residual is None else np.empty_like(owner_residual)
+            out = np.zeros(plan.owned_capacity(), dtype=np.uint8)
+            carried = None if new_owner is None else CarriedResidual(new_owner, owner_residual)
+            used, refusal = plan.sum_and_encode(received, total, out, int(step_value), carried)
+            if refusal is not None:
+                refusals[plan.name] = refusal  # raised by this tensor's decode, after the allgather
+                new_owner = owner_residual  # nothing was encoded
+            stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
+            return out[:used] if owner_residual is None else (out[:used], new_owner)
+
+        inputs = [ctx.gathered, ctx.own, ctx.step]
+        if ctx.owner_variable is None:
+            payload = tf.numpy_function(sum_and_encode, inputs, tf.uint8, stateful=False,
+                                        name="horovod_qsgd_encode_sum")
+        else:
+            payload, new_owner = tf.numpy_function(sum_and_encode, inputs + [ctx.owner_residual],
+                                                   [tf.uint8, tf.float32], stateful=False,
+                                                   name="horovod_qsgd_encode_sum")
+            new_owner.set_shape(ctx.owner_variable.shape)
+            ctx.pending.append((ctx.owner_variable, new_owner))
+        payload.set_shape([None])
+        # not noted for hvd.join(): an elastic job's collectives follow the world
+        gathered = hvd.allgather(payload, name=collective_name, ignore_name_scope=True, process_set=ctx.process_set)
 
         def decode(gathered, placeholder):
             plan = ctx.live_plan(ctx)

@@ -144,8 +144,8 @@ class ExchangeContext:
         self.gathered, self.step, self.step_variable = gathered, step, step_variable
         # [(state variable, its value after this step)], assigned by _settle() if the result is finite
         self.pending = list(pending)
-        # the engine's plan (horovod_qsgd.common.engine); with two stages gathered holds the first stage's
-        # received slices, own this rank's own chunk
+        # the engine's plan (horovod_qsgd.common.engine); own: a two-stage tensor's own chunk until its fused
+        # group takes it (and, in an elastic job, gathered: what its first stage received)
         self.plan, self.own, self.process_set = plan, own, process_set
         # in an elastic job: plan is None and live_plan(ctx) makes the plan of the world the ops run in, for
         # numel elements; owner_residual is the owner residual after the first stage's spill, owner_variable
