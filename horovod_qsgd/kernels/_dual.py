@@ -184,7 +184,7 @@ def _retarget(fn):
             g[name] = cuda_twin(val)
     if _simulated():
         from . import _simulator
-        g["cuda"] = _simulator.kernel_cuda_module()
+        _simulator.bind_kernel_globals(g)
     else:
         g["cuda"] = _cuda()
     return types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)

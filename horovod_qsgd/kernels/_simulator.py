@@ -8,13 +8,17 @@ The simulator runs a block's threads as Python threads, and two of its helpers a
 * a device function, at every call, swaps ``cuda`` in its globals for the launch's fake module and puts the
   real one back on return: a thread that returns first does so under another thread still inside, whose next
   ``cuda.syncthreads()`` fails.
+* that swap iterates the function's globals, and the first warning a function's code raises (numpy's uint64
+  wraparound in our hashes, even when ignored) adds ``__warningregistry__`` to them: a thread entering the
+  function meanwhile fails with "dictionary changed size during iteration" (CI, 2026-11-28).
 
 Both windows are a few bytecodes wide; the shorter the interpreter's switch interval (the simulator runs set
 0.2 ms, scripts/gpu_compile_check.py) and the busier the machine, the more often a thread is switched inside
 one: CI saw a random mismatch of scripts/cuda_check.py against the CPU. The shared arrays get a lock (one
 lookup per array and thread); our kernels see ``cuda`` as a stand-in, which the simulator leaves
 alone and which always means the running launch's module (a lock around every device call instead made the
-simulator runs several times slower). Nothing here touches what a GPU runs.
+simulator runs several times slower); their globals hold a warning registry from the start. Nothing here
+touches what a GPU runs.
 """
 
 import sys
@@ -38,8 +42,14 @@ class _LaunchCuda:
         return getattr(self._kernel._kernel_context, name)
 
 
+def bind_kernel_globals(kernel_globals):
+    """Readies a retargeted kernel's own globals for the simulator's threads; makes its shared arrays safe."""
+    kernel_globals["cuda"] = kernel_cuda_module()
+    kernel_globals.setdefault("__warningregistry__", {})
+
+
 def kernel_cuda_module():
-    """What ``cuda`` is bound to in our kernels' globals under the simulator; makes its shared arrays safe."""
+    """What ``cuda`` is bound to in our kernels' globals under the simulator."""
     global _launch_cuda
     if _launch_cuda is None:
         from numba.cuda.simulator import kernelapi
