@@ -16,8 +16,9 @@ and bytes sent: two revisions with equal digests put the same bytes on the
 wire, in the same order per collective, and trained to the same bits.
 Horovod's own fusion is off (``HOROVOD_FUSION_THRESHOLD=0``, see ``_launch``).
 
-The DDP node-aware settings set ``GROUP_RANK`` to ``rank // 2`` before the
-first bucket, so that ranks 0-1 and 2-3 are two "nodes" (``--ranks 4``).
+The node-aware settings run 4 ranks as two "nodes" of two (``3nodes``: 6 ranks, three nodes, where the
+exchange between nodes takes two stages): the DDP hooks' set ``GROUP_RANK`` to ``rank // 2`` before the
+first bucket, TensorFlow's have Horovod report that layout (``hvd.local_rank()`` and the like).
 Prints the JSON record; ``--out`` writes it too. Run it at two revisions
 (a ``git worktree`` of the older one) and compare the files.
 """
@@ -49,6 +50,11 @@ TENSORFLOW_SETTINGS = {
     "topk-two_stage": ("TopK", dict(ratio=0.05, exchange="two_stage", min_numel=1000), 0),
     "topk-two_stage-grouped": ("TopK", dict(ratio=0.05, exchange="two_stage", min_numel=1000), 1),
     "topk-allgather": ("TopK", dict(ratio=0.05, exchange="allgather", min_numel=1000), 0),
+    "qsgd4-node_aware-grouped": ("QSGD", dict(bits=4, bucket_size=128, exchange="node_aware", min_numel=1000), 1),
+    "topk-node_aware-unfused": ("TopK", dict(ratio=0.05, exchange="node_aware", error_feedback=True,
+                                             fusion_threshold=0, min_numel=1000), 0),
+    "topk-node_aware-grouped-3nodes": ("TopK", dict(ratio=0.05, exchange="node_aware", error_feedback=True,
+                                                    min_numel=1000), 1),
 }
 HOROVOD_SETTINGS = {
     "qsgd4-auto": ("QSGD", dict(bits=4, bucket_size=128, exchange="auto", min_numel=1000)),
@@ -172,6 +178,10 @@ def _tensorflow_worker(setting, steps, out):
     import horovod.tensorflow as hvd
     import horovod_qsgd.tensorflow as qtf
     hvd.init()
+    if "node_aware" in setting:  # two ranks per "node", numbered node by node
+        size, rank = hvd.size(), hvd.rank()
+        hvd.local_rank, hvd.local_size = (lambda: rank % 2), (lambda: 2)
+        hvd.cross_rank, hvd.cross_size = (lambda: rank // 2), (lambda: size // 2)
     log = _Log()
     real_allgather, real_alltoall = hvd.allgather, hvd.alltoall
 
@@ -194,7 +204,8 @@ def _tensorflow_worker(setting, steps, out):
     hvd.allgather, hvd.alltoall = allgather, alltoall
     cls, kwargs, num_groups = TENSORFLOW_SETTINGS[setting]
     rng = np.random.default_rng(0)
-    shapes = [(96, 256), (256,), (256, 192), (192,), (192, 80), (80,)]
+    width = 1400 if setting.endswith("3nodes") else 256  # 3nodes: shards large enough for two stages between nodes
+    shapes = [(96, width), (width,), (width, 192), (192,), (192, 80), (80,)]
     weights = [tf.Variable(rng.standard_normal(shape).astype(np.float32) * 0.05, name=f"w{i}")
                for i, shape in enumerate(shapes)]
     compression = getattr(qtf, cls)(**kwargs)
@@ -265,7 +276,7 @@ def main():
         for adapter, settings in (("ddp", DDP_SETTINGS), ("horovod", HOROVOD_SETTINGS),
                                   ("tensorflow", TENSORFLOW_SETTINGS)):
             for setting in settings:
-                ranks = 4 if setting.endswith("node_aware") else 3
+                ranks = 6 if setting.endswith("3nodes") else 4 if "node_aware" in setting else 3
                 if args.only and args.only not in f"{adapter} {setting}":
                     continue
                 record["runs"][f"{adapter} {setting} x{ranks}"] = _launch(adapter, setting, ranks, args.steps, tmp)
