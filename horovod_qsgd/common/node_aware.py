@@ -308,11 +308,9 @@ class NodeAwareGroup:
 
         ``names``: the collectives' names (:func:`collective_names`, or a fused group's); ``rows``: step 1's
         flat float32 send (the adapter's tensor): for each rank of the node, the tag and every member's shard
-        for it; ``steps``, ``residuals``: each member's RNG step and, with error feedback, its shard residual
-        as the codec takes it (else None); ``owner_residuals``: None, or a function called once step 2's slices
-        arrived (two stages between nodes) that returns each member's owner residual as the codec takes it (or
-        None). Returns (each member's L decoded shards, float32, or None; None, or the error every rank of the
-        node raises).
+        for it; ``steps``, ``residuals``, ``owner_residuals``: each member's RNG step and, with error feedback,
+        its shard residual and owner residual as the codec takes them (else None). Returns (each member's L
+        decoded shards, float32, or None; None, or the error every rank of the node raises).
         """
         received, received_splits = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[0], rows,
                                                      splits=self.in_node_splits())
@@ -336,9 +334,8 @@ class NodeAwareGroup:
                 pieces, counts = self.refuse_between_nodes(second_stage=True)
             else:
                 outs = [transport.zeros(plan.cross.owned_capacity(), "uint8") for plan in self.plans]
-                owners = [None] * len(self.plans) if owner_residuals is None else owner_residuals()
                 pieces, counts, error = self.sum_between_nodes(arrays(received), [arrays(o) for o in owns],
-                                                               [arrays(o) for o in outs], steps, owners)
+                                                               [arrays(o) for o in outs], steps, owner_residuals)
             del owns
             received, _ = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[2], transport.concatenate(pieces, outs),
                                            splits=self.cross_splits(counts))
@@ -351,12 +348,6 @@ class NodeAwareGroup:
         sums = [transport.zeros(self.layout.local_size * plan.shard, "float32") for plan in self.plans]
         error = self.decode_node(arrays(gathered), gathered_splits, [arrays(s) for s in sums])
         return (None, error) if error is not None else (sums, None)
-
-    def collectives(self, names):
-        """[(kind, name, dtype)] of the collectives :meth:`conduct` yields under ``names``, in order (for a graph
-        built in advance): step 1 sends float32 rows, the others bytes."""
-        steps = [0, 1, 2, 3] if self.kind == "two_stage" else [0, 1, 3]
-        return [(ALLTOALL, PAYLOAD_PREFIX + names[i], "float32" if i == 0 else "uint8") for i in steps]
 
     def in_node_width(self):
         """Floats of step 1's row to each rank of the node (the tag, then every member's shard)."""

@@ -215,20 +215,14 @@ class PayloadCompressor(CompressorBase):
         return ctx
 
     def _start_node_aware(self, members, name):
-        """The collectives of the members' exchange, alone (``name`` None: one tensor) or fused as ``name``;
-        their owner residuals' new values join their ``pending``."""
-        node_ops = NodeAwareOps([m.plan for m in members], name, self._runtime.stats, self._finite_flag,
-                                self.error_feedback)
+        """Steps 1 and 2 of the members' exchange, alone (``name`` None: one tensor) or fused as ``name``."""
+        node_ops = NodeAwareOps([m.plan for m in members], name, self._runtime.stats, self._runtime.refusals,
+                                self._finite_flag, self.error_feedback)
         residuals = [m.node_input[1] for m in members] if self.error_feedback else None
-        owner_vars = None
-        if self.error_feedback and node_ops.group.kind == "two_stage":
-            owner_vars = [self._owner_residual_variable(m.plan) for m in members]
-        node_ops.start([m.node_input[0] for m in members], [m.step for m in members], residuals,
-                       None if owner_vars is None else [var.read_value() for var in owner_vars])
-        for index, member in enumerate(members):
+        node_ops.start([m.node_input[0] for m in members], [m.step for m in members], residuals)
+        hvd_join.note_unanswerable_collective()  # hvd.join() cannot answer a node's alltoalls by name
+        for member in members:
             member.node_ops, member.node_input = node_ops, None
-            if owner_vars is not None:
-                member.pending.append((owner_vars[index], node_ops.new_owner_residuals[index]))
         return node_ops
 
     def _end_node_round(self, ctx, placeholder):
@@ -248,11 +242,18 @@ class PayloadCompressor(CompressorBase):
             self._node_aware_results(self._start_node_aware(group, name), group, placeholder)
 
     def _node_aware_results(self, node_ops, members, placeholder):
-        """The members' results: each member's (total, finite flag) and its new residual."""
-        for member, (total, finite, residual) in zip(members, node_ops.results(placeholder)):
+        """Steps 3-4 of the members' exchange: each member's (total, finite flag) and state updates."""
+        owner_vars = None
+        if self.error_feedback and node_ops.group.kind == "two_stage":
+            owner_vars = [self._owner_residual_variable(m.plan) for m in members]
+        results = node_ops.results(placeholder, [m.step for m in members],
+                                   None if owner_vars is None else [var.read_value() for var in owner_vars])
+        for index, (member, (total, finite, residual)) in enumerate(zip(members, results)):
             member.result = (total, finite)
             if residual is not None:
                 member.pending.append((member.residual_variable, residual))
+            if owner_vars is not None:
+                member.pending.append((owner_vars[index], node_ops.new_owner_residuals[index]))
 
     # -- Horovod Elastic: one traced function, worlds of any size ------------------------------
     # Horovod Elastic resets the ranks under a tf.function traced once, so the graph cannot hold a plan: every

@@ -33,13 +33,12 @@ _LIVE_LIMIT = 8  # conducts kept waiting per site: more means steps were abandon
 
 
 class ConductRun:
-    """One run of a site's exchange, between its host ops: the conduct, the residuals its resumed step
-    carries (what a ``begin`` hands the conduct as its owner-side residuals) and what the adapter keeps for
-    the run's last host op (``kept``)."""
-    __slots__ = ("conduct", "carried", "kept")
+    """One run of a site's exchange, between its host ops: the conduct and the residuals its resumed step
+    carries (what a ``begin`` hands the conduct as its owner-side residuals)."""
+    __slots__ = ("conduct", "carried")
 
     def __init__(self):
-        self.conduct, self.carried, self.kept = None, None, None
+        self.conduct, self.carried = None, None
 
     def carried_residuals(self):
         """[CarriedResidual]: the carried values of the step running now, each read as it is and written anew."""
@@ -53,19 +52,16 @@ class ConductRun:
 class GraphConduct:
     """The graph ops of one site's exchange: a tensor's, or a fused group's.
 
-    ``collectives``: [(kind, name)] in order, as the exchange states them, or (kind, name, dtype) where a
-    collective sends other elements than bytes; ``first_payload``: the first collective carries the tensor's
-    first payload of the step (hvd.join() refuses there, see :mod:`horovod_qsgd.tensorflow.hvd_join`);
-    ``answerable=False``: hvd.join() cannot answer these collectives by name (node-aware: global alltoalls
-    whose peers differ by rank); ``on_collective(index, collective)``: counts what the statistics need
-    besides what the exchange's own steps count.
+    ``collectives``: [(kind, name)] in order, as the exchange states them; ``first_payload``: the first
+    collective carries the tensor's first payload of the step (hvd.join() refuses there, see
+    :mod:`horovod_qsgd.tensorflow.hvd_join`); ``on_collective(index, collective)``: counts what the
+    statistics need besides what the exchange's own steps count.
     """
 
-    def __init__(self, collectives, process_set, stats, first_payload=True, answerable=True, on_collective=None):
-        self.collectives = [(stated[0], op_name(stated[1])) for stated in collectives]
-        self.send_dtypes = [tf.as_dtype(stated[2] if len(stated) > 2 else "uint8") for stated in collectives]
+    def __init__(self, collectives, process_set, stats, first_payload=True, on_collective=None):
+        self.collectives = [(kind, op_name(name)) for kind, name in collectives]
         self.process_set, self.stats = process_set, stats
-        self.first_payload, self.answerable, self.on_collective = first_payload, answerable, on_collective
+        self.first_payload, self.on_collective = first_payload, on_collective
         self._lock = threading.Lock()
         self._waiting = {}
         self._tokens = itertools.count(1)
@@ -93,7 +89,7 @@ class GraphConduct:
 
     def _advance(self, run, index, received, seconds_from):
         """Runs ``run``'s conduct from collective ``index - 1``'s arrival to collective ``index``; parks it."""
-        if index > 0 and self.answerable:
+        if index > 0:
             hvd_join.sending(self.collectives[index][1], first=False)  # never raises mid-step: see hvd_join
         collective = next(run.conduct) if index == 0 else run.conduct.send(received)
         if (collective.kind, op_name(collective.name)) != self.collectives[index]:
@@ -111,22 +107,17 @@ class GraphConduct:
         conduct, [arrays of ``extra_dtypes``]), and runs the conduct to its first collective. Returns the
         extra outputs (e.g. the new residual)."""
         def start_host(*arrays):
-            if self.answerable:
-                hvd_join.sending(self.collectives[0][1], first=self.first_payload)
+            hvd_join.sending(self.collectives[0][1], first=self.first_payload)
             started = time.perf_counter()
             run = ConductRun()
             run.conduct, extra = begin(run, *arrays)
             _, outputs = self._advance(run, 0, None, started)
             return outputs + list(extra)
 
-        outputs = tf.numpy_function(start_host, list(inputs), self._sending(0) + list(extra_dtypes),
+        outputs = tf.numpy_function(start_host, list(inputs), [tf.int64, tf.uint8, tf.int32] + list(extra_dtypes),
                                     stateful=False, name=name)
         self._note_outputs(outputs[:3])
         return list(outputs[3:])
-
-    def _sending(self, index):
-        """The dtypes of a host op's outputs that hand collective ``index`` its input: token, send, splits."""
-        return [tf.int64, self.send_dtypes[index], tf.int32]
 
     def _note_outputs(self, outputs):
         self.token, self.send, self.splits = outputs
@@ -143,10 +134,7 @@ class GraphConduct:
         else:
             self.received = hvd.allgather(self.send, name=name, ignore_name_scope=True, process_set=self.process_set)
             self._received_splits = None
-        if self.answerable:
-            hvd_join.note_payload_collective(kind, name, self.process_set)
-        else:
-            hvd_join.note_unanswerable_collective()
+        hvd_join.note_payload_collective(kind, name, self.process_set)
 
     def _arrival(self):
         """The inputs that carry what the last collective built received, and how to hand it to a conduct."""
@@ -154,19 +142,18 @@ class GraphConduct:
             return [self.received], lambda received: received
         return [self.received, self._received_splits], lambda received, splits: (received, splits.tolist())
 
-    def run_collectives(self, carried=(), carried_at=1):
+    def run_collectives(self, carried=()):
         """Step 2: every collective, and between them the host ops that resume the conduct. ``carried``:
-        tensors (owner-side residuals) that the resumed step after collective ``carried_at - 1`` reads, handed
-        to the conduct as :class:`CarriedResidual`\\ s through its run (``run.carried_residuals()``); returns
-        their values after the step: written anew, or as they were where nothing was encoded into them (a
-        refusal)."""
+        tensors (owner-side residuals) that the first resumed step reads, handed to the conduct as
+        :class:`CarriedResidual`\\ s through its run (``run.carried_residuals()``); returns their values after
+        the step: written anew, or as they were where nothing was encoded into them (a refusal)."""
         carried = list(carried)
         new_values = []
         self._collective(0)
         for index in range(1, len(self.collectives)):
             arrival_inputs, arrival = self._arrival()
             count = len(arrival_inputs)
-            with_carried = carried if index == carried_at else []
+            with_carried = carried if index == 1 else []
 
             def resume_host(token, *arrays, index=index, with_carried=with_carried):
                 started = time.perf_counter()
@@ -181,7 +168,7 @@ class GraphConduct:
                 return outputs + news
 
             outputs = tf.numpy_function(resume_host, [self.token] + arrival_inputs + with_carried,
-                                        self._sending(index) + [tf.float32] * len(with_carried),
+                                        [tf.int64, tf.uint8, tf.int32] + [tf.float32] * len(with_carried),
                                         stateful=False, name="horovod_qsgd_encode_sum")
             self._note_outputs(outputs[:3])
             for value, new in zip(with_carried, outputs[3:]):
@@ -190,33 +177,28 @@ class GraphConduct:
             self._collective(index)
         return new_values
 
-    def finish(self, decode, placeholder, numels, num_ranks, finite_flag, name="horovod_qsgd_decode", kept=None):
+    def finish(self, decode, placeholder, numels, num_ranks, finite_flag, name="horovod_qsgd_decode"):
         """Step 3: one host op that takes the conduct's result and, unless it refused, ``decode(gathered,
         totals)`` into zeroed float32 ``totals`` of ``numels``; they are scaled as the allreduced
-        ``placeholder`` says. Returns [(total, finite flag)] per total; with ``kept`` ((function, dtypes)),
-        also the float32 arrays that ``function(run)`` makes of what the run kept (e.g. new residuals), as a
-        second list."""
+        ``placeholder`` says. Returns [(total, finite flag)] per total."""
         arrival_inputs, arrival = self._arrival()
         count, stats = len(arrival_inputs), self.stats
-        keep, kept_dtypes = kept or (lambda run: [], [])
 
         def finish_host(token, *arrays):
             run = self._take(token)
-            started = time.perf_counter()  # a node-aware conduct decodes as it concludes
             gathered, refusal = conclude(run.conduct, arrival(*arrays[:count]))
+            started = time.perf_counter()
             totals = [np.zeros(numel, np.float32) for numel in numels]
             finite = decode_scaled(lambda: decode(gathered, totals), totals, refusal, arrays[count], num_ranks)
             stats.add(decode_seconds=time.perf_counter() - started)
-            return totals + [finite_flag(flag) for flag in finite] + list(keep(run))
+            return totals + [finite_flag(flag) for flag in finite]
 
         outputs = tf.numpy_function(finish_host, [self.token] + arrival_inputs + [placeholder],
-                                    [tf.float32] * len(numels) + [tf.bool] * len(numels) + list(kept_dtypes),
-                                    stateful=False, name=name)
+                                    [tf.float32] * len(numels) + [tf.bool] * len(numels), stateful=False, name=name)
         if not isinstance(outputs, (list, tuple)):
             outputs = [outputs]
         for total, numel in zip(outputs, numels):
             total.set_shape([numel])
-        for finite in outputs[len(numels):2 * len(numels)]:
+        for finite in outputs[len(numels):]:
             finite.set_shape([])
-        results = list(zip(outputs[:len(numels)], outputs[len(numels):2 * len(numels)]))
-        return results if kept is None else (results, list(outputs[2 * len(numels):]))
+        return list(zip(outputs[:len(numels)], outputs[len(numels):]))
