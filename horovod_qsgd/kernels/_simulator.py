@@ -1,6 +1,6 @@
 """Makes numba's CUDA simulator safe between the threads of a block, for our kernels' test runs.
 
-The simulator runs a block's threads as Python threads, and two of its helpers are not safe between them:
+The simulator runs a block's threads as Python threads, and three things it does are not safe between them:
 
 * ``cuda.shared.array`` looks its call site up in a dict and stores a new array when it is missing. Two
   threads that both miss each get their own array: one of them then works on private "shared" memory, and a
@@ -12,7 +12,7 @@ The simulator runs a block's threads as Python threads, and two of its helpers a
   wraparound in our hashes, even when ignored) adds ``__warningregistry__`` to them: a thread entering the
   function meanwhile fails with "dictionary changed size during iteration" (CI, 2026-11-28).
 
-Both windows are a few bytecodes wide; the shorter the interpreter's switch interval (the simulator runs set
+Each window is a few bytecodes wide; the shorter the interpreter's switch interval (the simulator runs set
 0.2 ms, scripts/gpu_compile_check.py) and the busier the machine, the more often a thread is switched inside
 one: CI saw a random mismatch of scripts/cuda_check.py against the CPU. The shared arrays get a lock (one
 lookup per array and thread); our kernels see ``cuda`` as a stand-in, which the simulator leaves
