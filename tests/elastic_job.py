@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests import horovodrun
 from tests.multirank import WORKER_THREAD_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,9 +42,10 @@ def run_elastic_job(tmp_path, worker, timeout=TIMEOUT, **settings):
     discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
     env = dict(os.environ, **WORKER_THREAD_ENV, PYTHONPATH=ROOT, **settings)
-    cmd = [sys.executable, "-m", "horovod.runner.launch", "--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(discover), "--blacklist-cooldown-range", "3", "4",
-           sys.executable, os.path.join(ROOT, "tests", "harness_samples", worker), str(tmp_path)]
+    cmd = horovodrun.command() + ["--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
+                                  "--host-discovery-script", str(discover), "--blacklist-cooldown-range", "3", "4",
+                                  sys.executable, os.path.join(ROOT, "tests", "harness_samples", worker),
+                                  str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

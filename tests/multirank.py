@@ -106,8 +106,8 @@ def _launch_command(launcher, num_ranks, timeout):
                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
     if launcher != "horovodrun":
         raise ValueError(f"launcher={launcher!r}: use 'horovodrun', 'torchrun' or 'nodes:MxL'")
-    return [sys.executable, "-m", "horovod.runner.launch", "-np", str(num_ranks), "-H", f"localhost:{num_ranks}",
-            "--gloo"]
+    from tests import horovodrun
+    return horovodrun.command() + ["-np", str(num_ranks), "-H", f"localhost:{num_ranks}", "--gloo"]
 
 
 class _Launch:

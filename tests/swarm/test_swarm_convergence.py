@@ -1,6 +1,8 @@
 """SwarmSGD with local steps and 8-bit lattice model exchange trains the digits MLP as well as synchronous SGD."""
 import pytest
 
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
+
 
 @pytest.mark.ranks(2, timeout=300)
 def test_swarm_lattice8_within_one_point_of_synchronous_sgd(hvd_torch):

@@ -7,7 +7,7 @@ the matching recomputed independently in the test.
 """
 import pytest
 
-SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 RANKS_234 = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=150)) for n in (2, 3, 4)]
 
 

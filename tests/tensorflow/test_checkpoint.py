@@ -10,7 +10,7 @@ import pytest
 from tests.tensorflow.reference import make
 from tests.tensorflow.test_gradient_tape import batch, loss_fn, make_variables
 
-SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
 
 STEPS, SAVE_AT = 6, 3
 

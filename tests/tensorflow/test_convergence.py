@@ -3,6 +3,8 @@ import pytest
 
 from tests.tensorflow.reference import LEGACY_KERAS
 
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
+
 
 @pytest.mark.ranks(2, timeout=400, env=LEGACY_KERAS)
 def test_keras_digits_accuracy_with_compression(hvd_tf):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
 
 
 def _tape_gradients(hvd, tf, compressor, shape, function):

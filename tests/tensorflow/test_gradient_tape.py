@@ -10,7 +10,7 @@ import pytest
 from tests.multirank import init_with_process_sets
 from tests.tensorflow.reference import Reference, make
 
-SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
 
 RANKS_2_AND_3 = [pytest.param(2, marks=pytest.mark.ranks(2, timeout=240)),
                  pytest.param(3, marks=pytest.mark.ranks(3, timeout=300))]

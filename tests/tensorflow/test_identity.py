@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
+
 
 class RecordingCodec:
     """Forwards to a codec and keeps a copy of every payload (or RandomK value array) it produces."""

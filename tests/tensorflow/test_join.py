@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-SHARED_LAUNCHES = True
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
 CASES = [("qsgd", "allgather"), ("qsgd", "two_stage"), ("topk", "allgather"), ("topk", "two_stage")]
 
 

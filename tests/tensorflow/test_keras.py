@@ -13,6 +13,8 @@ import pytest
 
 from tests.tensorflow.reference import LEGACY_KERAS, Reference, gathered_rows, make
 
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
+
 STEPS = 3
 
 

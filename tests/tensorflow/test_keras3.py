@@ -6,7 +6,7 @@ import pytest
 from tests.tensorflow.reference import KERAS3, Reference, gathered_rows, make
 from tests.tensorflow.test_keras import STEPS, attach_records, flat_weights, functional_parts, keras_data
 
-SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
 
 
 def build_keras3_model(tf, keras, seed=0):

@@ -5,6 +5,8 @@ import pytest
 from tests.nonfinite_cases import (assert_same_state, check_discarded_steps, check_training_through_overflows,
                                    make_compressor, residuals)
 
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
+
 
 def _compressor(kind, exchange):
     import horovod_qsgd.tensorflow as adapter

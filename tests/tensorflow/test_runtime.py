@@ -4,6 +4,8 @@ import warnings
 
 import pytest
 
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
+
 
 @pytest.mark.ranks(2, env={"NUMBA_NUM_THREADS": None, "TF_NUM_INTRAOP_THREADS": None})
 def test_ranks_on_one_machine_share_its_cores_and_default_tf_threads_warn(hvd_tf):

@@ -8,7 +8,7 @@ import pytest
 
 from tests.two_stage_reference import averaged_training, gradient, reference
 
-SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
 RANKS_3_AND_4 = [pytest.param(3, marks=pytest.mark.ranks(3, timeout=240)),
                  pytest.param(4, marks=pytest.mark.ranks(4, timeout=300))]
 

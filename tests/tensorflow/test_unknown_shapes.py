@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
+
 
 @pytest.mark.ranks(2, timeout=240)
 def test_sparse_as_dense_embedding_is_compressed_and_unknown_shapes_are_counted(hvd_tf):

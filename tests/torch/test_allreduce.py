@@ -3,7 +3,7 @@ import pytest
 
 from tests.multirank import init_with_process_sets
 
-SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 
 
 @pytest.mark.ranks(2)

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 
-SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 
 
 def _train(hvd, compressor_factory, steps, start_state=None, capture_at=None):

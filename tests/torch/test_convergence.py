@@ -1,6 +1,8 @@
 """A small model on a real data set (scikit-learn's digits) trains as well with compression as without."""
 import pytest
 
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
+
 
 @pytest.mark.ranks(2, timeout=400)
 def test_digits_accuracy_with_compression(hvd_torch):

@@ -16,7 +16,7 @@ import pytest
 from tests.two_stage_reference import averaged_training
 from tests.two_stage_reference import gradient as _gradient
 
-SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 
 # 100_003 and 70_001: no multiple of the ranks or the bucket; 1_000: fewer buckets than 4 ranks (owners of nothing).
 SIZES = (100_003, 70_001, 1_000, 512 * 40)

@@ -4,7 +4,7 @@ import pytest
 from tests.nonfinite_cases import (assert_same_state, check_discarded_steps, check_steps_right_after_a_discarded_one,
                                    check_training_through_overflows, make_compressor, residuals)
 
-SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 
 
 def _compressor(kind, exchange):

@@ -7,7 +7,7 @@ is scaled for Sum or Average. Equality is bitwise.
 """
 import pytest
 
-SHARED_LAUNCHES = True  # tests with the same rank count and env run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 RANKS_2_AND_3 = [pytest.param(2, marks=pytest.mark.ranks(2)), pytest.param(3, marks=pytest.mark.ranks(3))]
 
 

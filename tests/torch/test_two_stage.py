@@ -11,7 +11,7 @@ from tests.two_stage_reference import bounds as _bounds
 from tests.two_stage_reference import gradient as _gradient
 from tests.two_stage_reference import reference as _reference
 
-SHARED_LAUNCHES = True  # tests with the same rank count run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 RANKS_3_AND_4 = [pytest.param(3, marks=pytest.mark.ranks(3)), pytest.param(4, marks=pytest.mark.ranks(4))]
 
 
