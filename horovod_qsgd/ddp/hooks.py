@@ -1,86 +1,29 @@
 r"""QSGD and top-k behind a DDP communication hook: the Horovod adapter's exchange for ``torch.distributed``.
 
-DDP hands a hook one flat bucket of gradients at a time (about 25 MB, its
-``bucket_cap_mb``), in bucket order on every rank, and waits for a future of
-their average. The hook compresses a bucket's parameters as one tensor
-named ``ddp.bucket<index>`` with the same plan the Horovod adapter uses for
-a tensor (:mod:`horovod_qsgd.common.engine`): DDP has already fused them,
-so one payload per bucket costs one header and one launch per kernel. The
-parameters' boundaries are kept where the codec would otherwise mix them:
+Each DDP bucket (about 25 MB of fused gradients, ``bucket_cap_mb``) becomes one compressed tensor
+``ddp.bucket<i>``, and the hook returns a future of
 
-- parameters of fewer than ``min_numel`` elements (biases, norms) go through
-  one plain allreduce per bucket, as the Horovod adapter passes small tensors
-  through;
-- the others are staged so that each starts at a multiple of QSGD's
-  ``bucket_size``: no scale covers two parameters. A bucket quantized as one
-  flat tensor lets a large gradient's scale swamp a norm's small gradient
-  (which Adam then divides by that norm's own small second moment): in one
-  gradient of the byte-level language model, a layer norm's gain came out
-  of a flat QSGD-4 bucket with an error 5.5 times its own norm (QSGD-8:
-  0.86), against 0.33 (0.009) quantized apart
-  (``benchmarks/results/ddp-hooks/bucket-boundaries.md``). Top-k selects the
-  largest coordinates of the staged tensor (not of each parameter), which
-  error feedback makes good.
+    average = (1/N) * sum over ranks r of decode(encode(g_r + e_r)),
 
-1. Stage the bucket's large parameters (with their error-feedback residuals,
-   top-k) and start the small ones' allreduce.
-2. ``"allgather"``: one ``all_gather_single`` of the payloads; decode
-   all N, divide by N. ``"two_stage"``: one ``all_to_all_single`` of the
-   slices to their owners; the owner's sum, re-encoded, goes to every rank in
-   a second ``all_to_all_single`` (the chunks differ in size, which
-   ``all_gather`` does not take); decode, divide by N.
-3. Put both back into the bucket.
+with ``e_r`` the rank's error-feedback residual (top-k; QSGD keeps none), bitwise what the codecs give
+alone for the same gradients (``tests/ddp/test_hooks.py``). Parameters below ``min_numel`` (default 10000)
+take one plain allreduce per bucket; each larger one starts a new QSGD scale, so a large gradient's scale
+never swamps a norm's small one.
 
-``torch.distributed`` matches collectives by the order in which a rank
-issues them, so every collective is issued from the hook, in bucket order:
-bucket i's second stage starts in the call for bucket i+1 (or at the last
-bucket), after its first stage arrived, so a bucket's first stage overlaps
-the backward pass of the next. The future DDP gets completes when the
-decode is done.
+Exchanges (``exchange``): ``"auto"`` (default) is an allgather of the payloads at 2 ranks and the two stages
+from 3 for buckets of 65,536 elements or more (an ``all_to_all_single`` of the slices to their owners, each
+owner's re-encoded sum to every rank in a second one: about 2(N-1)/N of a payload per rank, flat in N), and
+``"node_aware"`` for CUDA gradients on several nodes of equal size (the node sums at full precision first;
+only the shards' sums cross between nodes, compressed). ``"allgather"``, ``"two_stage"`` and ``"node_aware"``
+force one: the allgather's bytes per rank grow with N (keep it to a few ranks); node-aware on CPU nodes joined
+by 1 Gbit/s was slower than the flat two stages (its in-node sum moves the whole bucket at full precision).
 
-``exchange="node_aware"`` (both states), on nodes of several ranks (torchrun's
-``GROUP_RANK``, else the host name): the node's ranks first sum the bucket
-at full precision, each one shard of it (an in-node ``all_to_all_single``);
-the shard's sum crosses between nodes compressed, with the plan above among
-as many ranks as nodes (``ddp.bucket<i>.shard<local rank>``); an in-node
-``all_gather_single`` shares what crossed, still compressed, behind a flag
-that says whether that rank failed, and every rank decodes every shard.
-Only the bytes between nodes are compressed:
-about 2 (M-1)/M of one compressed bucket per node for M nodes, where the flat
-two stages send about 2 L (M-1)/M of it (L ranks per node). Its collectives
-run in the hook call, one bucket after the other (no overlap with the
-backward pass yet); the full-precision sum inside the node is what a GPU
-node does over NVLink or PCIe, and what makes it slower than the flat
-exchange on CPU nodes joined by 1 Gbit/s (measured:
-``benchmarks/results/ddp-hooks/nodes-1gbit/``; ahead at 100 Mbit/s).
-Top-k's error feedback lives where the compression happens: each rank keeps
-the residual of its node's sum of its shard (and, from 3 nodes, the owner
-residual of its chunk of that shard); when a bucket is rebuilt both move into
-this rank's per-parameter residuals, which join its gradient before the next
-node sum. Nodes of unequal size fall back to the flat exchange with a warning
-on every rank.
+Cost: a bucket's encode and decode on the host or the GPU (``compression_stats()`` counts their seconds,
+the bytes and the collectives); top-k's error feedback holds two float32 buffers the size of the compressed
+parameters, keyed by parameter so DDP's bucket rebuild loses nothing and needs no warm-up; ``state_dict()``
+holds them.
 
-``exchange="auto"`` (the default) takes the node-aware exchange for CUDA
-gradients, with the default process group, on a job of several nodes of
-equal size with several ranks each (else the flat choice above, without a
-warning): a GPU node sums over NVLink or PCIe, and then only the link that
-is slow carries the compressed shards, ~L times fewer bytes per node than
-the flat two stages. CPU gradients stay node-blind under ``"auto"`` (the
-in-node steps cost more than they save at 1 Gbit/s, above). Its speed on
-GPU nodes is the model's, not measured; its results on a GPU were measured
-bit-identical to the CPU's (``benchmarks/results/gpu/h200/``). The gradients'
-device type is part of the settings every rank checks at the first bucket.
-
-Error feedback is kept per parameter, not per bucket: DDP rebuilds its
-buckets after the first iteration (and after a restart), and a residual
-keyed by parameter goes wherever its parameter goes, so nothing is lost and
-nothing needs a warm-up (``powerSGD_hook`` waits ``start_powerSGD_iter``
-iterations instead). Parameters are keyed by the order in which the hook first
-sees them, which is DDP's initial bucket order: the same in every run of
-the same model, so checkpoints resume. The owners' residuals are per bucket
-layout; when a bucket's layout changes, its old owner residual moves into
-this rank's residuals of the parameters it covered, before the bucket's
-first stage, and is sent by each parameter's next first stage.
+How the hook orders its collectives, the node-aware steps and where each residual lives: ``docs/ddp.md``.
 """
 import threading
 import time
