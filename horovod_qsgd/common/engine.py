@@ -78,11 +78,20 @@ class PayloadEngine:
 
 
 class _Counted:
-    """What a plan's step 1 counts once per tensor."""
+    """What a plan's step 1 counts once per tensor, and what an adapter asks of any plan."""
+
+    @property
+    def starts_with_alltoall(self):
+        """Whether the first collective is an alltoall, which Horovod does not fuse: an adapter that fuses a
+        round's tensors groups these itself."""
+        return self.collectives()[0][0] == ALLTOALL
 
     def _count_encoded(self, sent_nbytes, **extra):
         self.stats.add(tensors_compressed=1, bytes_uncompressed=self.uncompressed_nbytes,
                        bytes_sent=sent_nbytes + self.placeholder_nbytes, **extra)
+
+
+NO_OWNER = (-1, -1)  # the owner layout of a plan whose ranks own no chunk (an empty owner-side residual's)
 
 
 class AllgatherPlan(_Counted):
@@ -103,6 +112,19 @@ class AllgatherPlan(_Counted):
     def collectives(self):
         """[(kind, name)] of the collectives :meth:`conduct` yields, in order (for a graph built in advance)."""
         return [(ALLGATHER, self.payload_name)]
+
+    def owner_layout(self):
+        """:data:`NO_OWNER` (no rank owns a chunk): what :meth:`TwoStagePlan.owner_layout` is where it does."""
+        return list(NO_OWNER)
+
+    def own_numel(self):
+        """0: this rank keeps no chunk of its own (see :meth:`TwoStagePlan.own_numel`)."""
+        return 0
+
+    def encode_split(self, x, out, own, step, residual=None):
+        """:meth:`encode` in :meth:`TwoStagePlan.encode_split`'s form, for an adapter whose graph takes either
+        plan: (bytes used, no splits); ``own`` is empty."""
+        return self.encode(x, out, step, residual), []
 
     def encode(self, x, out, step, residual=None):
         """Step 1: encodes ``x`` (flat float32) into ``out``; returns the bytes used, to allgather.
@@ -183,6 +205,11 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
         splits = self.encode_for_owners(x, out, step, residual)
         self._keep_own_chunk(x, own, residual, splits)
         return splits
+
+    def encode_split(self, x, out, own, step, residual=None):
+        """:meth:`encode`, returning (bytes used, the alltoall's splits)."""
+        splits = self.encode(x, out, own, step, residual)
+        return sum(splits), splits
 
     def _keep_own_chunk(self, x, own, residual, splits):
         begin, end = self.owned

@@ -288,6 +288,8 @@ class NodeAwareGroup:
         self.layout, self.stats, self.kind = first.layout, first.stats, first.cross.kind
         if any(plan.cross.kind != self.kind for plan in self.plans):
             raise ValueError("horovod_qsgd: a node-aware group's members must take the same exchange between nodes")
+        # between nodes, two stages (from 3 nodes): each rank owns a chunk of its shard, sums it, keeps its residual
+        self.owns_chunks = first.cross.owned is not None
         self.names = [plan.name for plan in self.plans]
         self.shards = [plan.shard for plan in self.plans]
         self.offsets = [sum(self.shards[:m]) for m in range(len(self.plans))]

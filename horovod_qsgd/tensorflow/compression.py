@@ -68,7 +68,7 @@ from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.kernels import CarriedResidual, finish_sum
-from horovod_qsgd.tensorflow.compressor_base import (NO_OWNER_LAYOUT, PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
+from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
                                                      ExchangeContext, adapter_method, decode_scaled, op_name)
 from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.conduct import GraphConduct
@@ -148,7 +148,7 @@ class PayloadCompressor(CompressorBase):
         ctx.conduct = GraphConduct(plan.collectives(), process_set, stats)
         # Horovod does not fuse alltoalls: a round's two-stage tensors wait for its end to be fused (see
         # tensorflow/fusion.py), each encoded now, its conduct waiting for its first collective
-        deferred = plan.kind == "two_stage" and self.fusion_threshold != 0
+        deferred = plan.starts_with_alltoall and self.fusion_threshold != 0
         inputs = [step.flat, step.value] + ([] if residual_var is None else [residual_var.read_value()])
         extra = ctx.conduct.start(functools.partial(_begin_encoded if deferred else _begin, plan), inputs,
                                   [tf.float32] * (int(deferred) + int(residual_var is not None)))
@@ -244,7 +244,7 @@ class PayloadCompressor(CompressorBase):
     def _node_aware_results(self, node_ops, members, placeholder):
         """Steps 3-4 of the members' exchange: each member's (total, finite flag) and state updates."""
         owner_vars = None
-        if self.error_feedback and node_ops.group.kind == "two_stage":
+        if self.error_feedback and node_ops.group.owns_chunks:
             owner_vars = [self._owner_residual_variable(m.plan) for m in members]
         results = node_ops.results(placeholder, [m.step for m in members],
                                    None if owner_vars is None else [var.read_value() for var in owner_vars])
@@ -294,7 +294,7 @@ class PayloadCompressor(CompressorBase):
         def encode(x, step_value, residual=None, owner_residual=None, owner_layout=None):
             start = time.perf_counter()
             plan = self._live_plan(ctx)
-            layout = [plan.num_ranks, plan.rank] if plan.kind == "two_stage" else list(NO_OWNER_LAYOUT)
+            layout = plan.owner_layout()
             if residual is not None:
                 residual = residual.copy()
                 if owner_residual.size and list(owner_layout) != layout:
@@ -304,15 +304,10 @@ class PayloadCompressor(CompressorBase):
                         residual[chunk[0]:chunk[1]] += owner_residual[:chunk[1] - chunk[0]]
                     owner_residual = owner_residual[:0]
             out = np.zeros(plan.capacity(), dtype=np.uint8)
-            if plan.kind == "two_stage":
-                own = np.empty(plan.own_numel(), dtype=np.float32)
-                splits = plan.encode(x, out, own, int(step_value), residual)
-                if owner_residual is not None and owner_residual.size != own.size:
-                    owner_residual = np.zeros(own.size, np.float32)
-                used = sum(splits)
-            else:
-                own, splits = np.zeros(0, np.float32), []
-                used = plan.encode(x, out, int(step_value), residual)
+            own = np.empty(plan.own_numel(), dtype=np.float32)
+            used, splits = plan.encode_split(x, out, own, int(step_value), residual)
+            if owner_residual is not None and owner_residual.size != own.size:
+                owner_residual = np.zeros(own.size, np.float32)
             stats.add(encode_seconds=time.perf_counter() - start, collectives_started=1)
             outputs = (np.ones(1, np.float32), out[:used], np.asarray(splits, dtype=np.int32), own)
             if residual is None:
@@ -373,7 +368,7 @@ class PayloadCompressor(CompressorBase):
 
         def sum_and_encode(received, own, step_value, owner_residual=None):
             plan = ctx.live_plan(ctx)
-            if plan.kind != "two_stage":
+            if plan.owned is None:  # no rank owns a chunk: the allgather's payloads pass as they are
                 return received if owner_residual is None else (received, owner_residual)
             hvd_join.sending(collective_name, first=False)  # never raises mid-step: see hvd_join
             start = time.perf_counter()

@@ -20,6 +20,7 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.common.call_site import check_compressible
+from horovod_qsgd.common.engine import NO_OWNER
 from horovod_qsgd.common.errors import (CompressionMismatchError, RankInJoinError, elastic_process_set_unsupported,
                                          elastic_state_missing)
 from horovod_qsgd.common.exchange import reduction_scale
@@ -35,7 +36,6 @@ from horovod_qsgd.tensorflow.host_ops import flat_fp32, host_op
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
 
 PASS_THROUGH = None  # Horovod's own compressors use None as "nothing to undo" too
-NO_OWNER_LAYOUT = (-1, -1)  # the layout of an elastic job's empty owner residual
 ELASTIC_STATE_CALL = "horovod_qsgd.tensorflow.elastic.TensorFlowKerasState(model, optimizer, compression=compression)"
 PLACEHOLDER_DTYPES = (tf.float16, tf.float32, tf.float64)
 
@@ -347,7 +347,7 @@ class CompressorBase(tf.Module):
                 self._load_owner_residual(name, np.asarray(entry["owner_residual"], np.float32),
                                           np.asarray(entry["owner_layout"], np.int64))
             elif name in self._owner_residuals and not self._owner_residuals[name].shape.is_fully_defined():
-                self._load_owner_residual(name, np.zeros(0, np.float32), np.array(NO_OWNER_LAYOUT, np.int64))
+                self._load_owner_residual(name, np.zeros(0, np.float32), np.array(NO_OWNER, np.int64))
             if entry.get("residual") is not None:
                 residual = np.asarray(entry["residual"], dtype=np.float32)
                 self._residual_variable(name, residual.size).assign(residual)
@@ -367,12 +367,12 @@ class CompressorBase(tf.Module):
 
     def _elastic_owner_variables(self, name):
         """(owner residual, its layout) of tensor ``name`` in an elastic job: a variable of any length, empty
-        where this rank owns no chunk; the layout ``NO_OWNER_LAYOUT`` until it does."""
+        where this rank owns no chunk; the layout ``NO_OWNER`` until it does."""
         with self._runtime.lock, tf.init_scope():
             var = self._owner_residuals.get(name)
             if var is None or var.shape.is_fully_defined():
                 initial = np.zeros(0, np.float32) if var is None else _eager_value(var)
-                layout = NO_OWNER_LAYOUT if var is None else _eager_value(self._owner_layouts[name])
+                layout = NO_OWNER if var is None else _eager_value(self._owner_layouts[name])
                 self._owner_residuals[name] = ResourceVariable(initial, name=op_name(f"{name}/owner_residual"),
                                                                dtype=tf.float32, trainable=False,
                                                                shape=tf.TensorShape([None]))

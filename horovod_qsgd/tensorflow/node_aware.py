@@ -109,7 +109,7 @@ class NodeAwareOps:
         start = time.perf_counter()
         shard_residuals = [np.zeros(plan.shard, np.float32) for plan in plans] if self.error_feedback else []
         sums, error = group.sum_in_node(received, received_splits.tolist())
-        two_stage = error is None and group.kind == "two_stage"
+        two_stage = error is None and group.owns_chunks
         owns = [np.empty(plan.cross.own_numel() if two_stage else 0, np.float32) for plan in plans]
         outs = [np.zeros(0, np.uint8)]
         if error is not None:  # every peer gets a refusal notice, forwards it in step 3: its node raises
@@ -131,7 +131,7 @@ class NodeAwareOps:
         ``owner_residuals``: the members' owner residuals going in (two stages between nodes, error feedback);
         their new values are then :attr:`new_owner_residuals`."""
         plans, count, cross_received = self.plans, len(self.plans), self.cross_received
-        if self.group.kind == "two_stage":
+        if self.group.owns_chunks:
             cross_received = self._cross_sums(cross_received, steps, owner_residuals)
         sent, splits = tf.numpy_function(self._forward, [cross_received], [tf.uint8, tf.int32],
                                          stateful=False, name="horovod_qsgd_node_forward")

@@ -607,7 +607,7 @@ class PayloadCompressor(_CompressorBase):
         plan = self._engine.plan(site.name, flat.numel(), site.process_set.size(), site.process_set.rank(),
                                  tensor.numel() * tensor.element_size(), placeholder.element_size())
         residual = None if residual is None else as_array(residual)
-        if plan.kind == "two_stage":  # Horovod does not fuse alltoalls: this adapter's Fuser groups them
+        if plan.starts_with_alltoall:  # Horovod does not fuse alltoalls: this adapter's Fuser groups them
             return placeholder, _Fused(plan, flat, residual, site.process_set)
         transport = HorovodTransport(site.process_set, flat.device)
         conduct = plan.conduct(transport, flat, step, residual)
