@@ -288,8 +288,6 @@ class NodeAwareGroup:
         self.layout, self.stats, self.kind = first.layout, first.stats, first.cross.kind
         if any(plan.cross.kind != self.kind for plan in self.plans):
             raise ValueError("horovod_qsgd: a node-aware group's members must take the same exchange between nodes")
-        # between nodes, two stages (from 3 nodes): each rank owns a chunk of its shard, sums it, keeps its residual
-        self.owns_chunks = first.cross.owned is not None
         self.names = [plan.name for plan in self.plans]
         self.shards = [plan.shard for plan in self.plans]
         self.offsets = [sum(self.shards[:m]) for m in range(len(self.plans))]
@@ -303,6 +301,12 @@ class NodeAwareGroup:
             fuse = FusedTwoStage if self.kind == "two_stage" else FusedAllgather
             self.crosses = [fuse([plan.crosses[j] for plan in self.plans]) for j in range(self.layout.local_size)]
             self.cross = self.crosses[self.layout.local_rank]
+
+    @property
+    def owns_chunks(self):
+        """Whether each rank owns a chunk of its shard between nodes (their two stages, from 3 nodes): it sums
+        that chunk and keeps its owner residual."""
+        return self.kind == "two_stage"
 
     def conduct(self, transport, names, rows, steps, residuals, owner_residuals):
         """The group's four steps, conducted (:mod:`horovod_qsgd.common.collectives`): each a global alltoall
