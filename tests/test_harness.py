@@ -11,7 +11,7 @@ SAMPLES = os.path.join("tests", "harness_samples", "failing_on_ranks.py")
 
 @pytest.fixture(scope="module")
 def sample_run():
-    env = dict(os.environ, HQ_SAMPLE_HANG_TIMEOUT="30")
+    env = dict(os.environ, HQ_SAMPLE_HANG_TIMEOUT="15")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", SAMPLES],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return proc
@@ -30,7 +30,7 @@ def test_failure_on_rank_one_is_reported_with_its_message(sample_run):
 
 
 def test_hang_is_reported_as_timeout(sample_run):
-    assert "timed out after 30 s on 2 ranks" in sample_run.stdout, sample_run.stdout[-3000:]
+    assert "timed out after 15 s on 2 ranks" in sample_run.stdout, sample_run.stdout[-3000:]
 
 
 def test_tests_of_a_shared_launch_run_in_one_job_and_are_judged_apart(tmp_path):

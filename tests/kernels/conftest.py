@@ -6,11 +6,12 @@ Each simulator run is one single-threaded Python process of several minutes
 lattice check with every launch recorded; ``transfers_check.py``); the gate
 (``scripts/gpu_compile_check.py --launches`` in ``.venv-gpu-compile``)
 compiles the recorded launches once the first ends. Started at collection,
-they run beside the tests collected before ``tests/kernels`` (codecs, common,
-DDP, FSDP: multi-rank tests whose ranks spend much of their time starting
-and waiting) instead of after them. ``test_kernel_cudasim.py`` reads the
-first run's verdict, ``test_gpu_compile.py`` the gate's, and
-``test_host_transfers.py`` the second run's.
+they run beside the rest of the session (multi-rank tests whose ranks spend
+much of their time starting and waiting): the modules that read them run
+last, so the session does not stand idle waiting for a run that has only
+one core's work left. ``test_kernel_cudasim.py`` reads the first run's
+verdict, ``test_gpu_compile.py`` the gate's, and ``test_host_transfers.py``
+the second run's.
 """
 import os
 import shutil
@@ -126,8 +127,19 @@ def _runs():
     return _RUNS[0]
 
 
+def _reads_a_run(item):
+    return bool(set(getattr(item, "fixturenames", ())) & set(READERS))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that read the background runs go last, whole (their module fixtures set up once)."""
+    readers = {item.module for item in items if _reads_a_run(item)}
+    items[:] = ([item for item in items if item.module not in readers]
+                + [item for item in items if item.module in readers])
+
+
 def pytest_collection_finish(session):
-    if any(set(getattr(item, "fixturenames", ())) & set(READERS) for item in session.items):
+    if any(_reads_a_run(item) for item in session.items):
         _runs()
 
 
