@@ -45,37 +45,33 @@ from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch_distributed import (DistributedNodes, DistributedTransport, all_gather_single,
                                             check_payload_settings)
-from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, scaled_and_finite, step_stamps
+from horovod_qsgd.ddp.feedback import BucketFeedback
+from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, scaled_and_finite
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class _PayloadState:
-    """What a payload hook keeps between calls: settings, error feedback, the step, statistics."""
+    """What a payload hook keeps between calls: settings, error feedback (``feedback``), the step, statistics.
+
+    Its attributes are the hook's working state, as ``PowerSGDState``'s are: ``engine`` plans each bucket's
+    exchange, ``nodes`` is the job's node layout where the exchange is node-aware, ``waiting`` the two-stage
+    bucket whose second stage has not started yet."""
 
     def __init__(self, codec, second_codec, exchange, min_numel, process_group):
         check_payload_settings(codec, min_numel, "the DDP hooks")
         self.process_group = process_group
         self.codec, self.second_codec, self.exchange, self.min_numel = codec, second_codec, exchange, int(min_numel)
         self.iteration = 0  # the RNG's step; advanced after each iteration's last bucket
-        self._stats = CompressionStats()
-        self._engine = PayloadEngine(codec, second_codec, exchange, self._stats)
-        self._nodes = None          # DistributedNodes, when the exchange is node-aware
-        self._lock = threading.Lock()
+        self.stats = CompressionStats()
+        self.engine = PayloadEngine(codec, second_codec, exchange, self.stats)
+        self.feedback = BucketFeedback()
+        self.nonfinite_on_device = DeviceNonfiniteCounts()
+        self.nodes = None    # DistributedNodes, when the exchange is node-aware
+        self.waiting = None  # an _Exchange
         self._verified = False
-        self._keys = {}             # id(parameter) -> its key: the order the hook first saw it in
-        self._residuals = {}        # key -> flat float32 residual (error feedback)
-        self._bucket_residuals = {}  # bucket index -> KeptResidual whose views the residuals of its parameters are
-        self._bucket_layouts = {}   # bucket index -> the layout its KeptResidual was staged for
-        # bucket index -> [stamps, steps started]: a GPU's verdicts, stamped by the pass that scales a bucket's
-        # result and read by its next step's kernels (horovod_qsgd.torch_feedback; the node-aware exchange
-        # decides on the host)
-        self._verdicts = {}
-        self._nonfinite_on_device = DeviceNonfiniteCounts()
-        self._spilled = {}          # key -> owner-residual mass moved here, added at the parameter's next read
-        self._owner_residuals = {}  # bucket index -> _OwnerResidual
-        self._shard_residuals = {}  # node-aware: bucket index -> _OwnerResidual of this rank's node-summed shard
-        self._waiting = None        # a two-stage bucket whose second stage is not started yet
+        self._keys = {}      # id(parameter) -> its key: the order the hook first saw it in
+        self._keys_lock = threading.Lock()
 
     @property
     def error_feedback(self):
@@ -93,37 +89,24 @@ class _PayloadState:
         """Counters since the last reset (see ``horovod_qsgd.torch.QSGD.compression_stats``): buckets compressed
         (``tensors_compressed``), parameters passed through (``tensors_passed_through``), bytes before and after,
         collectives, seconds, non-finite results."""
-        self._nonfinite_on_device.drain_into(self._stats)
-        return self._stats.snapshot(reset)
+        self.nonfinite_on_device.drain_into(self.stats)
+        return self.stats.snapshot(reset)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
         """The step and the residuals, plus the settings they belong to; every rank saves its own."""
-        with self._lock:
-            self._settle_on_host()
-            residuals = {key: r.clone() for key, r in self._residuals.items()}
-            for key, spilled in self._spilled.items():  # node-aware: a parameter may have nothing else kept
-                residuals[key] = residuals[key] + spilled if key in residuals else spilled.clone()
-            return dict(state_header(type(self).__name__, self.settings()), iteration=self.iteration,
-                        residuals=residuals,
-                        owner_residuals={index: o.as_dict() for index, o in self._owner_residuals.items()},
-                        shard_residuals={index: o.as_dict() for index, o in self._shard_residuals.items()})
+        return dict(state_header(type(self).__name__, self.settings()), iteration=self.iteration,
+                    **self.feedback.state_dict())
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
-        with self._lock:
+        self.feedback.load_state_dict(state)
+        with self._keys_lock:
             self.iteration = int(state["iteration"])
             self._keys = {}  # keys are given again, in the order the next iteration meets the parameters
-            self._residuals = {int(key): r.clone() for key, r in state["residuals"].items()}
-            self._bucket_residuals, self._bucket_layouts, self._verdicts = {}, {}, {}
-            self._spilled = {}
-            self._owner_residuals = {int(index): _OwnerResidual.from_dict(o)
-                                     for index, o in state["owner_residuals"].items()}
-            self._shard_residuals = {int(index): _OwnerResidual.from_dict(o)
-                                     for index, o in state.get("shard_residuals", {}).items()}
 
     # -- per bucket -------------------------------------------------------------------------
-    def _handshake(self, group, device):
+    def handshake(self, group, device):
         """At the first bucket, every rank checks every rank's settings and gradients' device type (raises on
         all ranks), then finds the nodes where the exchange is node-aware."""
         if self._verified:
@@ -134,151 +117,14 @@ class _PayloadState:
         check_settings(records)
         if self.exchange == NODE_AWARE or looks_for_nodes(self.exchange, device.type == "cuda",
                                                           self.process_group is None):
-            self._nodes = DistributedNodes.of_this_job(group, self.process_group, quiet=self.exchange != NODE_AWARE)
+            self.nodes = DistributedNodes.of_this_job(group, self.process_group, quiet=self.exchange != NODE_AWARE)
         self._verified = True
 
-    def _split(self, bucket):
+    def split(self, bucket):
         """The bucket's parameters, keyed, split into the compressed and the passed through (:class:`_Split`)."""
-        with self._lock:
+        with self._keys_lock:
             keys = [self._keys.setdefault(id(p), len(self._keys)) for p in bucket.parameters()]
         return _Split(keys, [p.numel() for p in bucket.parameters()], self.min_numel, chunk_unit(self.codec))
-
-    def _step_stamps(self, index, device):
-        """(bucket ``index``'s stamps on a GPU, or None on the CPU where the host decides; the stamp of its step
-        starting now): taken after anything that settles the residuals on the host, before the step's kernels."""
-        with self._lock:
-            verdict = self._verdicts.get(index)
-            if verdict is None or verdict[0].device != device:
-                stamps = step_stamps(device)
-                if stamps is None:
-                    return None, 0
-                self._settle_on_host()
-                verdict = self._verdicts[index] = [stamps, 0]
-            verdict[1] += 1
-            return verdict[0], verdict[1] - 1
-
-    def _settle_on_host(self):
-        """Every bucket's residuals in ``kept`` as their stamps say (one host read per bucket), its parameters'
-        residuals views of them, the stamps reset: before anything but a step reads or changes them."""
-        for index, (stamps, _) in self._verdicts.items():
-            read = stamps.cpu()
-            for kept in (self._bucket_residuals.get(index), self._owner_residuals.get(index)):
-                if kept is not None:
-                    kept.settle_on_host(read)
-            if index in self._bucket_residuals:
-                self._view_parameters(index)
-            stamps.zero_()
-
-    def _view_parameters(self, index):
-        kept = self._bucket_residuals[index].kept
-        for key, offset, numel in self._bucket_layouts[index]:
-            self._residuals[key] = kept[offset:offset + numel]
-
-    def _residual(self, index, layout, staged_numel, device):
-        """(what bucket ``index``'s step reads its staged residual through and writes the new one into, a
-        :class:`~horovod_qsgd.kernels.CarriedResidual`; the step's stamps and stamp): the bucket's own buffers
-        while its parameters' residuals are still views of them, else gathered from them into new ones (the
-        first step, a rebuilt bucket, spilled mass, a loaded checkpoint), which they then view."""
-        with self._lock:
-            kept = self._bucket_residuals.get(index)
-            if kept is None or not self._views_of(kept.kept, layout, staged_numel, device):
-                self._settle_on_host()
-                kept = self._gathered_residual(index, layout, staged_numel, device)
-        stamps, stamp = self._step_stamps(index, device)
-        return kept.for_step(stamps, stamp), stamps, stamp
-
-    def _gathered_residual(self, index, layout, staged_numel, device):
-        """Bucket ``index``'s residual gathered from its parameters' (created where missing), as a new
-        KeptResidual that they view."""
-        staged = torch.zeros(staged_numel, dtype=torch.float32, device=device)
-        for key, offset, numel in layout:
-            residual = self._residuals.get(key)
-            if residual is None:
-                residual = self._residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
-            elif residual.numel() != numel:
-                raise ValueError(f"horovod_qsgd: parameter {key} (in the order DDP's buckets first held "
-                                 f"them) has {numel} elements, its residual {residual.numel()}: the state "
-                                 "was saved for another model.")
-            if key in self._spilled:
-                residual = self._residuals[key] = residual + self._spilled.pop(key).to(residual.device)
-            staged[offset:offset + numel] = residual
-        kept = self._bucket_residuals[index] = KeptResidual(staged)
-        self._bucket_layouts[index] = list(layout)
-        self._view_parameters(index)
-        return kept
-
-    def _views_of(self, staged, layout, staged_numel, device):
-        """True where every parameter of ``layout`` has a residual that is the view of ``staged`` at its offset,
-        with no spilled mass waiting."""
-        if staged.numel() != staged_numel or staged.device != device:
-            return False
-        base, size = staged.data_ptr(), staged.element_size()
-        for key, offset, numel in layout:
-            residual = self._residuals.get(key)
-            if (residual is None or key in self._spilled or residual.data_ptr() != base + offset * size
-                    or residual.numel() != numel):
-                return False
-        return True
-
-    def _keep_residual(self, index, layout, written):
-        """Bucket ``index``'s step that wrote through ``written`` counts: its residual is kept, and its
-        parameters' residuals are views of it."""
-        with self._lock:
-            self._bucket_residuals[index].keep(written)
-            self._view_parameters(index)
-
-    def _spill_stale_owner_residual(self, index, layout, plan):
-        """Moves the owner-side residual of bucket ``index`` into its parameters' residuals unless this call's
-        bucket (``layout``; ``plan`` None when it passes through) is the one it was kept for. Done before the
-        bucket's first stage reads any residual, so the mass is sent by the next read of each parameter.
-        A bucket that passes through spills a node-aware shard residual too."""
-        with self._lock:
-            saved = self._owner_residuals.get(index)
-            if saved is not None and not (plan is not None and saved.fits(layout, plan)):
-                self._settle_on_host()
-                saved.spill(self._spilled, self._residuals)
-                del self._owner_residuals[index]
-            if plan is None and index in self._shard_residuals:
-                self._shard_residuals.pop(index).spill(self._spilled, self._residuals)
-
-    def _kept_residual(self, store, index, layout, owned, device, stamps=None, stamp=0):
-        """What the step reads what ``store`` (a dict of _OwnerResidual by bucket index) keeps of bucket ``index``
-        for staged range ``owned`` (zeros at first) through, and writes the new one into (with the step's
-        ``stamps`` and ``stamp`` on a GPU). One kept for another layout or range (DDP rebuilt the bucket, the
-        exchange changed) is spilled into its parameters' residuals first."""
-        with self._lock:
-            saved = store.get(index)
-            if saved is not None and (saved.layout != [tuple(p) for p in layout] or saved.owned != tuple(owned)):
-                self._settle_on_host()
-                saved.spill(self._spilled, self._residuals)
-                saved = None
-            if saved is None:
-                saved = store[index] = _OwnerResidual(
-                    layout, owned, torch.zeros(owned[1] - owned[0], dtype=torch.float32, device=device))
-            return saved.for_step(device, stamps, stamp)
-
-    def _take_parameter_residuals(self, layout, staged_numel, device):
-        """The node-aware exchange keeps error feedback per shard: residuals left per parameter (spilled by a
-        rebuild) join this rank's gradient once, staged (None if there are none); (staged, restore)."""
-        with self._lock:
-            self._settle_on_host()
-            taken = {key: (self._residuals.pop(key, None), self._spilled.pop(key, None)) for key, _, _ in layout}
-        taken = {key: pair for key, pair in taken.items() if pair != (None, None)}
-        if not taken:
-            return None, None
-        staged = torch.zeros(staged_numel, dtype=torch.float32, device=device)
-        for key, offset, numel in layout:
-            for part in taken.get(key, ()):
-                if part is not None:
-                    staged[offset:offset + numel] += part.to(device)
-
-        def restore():  # a step whose result is not finite keeps nothing of it
-            with self._lock:
-                for key, (residual, spilled) in taken.items():
-                    for store, part in ((self._residuals, residual), (self._spilled, spilled)):
-                        if part is not None:
-                            store[key] = part
-        return staged, restore
 
 
 class _Split:
@@ -334,52 +180,6 @@ class _Split:
             offset += numel
 
 
-class _OwnerResidual:
-    """What an owner did not send of its chunk ``owned`` of a bucket laid out as ``layout``."""
-
-    def __init__(self, layout, owned, residual):
-        self.layout, self.owned, self._kept = [tuple(p) for p in layout], tuple(owned), KeptResidual(residual)
-
-    @property
-    def residual(self):
-        return self._kept.kept
-
-    def for_step(self, device, stamps=None, stamp=0):
-        """What a step reads this residual through and writes the new one into."""
-        return self._kept.to(device).for_step(stamps, stamp)
-
-    def keep(self, written):
-        """The step that wrote through ``written`` counts."""
-        self._kept.keep(written)
-
-    def settle_on_host(self, stamps):
-        self._kept.settle_on_host(stamps)
-
-    def fits(self, layout, plan):
-        return (plan.owned is not None and self.layout == [tuple(p) for p in layout]
-                and self.owned == tuple(plan.owned))
-
-    def spill(self, spilled, residuals):
-        """Adds this residual, where it overlaps each parameter, to ``spilled[key]`` (created like
-        ``residuals[key]``): the parameter's next first stage sends it."""
-        begin, end = self.owned
-        for key, offset, numel in self.layout:
-            lo, hi = max(begin, offset), min(end, offset + numel)
-            if lo < hi:
-                target = spilled.get(key)
-                if target is None:
-                    like = residuals.get(key)
-                    target = spilled[key] = torch.zeros(numel, dtype=torch.float32, device=(
-                        self.residual.device if like is None else like.device))
-                target[lo - offset:hi - offset] += self.residual[lo - begin:hi - begin].to(target.device)
-
-    def as_dict(self):
-        return {"layout": [list(p) for p in self.layout], "owned": list(self.owned), "residual": self.residual.clone()}
-
-    @classmethod
-    def from_dict(cls, saved):
-        return cls(saved["layout"], saved["owned"], saved["residual"].clone())
-
 
 class _Exchange:
     """One bucket between its hook call and its decode: the engine's ``conduct`` of its exchange, and what its
@@ -396,8 +196,8 @@ class _Exchange:
         """What the owner's step reads the bucket's owner-side residual through (the engine calls it once the
         slices have arrived)."""
         state = self.state
-        self.owner_residual = state._kept_residual(state._owner_residuals, self.index, self.layout, self.plan.owned,
-                                                   self.flat.device, self.stamps, self.stamp)
+        self.owner_residual = state.feedback.owner_residual(self.index, self.layout, self.plan.owned,
+                                                            self.flat.device, self.stamps, self.stamp)
         return as_array(self.owner_residual)
 
 
@@ -405,14 +205,14 @@ def payload_hook(state, bucket):
     """The DDP communication hook of :class:`QSGDState` and :class:`TopKState` (``qsgd_hook``, ``topk_hook``)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
-    state._handshake(group, buffer.device)
+    state.handshake(group, buffer.device)
     num_ranks = group.size()
-    split = state._split(bucket)
-    if buffer.dtype in _FLOATS and split.layout and state._nodes is not None:
+    split = state.split(bucket)
+    if buffer.dtype in _FLOATS and split.layout and state.nodes is not None:
         future = _node_aware(state, bucket, group, buffer, split)
     elif buffer.dtype not in _FLOATS or not split.layout or num_ranks == 1:
         if state.error_feedback:
-            state._spill_stale_owner_residual(bucket.index(), split.layout, None)
+            state.feedback.spill_stale_owner_residual(bucket.index(), split.layout, None)
         future = _allreduce_average(state, buffer, group, len(bucket.parameters()))
         _resume_waiting(state)  # the waiting bucket's second stage, after this collective on every rank
     else:
@@ -425,7 +225,7 @@ def payload_hook(state, bucket):
 
 def _allreduce_average(state, buffer, group, num_parameters):
     """DDP's own average of ``buffer`` (a whole bucket or its small parameters): a future of it."""
-    state._stats.add(tensors_passed_through=num_parameters, bytes_uncompressed=buffer.numel() * buffer.element_size(),
+    state.stats.add(tensors_passed_through=num_parameters, bytes_uncompressed=buffer.numel() * buffer.element_size(),
                      bytes_sent=buffer.numel() * buffer.element_size())
     work = dist.all_reduce(buffer.div_(group.size()), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -436,13 +236,13 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
     bucket_flat = buffer.reshape(-1)
     small_future = _average_small(state, group, split, bucket_flat)
     flat = split.stage(bucket_flat)
-    plan = state._engine.plan(f"ddp.bucket{bucket.index()}", flat.numel(), num_ranks, group.rank(),
+    plan = state.engine.plan(f"ddp.bucket{bucket.index()}", flat.numel(), num_ranks, group.rank(),
                               sum(numel for _, _, numel in split.layout) * buffer.element_size(), 0)
     if state.error_feedback:
-        state._spill_stale_owner_residual(bucket.index(), split.layout, plan)
-        residual, stamps, stamp = state._residual(bucket.index(), split.layout, flat.numel(), flat.device)
+        state.feedback.spill_stale_owner_residual(bucket.index(), split.layout, plan)
+        residual, stamps, stamp = state.feedback.residual(bucket.index(), split.layout, flat.numel(), flat.device)
     else:
-        residual, (stamps, stamp) = None, state._step_stamps(bucket.index(), flat.device)
+        residual, (stamps, stamp) = None, state.feedback.step_stamps(bucket.index(), flat.device)
     exchange = _Exchange(state, bucket, plan, split, flat, residual, _new_future(flat.device))
     exchange.stamps, exchange.stamp = stamps, stamp
     future = _with_small(exchange.future, small_future, split, bucket_flat)
@@ -451,10 +251,10 @@ def _compress(state, bucket, group, buffer, num_ranks, split):
         exchange.conduct = plan.conduct(exchange.transport, flat, exchange.step, as_array(residual),
                                         exchange.take_owner_residual if state.error_feedback else None)
         waits = _advance(exchange)
-    state._stats.add(encode_seconds=time.perf_counter() - start)
+    state.stats.add(encode_seconds=time.perf_counter() - start)
     _resume_waiting(state)  # the bucket before's next collective, after this bucket's first on every rank
     if waits:
-        state._waiting = exchange
+        state.waiting = exchange
     return future
 
 
@@ -464,7 +264,7 @@ def _advance(exchange, received=None):
     its arrival finishes the bucket."""
     collective = exchange.conduct.send(received)
     work, result = exchange.transport.start(collective)
-    exchange.state._stats.add(collectives_started=1)
+    exchange.state.stats.add(collectives_started=1)
     if collective.final:
         work.get_future().then(lambda _: _finish(exchange, result))
         return False
@@ -479,30 +279,27 @@ def _node_aware(state, bucket, group, buffer, split):
     received (still compressed) behind a failure flag, and every shard decoded on every rank. Only what
     crosses nodes is compressed (``docs/node-aware-design.md``)."""
     start = time.perf_counter()
-    nodes, device, step = state._nodes, buffer.device, state.iteration
+    nodes, device, step = state.nodes, buffer.device, state.iteration
     bucket_flat = buffer.reshape(-1)
     small_future = _average_small(state, group, split, bucket_flat)
     unit = chunk_unit(state.codec)
     shard = shard_numel(split.staged_numel, nodes.local_size, unit)
-    plan = state._engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.count,
+    plan = state.engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.count,
                               nodes.cross_rank, 4 * shard, 0)
     base = nodes.local_rank * shard  # where this rank's shard starts in the staged tensor
     residual = owner_residual = restore = None
     if state.error_feedback:  # error feedback where the compression happens: on the node's sum of the shard
-        residual = state._kept_residual(state._shard_residuals, bucket.index(), split.layout,
-                                        (base, base + shard), device)
-        owners = state._owner_residuals
+        residual = state.feedback.shard_residual(bucket.index(), split.layout, (base, base + shard), device)
         if plan.owned is not None:
             begin, end = plan.owned
-            owner_residual = state._kept_residual(owners, bucket.index(), split.layout, (base + begin, base + end),
-                                                  device)
-        elif bucket.index() in owners:  # kept for a two-stage plan this bucket no longer takes
-            with state._lock:
-                owners.pop(bucket.index()).spill(state._spilled, state._residuals)
+            owner_residual = state.feedback.owner_residual(bucket.index(), split.layout, (base + begin, base + end),
+                                                           device)
+        else:  # one kept for a two-stage plan this bucket no longer takes
+            state.feedback.spill_owner_residual(bucket.index())
     send = torch.empty(nodes.local_size * shard, dtype=torch.float32, device=device)
     flat = split.stage(bucket_flat, out=send)
     if state.error_feedback:  # after the spills above: what they moved is sent now
-        carried, restore = state._take_parameter_residuals(split.layout, flat.numel(), device)
+        carried, restore = state.feedback.take_parameter_residuals(split.layout, flat.numel(), device)
         if carried is not None:
             flat += carried
     slices = torch.empty_like(send)
@@ -524,7 +321,7 @@ def _node_aware(state, bucket, group, buffer, split):
     all_gather_single(rows, row, group=nodes.local)
     shards = send.zero_()  # sent long ago: its buffer takes the node's shards in local-rank order
     if error is None:
-        plans = [plan if j == nodes.local_rank else state._engine.plan(
+        plans = [plan if j == nodes.local_rank else state.engine.plan(
             f"ddp.bucket{bucket.index()}.shard{j}", shard, nodes.count, nodes.cross_rank, 4 * shard, 0, noted=False)
             for j in range(nodes.local_size)]
         with kernel_stream(device):
@@ -533,7 +330,7 @@ def _node_aware(state, bucket, group, buffer, split):
                 lambda j, forwarded: plans[j].decode(forwarded, as_array(shards[j * shard:(j + 1) * shard])),
                 f"bucket {bucket.index()}", ranks_named="local rank")
         finite = scaled_and_finite(shards[:flat.numel()], 1.0 / group.size())
-    state._stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
+    state.stats.add(collectives_started=collectives, encode_seconds=time.perf_counter() - start)
     future = _new_future(device)
     if error is not None:
         if restore is not None:
@@ -544,12 +341,11 @@ def _node_aware(state, bucket, group, buffer, split):
     # every rank holds the whole bucket's result: all decide alike whether the step's residuals stay
     if finite:
         if state.error_feedback:
-            with state._lock:
-                state._shard_residuals[bucket.index()].keep(residual)
-                if owner_residual is not None:
-                    state._owner_residuals[bucket.index()].keep(owner_residual)
+            state.feedback.keep_shard_residual(bucket.index(), residual)
+            if owner_residual is not None:
+                state.feedback.keep_owner_residual(bucket.index(), owner_residual)
     else:
-        state._stats.add(tensors_nonfinite=1)
+        state.stats.add(tensors_nonfinite=1)
         if restore is not None:
             restore()
     split.unstage(result, bucket_flat)
@@ -594,7 +390,7 @@ def _new_future(device):
 def _resume_waiting(state):
     """The waiting bucket's exchange, resumed once its collective arrived: for the two stages, the owner's step
     and the second collective (see the module's docstring for the order)."""
-    exchange, state._waiting = state._waiting, None
+    exchange, state.waiting = state.waiting, None
     if exchange is None:
         return
     start = time.perf_counter()
@@ -602,8 +398,8 @@ def _resume_waiting(state):
     received, exchange.work, exchange.received = exchange.received, None, None
     with kernel_stream(exchange.flat.device):
         if _advance(exchange, received):
-            state._waiting = exchange
-    state._stats.add(encode_seconds=time.perf_counter() - start)
+            state.waiting = exchange
+    state.stats.add(encode_seconds=time.perf_counter() - start)
 
 
 def _finish(exchange, received):
@@ -627,17 +423,16 @@ def _finish(exchange, received):
             with kernel_stream(total.device):
                 finish_sum(as_array(total), _device_scale(1.0 / plan.num_ranks, total.device),
                            stamps=as_array(exchange.stamps), stamp=exchange.stamp + 1,
-                           counter=as_array(state._nonfinite_on_device.on(total.device)))
+                           counter=as_array(state.nonfinite_on_device.on(total.device)))
         elif scaled_and_finite(total, 1.0 / plan.num_ranks):
             if exchange.residual is not None:
-                state._keep_residual(exchange.index, exchange.layout, exchange.residual)
+                state.feedback.keep_residual(exchange.index, exchange.residual)
             if exchange.owner_residual is not None:
-                with state._lock:
-                    state._owner_residuals[exchange.index].keep(exchange.owner_residual)
+                state.feedback.keep_owner_residual(exchange.index, exchange.owner_residual)
         else:
-            state._stats.add(tensors_nonfinite=1)
+            state.stats.add(tensors_nonfinite=1)
         exchange.split.unstage(total, exchange.buffer.reshape(-1))
-        state._stats.add(decode_seconds=time.perf_counter() - start)
+        state.stats.add(decode_seconds=time.perf_counter() - start)
         exchange.future.set_result(exchange.buffer)
     except Exception as exc:  # every rank's DDP raises it when it waits for the bucket
         exchange.future.set_exception(exc)

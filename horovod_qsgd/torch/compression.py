@@ -44,7 +44,7 @@ import torch
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit
-from horovod_qsgd.common.errors import CompressionMismatchError, elastic_state_missing
+from horovod_qsgd.common.errors import elastic_state_missing
 from horovod_qsgd.common.collectives import RefusedEarlier, conclude
 from horovod_qsgd.common.engine import PayloadEngine, TwoStagePlan
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale
@@ -54,10 +54,10 @@ from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.kernels import finish_sum, move_into_own_chunk
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, KeptResidual, step_stamps
+from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts
+from horovod_qsgd.torch.feedback import TensorFeedback
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
@@ -70,54 +70,9 @@ _payload_compressors_built = itertools.count()
 _HOROVOD_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
-def _clone(tensor):
-    return None if tensor is None else tensor.clone()
-
-
-def _kept(tensor):
-    return None if tensor is None else KeptResidual(tensor.clone())
-
-
 def _flat_fp32(tensor):
     flat = tensor.detach().reshape(-1)
     return flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
-
-
-class _TensorState:
-    """What training depends on per tensor: the RNG step counter and the error-feedback residuals.
-
-    ``residual`` and ``owner_residual`` are :class:`~horovod_qsgd.torch_feedback.KeptResidual`; ``owner_residual``:
-    with the two-stage exchange and error feedback, what this rank's owned chunk of the sum did not send;
-    ``owner_layout`` the (ranks, rank) it belongs to. ``stamps``: on a GPU, whether the last step counted, as
-    the device knows it (:mod:`horovod_qsgd.torch_feedback`).
-    """
-
-    def __init__(self, step=0, residual=None, owner_residual=None, owner_layout=None):
-        self.step = step
-        self.residual = residual
-        self.owner_residual = owner_residual
-        self.owner_layout = owner_layout
-        self.stamps = None
-
-    def residuals(self):
-        return [r for r in (self.residual, self.owner_residual) if r is not None]
-
-    def stamps_on(self, device):
-        """The stamps of this tensor on ``device`` (None on the CPU); the residuals settled on the host first if
-        they were on another device."""
-        if self.stamps is None or self.stamps.device != device:
-            self.settle_on_host()
-            self.stamps = step_stamps(device)
-        return self.stamps
-
-    def settle_on_host(self):
-        """``kept`` is each residual and the stamps say nothing, after one host read: before a residual is
-        changed, saved or moved outside a step, or the step counter is set."""
-        if self.stamps is not None:
-            read = self.stamps.cpu()
-            for residual in self.residuals():
-                residual.settle_on_host(read)
-            self.stamps.zero_()
 
 
 class _InFlight:
@@ -165,7 +120,7 @@ class _CompressorBase:
             raise ValueError(f"horovod_qsgd: min_numel must be >= 0, got {min_numel}")
         self.codec = codec
         self.min_numel = int(min_numel)
-        self._states = {}
+        self._feedback = TensorFeedback()
         self._verified_process_sets = set()
         self._lock = threading.Lock()
         self._stats = CompressionStats()
@@ -195,43 +150,9 @@ class _CompressorBase:
         self._verified_process_sets.add(key)
         return True
 
-    def _state(self, name, numel, device, needs_residual):
-        with self._lock:
-            state = self._states.get(name)
-            if state is None:
-                state = self._states[name] = _TensorState()
-        state.stamps_on(device)
-        if needs_residual:
-            if state.residual is None:
-                state.residual = KeptResidual.zeros(numel, device)
-            elif state.residual.numel() != numel:
-                raise CompressionMismatchError(
-                    f"horovod_qsgd: tensor {name!r} now has {numel} elements but its error-feedback "
-                    f"residual has {state.residual.numel()}; a checkpoint from another model was loaded, "
-                    "or two tensors share a name.")
-            state.residual.to(device)
-        return state
-
     def _owner_layout(self, site, tensor):
         """What an owner-side residual of ``tensor`` belongs to on this rank now: [ranks, rank]."""
         return [site.process_set.size(), site.process_set.rank()]
-
-    def _spill_moved_owner_residual(self, site, state, numel, layout):
-        """Adds an owner-side residual kept for another ``layout`` (an elastic reset, a checkpoint from another
-        job size or node layout) into this rank's residual at its old chunk: this rank sends that mass in its
-        next steps."""
-        if state.owner_residual is None:
-            return
-        if list(state.owner_layout or []) == layout:
-            return
-        state.settle_on_host()
-        chunk = moved_owner_chunk(site.name, numel, chunk_unit(self.codec), state.owner_layout,
-                                  state.owner_residual.numel(), layout)
-        if chunk is not None:
-            begin, end = chunk
-            residual = state.residual.kept
-            residual[begin:end].add_(state.owner_residual.kept[:end - begin].to(residual.device))
-        state.owner_residual, state.owner_layout = None, None
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
@@ -241,19 +162,11 @@ class _CompressorBase:
         (e.g. ``torch.save(c.state_dict(), f"compressor.{hvd.rank()}.pt")``)
         to resume bit-exactly.
         """
-        tensors = {}
-        for name, s in self._states.items():
-            s.settle_on_host()
-            tensors[name] = {"step": s.step, "residual": _clone(s.residual and s.residual.kept),
-                             "owner_residual": _clone(s.owner_residual and s.owner_residual.kept),
-                             "owner_layout": s.owner_layout}
-        return dict(state_header(type(self).__name__, self.settings()), tensors=tensors)
+        return dict(state_header(type(self).__name__, self.settings()), tensors=self._feedback.state_dict())
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
-        self._states = {name: _TensorState(t["step"], _kept(t["residual"]), _kept(t.get("owner_residual")),
-                                           t.get("owner_layout"))
-                        for name, t in state["tensors"].items()}
+        self._feedback.load_state_dict(state["tensors"])
 
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a 0-d tensor).
@@ -264,9 +177,7 @@ class _CompressorBase:
         after ``growth_interval`` good steps), call this with new / old scale;
         otherwise the mass a residual holds counts once at the wrong scale.
         """
-        for state in list(self._states.values()):
-            for residual in state.residuals():
-                residual.scale(factor)
+        self._feedback.rescale(factor)
 
     # -- Horovod Elastic (horovod_qsgd.torch.elastic) ----------------------------------------
     def start_new_world(self, steps):
@@ -275,16 +186,11 @@ class _CompressorBase:
         ``steps`` (rank 0's, by tensor name), so that a rank that joined draws the same random streams."""
         self._verified_process_sets = set()
         self._forget_exchanges()
-        with self._lock:
-            for state in self._states.values():
-                state.settle_on_host()  # the stamps name steps, which change here
-            for name, step in steps.items():
-                self._states.setdefault(name, _TensorState()).step = int(step)
+        self._feedback.set_step_counters(steps)
 
     def step_counters(self):
         """{tensor name: steps taken}: what :meth:`start_new_world` gets from rank 0."""
-        with self._lock:
-            return {name: state.step for name, state in self._states.items()}
+        return self._feedback.step_counters()
 
     def _forget_exchanges(self):
         """Drops what a failed step left in flight."""
@@ -326,8 +232,9 @@ class _CompressorBase:
         check_site(site)
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
-        state = self._state(site.name, flat.numel(), tensor.device, self.error_feedback)
-        self._spill_moved_owner_residual(site, state, flat.numel(), self._owner_layout(site, tensor))
+        state = self._feedback.state(site.name, flat.numel(), tensor.device, self.error_feedback)
+        self._feedback.spill_moved_owner_residual(site.name, state, flat.numel(), chunk_unit(self.codec),
+                                                  self._owner_layout(site, tensor))
         # The step writes its residual into a second buffer, kept once the result shows the step counts (_settle).
         residual = None if state.residual is None else state.residual.for_step(state.stamps, state.step)
         with kernel_stream(tensor.device):
@@ -632,19 +539,11 @@ class PayloadCompressor(_CompressorBase):
             move_into_own_chunk(as_array(flat), as_array(residual), as_array(padded[:flat.numel()]))
             shard_residual = torch.zeros(plan.shard, dtype=torch.float32, device=flat.device)
             if plan.cross.owned is not None:  # this rank owns a chunk of its shard between nodes
-                owner_residual = self._node_owner_residual(site.name, plan)
+                state = self._feedback[site.name]  # one of another layout was spilled by compress
+                owner_residual = state.owner_residual_for_step(plan, plan.own_numel(), flat.device, step)
         else:
             padded[:flat.numel()] = flat
         return _NodeAware(NodeAwareMember(plan, step, padded, shard_residual, owner_residual))
-
-    def _node_owner_residual(self, name, plan):
-        """What this step reads and writes the owner-side residual of the node-aware ``plan``'s chunk through
-        (top-k, from 3 nodes)."""
-        state = self._states[name]
-        if state.owner_residual is None:  # one of another layout was spilled by compress
-            state.owner_residual = KeptResidual.zeros(plan.cross.own_numel(), state.residual.kept.device)
-            state.owner_layout = plan.owner_layout()
-        return state.owner_residual.for_step(state.stamps, state.step)
 
     def _make_context(self, handle, site, tensor, state, out, residual):
         ctx = super()._make_context(handle, site, tensor, state, out, residual)
@@ -723,14 +622,7 @@ class PayloadCompressor(_CompressorBase):
         rank) through (error feedback only), reset if the ranks changed."""
         if not self.error_feedback:
             return None
-        state, plan = ctx.state, ctx.handle.plan
-        if state.owner_residual is not None and not plan.keeps_owner_residual(state.owner_layout,
-                                                                              state.owner_residual.numel()):
-            state.owner_residual = None
-        if state.owner_residual is None:
-            state.owner_residual = KeptResidual.zeros(numel, device)
-            state.owner_layout = plan.owner_layout()
-        ctx.owner_residual = state.owner_residual.for_step(state.stamps, ctx.step)
+        ctx.owner_residual = ctx.state.owner_residual_for_step(ctx.handle.plan, numel, device, ctx.step)
         return ctx.owner_residual
 
     def _end_round(self):

@@ -490,8 +490,8 @@ def test_residuals_spilled_by_a_rebuild_and_not_yet_sent_are_saved():
     import torch
     from horovod_qsgd.ddp import TopKState
     state = TopKState(exchange="node_aware")
-    state._spilled[3] = torch.ones(5)
-    state._residuals[4], state._spilled[4] = torch.ones(2), torch.full((2,), 2.0)
+    state.feedback._spilled[3] = torch.ones(5)
+    state.feedback._residuals[4], state.feedback._spilled[4] = torch.ones(2), torch.full((2,), 2.0)
     saved = state.state_dict()["residuals"]
     assert torch.equal(saved[3], torch.ones(5)) and torch.equal(saved[4], torch.full((2,), 3.0))
     restored = TopKState(exchange="node_aware")
