@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from horovod_qsgd.common.collectives import ALLTOALL
-from horovod_qsgd.common.node_aware import warn_node_blind
+from horovod_qsgd.common.node_aware import node_blind_reason, warn_node_blind
 from horovod_qsgd.torch_arrays import TorchBuffers
 
 # torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
@@ -93,10 +93,9 @@ class DistributedNodes:
         for rank, node in enumerate(nodes):
             members.setdefault(node, []).append(rank)
         members = list(members.values())
-        sizes = sorted({len(m) for m in members})
-        if len(sizes) > 1 or len(members) == 1 or sizes[0] == 1:
-            if quiet:
-                return None
-            warn_node_blind(f"it has {len(members)} node(s) of {sizes} rank(s)")
+        why_not = node_blind_reason(sorted({len(m) for m in members}), len(members))
+        if why_not is not None:
+            if not quiet:
+                warn_node_blind(why_not)
             return None
         return cls(members, dist.get_rank())

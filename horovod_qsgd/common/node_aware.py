@@ -147,11 +147,10 @@ class NodeLayout:
         """
         num_ranks = len(records)
         local_sizes = sorted({int(r[1]) for r in records})
-        if len(local_sizes) > 1:
-            return None, f"its nodes differ in size ({local_sizes} ranks)"
+        why_not = node_blind_reason(local_sizes, num_ranks // local_sizes[0])
+        if why_not is not None:
+            return None, why_not
         local_size = local_sizes[0]
-        if local_size < 2 or local_size == num_ranks:
-            return None, f"it has {num_ranks // local_size} node(s) of {local_size} rank(s)"
         expected = [(r % local_size, local_size, r // local_size, num_ranks // local_size) for r in range(num_ranks)]
         if [tuple(int(v) for v in r) for r in records] != expected:
             return None, "its ranks are not numbered node by node (rank = cross_rank * local_size + local_rank)"
@@ -183,6 +182,16 @@ class NodeLayout:
         for r, count in zip(self.cross_ranks(), counts):
             splits[r] = count
         return splits
+
+
+def node_blind_reason(node_sizes, num_nodes):
+    """Why a job whose nodes have ``node_sizes`` ranks (the distinct sizes) takes no node-aware exchange, or
+    None: it needs ``num_nodes`` > 1 nodes of one size, more than one rank each."""
+    if len(node_sizes) > 1:
+        return f"its nodes differ in size ({sorted(node_sizes)} ranks)"
+    if num_nodes < 2 or node_sizes[0] < 2:
+        return f"it has {num_nodes} node(s) of {node_sizes[0]} rank(s)"
+    return None
 
 
 def looks_for_nodes(exchange, on_gpu, global_group):
