@@ -106,13 +106,14 @@ def _ddp_worker(setting, steps, out):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     import horovod_qsgd.ddp as qddp
+    from horovod_qsgd import torch_distributed
     from horovod_qsgd.ddp import hooks
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if setting.endswith("node_aware"):
         os.environ["GROUP_RANK"] = str(rank // 2)
     log = _Log()
-    real_a2a, real_gather, real_allreduce = dist.all_to_all_single, hooks._all_gather_single, dist.all_reduce
+    real_a2a, real_gather, real_allreduce = dist.all_to_all_single, torch_distributed.all_gather_single, dist.all_reduce
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
         log.note("alltoall", input, splits=list(input_split_sizes or []))
@@ -125,7 +126,9 @@ def _ddp_worker(setting, steps, out):
     def all_reduce(tensor, *args, **kw):
         log.note("allreduce", tensor)
         return real_allreduce(tensor, *args, **kw)
-    dist.all_to_all_single, hooks._all_gather_single, dist.all_reduce = all_to_all_single, all_gather_single, all_reduce
+    dist.all_to_all_single, dist.all_reduce = all_to_all_single, all_reduce
+    # the transport (the engine's collectives) and the node-aware hook's in-node allgather, each by its own name
+    torch_distributed.all_gather_single = hooks.all_gather_single = all_gather_single
     cls, kwargs = DDP_SETTINGS[setting]
     model = DistributedDataParallel(_model(torch), bucket_cap_mb=0.1)
     state = getattr(qddp, cls)(**kwargs)
