@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from benchmarks import netlab
+from tests import horovodrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = 9905640  # mlp10m in benchmarks/models_torch.py and benchmarks/models_tf.py
@@ -25,7 +26,7 @@ FRAMEWORKS = ["pytorch", "tensorflow"]
 def run_benchmark(tmp_path, framework, *args):
     out = tmp_path / f"result-{len(list(tmp_path.iterdir()))}.json"
     with netlab.Namespace() as ns:
-        proc = ns.run([*netlab.HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+        proc = ns.run([*horovodrun.command(), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
                        f"benchmarks/{framework}_synthetic_benchmark.py", "--model", "mlp10m", "--batch-size", "8",
                        "--num-warmup-batches", "2", "--num-iters", "2", "--num-batches-per-iter", "2",
                        "--json-out", str(out), *args],

@@ -170,12 +170,12 @@ CASES = [("QSGDState", {"bits": 4, "exchange": "allgather"}),
          ("TopKState", {"ratio": 0.02, "exchange": "two_stage"})]
 
 
-@pytest.mark.parametrize("num_ranks", _on(2, 3, 4))
+@pytest.mark.parametrize("num_ranks", _on(2, 3))
 def test_bucket_results_are_the_codecs_alone_and_equal_on_every_rank(num_ranks, dist_gloo):
     """Every bucket, 3 steps (the first before DDP rebuilds its buckets), QSGD and top-k, allgather and two
     stages: bitwise what the codecs give alone (the reference the Horovod adapter's tests hold it to: the
     Horovod adapter's bits for a tensor of the bucket's name), residuals included; small parameters get
-    DDP's average, in a bucket of their own and beside compressed ones."""
+    DDP's average, in a bucket of their own and beside compressed ones. On 4 ranks: test_across_two_nodes."""
     assert dist_gloo.get_world_size() == num_ranks
     for class_name, kwargs in CASES:
         _check_against_reference(dist_gloo, class_name, kwargs)
@@ -337,13 +337,32 @@ def test_other_settings_on_one_rank_are_refused_on_every_rank(num_ranks, dist_gl
     assert "bits: rank 0=4, rank 1=2" in str(raised.value)
 
 
+@pytest.mark.parametrize("num_ranks", _on(2, timeout=120))
+def test_node_aware_on_one_host_warns_on_every_rank_and_trains_node_blind(num_ranks, dist_gloo):
+    """exchange='node_aware' where torchrun's ranks share one node: every rank warns why, and the step's
+    results are those of exchange='auto' (node-blind), bit for bit."""
+    import torch
+    from horovod_qsgd.ddp import TopKState, topk_hook
+    rank = dist_gloo.get_rank()
+    asked = TopKState(ratio=0.02, exchange="node_aware", min_numel=MIN_NUMEL)
+    ddp, _ = _ddp(torch, asked, topk_hook)
+    with pytest.warns(UserWarning, match=r"needs several nodes.*but it has 1 node\(s\) of 2 rank\(s\).*node-blind"):
+        got = _step(torch, ddp, rank, 0)
+    assert asked.nodes is None
+    blind, _ = _ddp(torch, TopKState(ratio=0.02, exchange="auto", min_numel=MIN_NUMEL), topk_hook)
+    for mine, theirs in zip(got, _step(torch, blind, rank, 0)):
+        assert np.array_equal(mine.view(np.uint32), theirs.view(np.uint32))
+
+
 @pytest.mark.parametrize("num_ranks", [pytest.param(4, marks=pytest.mark.ranks(4, timeout=300,
                                                                             launcher="torchrun-nodes:2x2"))])
 def test_across_two_nodes(num_ranks, dist_gloo):
-    """torchrun on two network-namespace nodes of two ranks (``benchmarks/nodelab.py``): the same bits."""
+    """4 ranks, as torchrun starts them on two network-namespace nodes of two (``benchmarks/nodelab.py``): every
+    case of test_bucket_results_are_the_codecs_alone_and_equal_on_every_rank, the same bits (on CPU tensors
+    'auto' takes no node-aware exchange)."""
     import os
     assert (os.environ["LOCAL_WORLD_SIZE"], os.environ["GROUP_RANK"]) == ("2", str(dist_gloo.get_rank() // 2))
-    for class_name, kwargs in [CASES[1], CASES[3]]:
+    for class_name, kwargs in CASES:
         _check_against_reference(dist_gloo, class_name, kwargs)
 
 
