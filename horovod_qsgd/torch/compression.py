@@ -43,7 +43,6 @@ import torch
 
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
-from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.errors import elastic_state_missing
 from horovod_qsgd.common.collectives import RefusedEarlier, conclude
 from horovod_qsgd.common.engine import PayloadEngine, TwoStagePlan
@@ -233,7 +232,7 @@ class _CompressorBase:
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
         state = self._feedback.state(site.name, flat.numel(), tensor.device, self.error_feedback)
-        self._feedback.spill_moved_owner_residual(site.name, state, flat.numel(), chunk_unit(self.codec),
+        self._feedback.spill_moved_owner_residual(site.name, state, flat.numel(), self.codec,
                                                   self._owner_layout(site, tensor))
         # The step writes its residual into a second buffer, kept once the result shows the step counts (_settle).
         residual = None if state.residual is None else state.residual.for_step(state.stamps, state.step)

@@ -10,6 +10,7 @@ into the residual, the checkpoint format, a loss scaler's rescale, an elastic wo
 """
 import threading
 
+from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.torch_feedback import KeptResidual, step_stamps
@@ -90,14 +91,15 @@ class TensorFeedback:
         return state
 
     @staticmethod
-    def spill_moved_owner_residual(name, state, numel, unit, layout):
+    def spill_moved_owner_residual(name, state, numel, codec, layout):
         """Adds an owner residual kept for another ``layout`` (an elastic reset, a checkpoint from another job
-        size or node layout) into the tensor's residual at its old chunk (``unit``: the chunks' alignment):
+        size or node layout) into the tensor's residual at its old chunk (aligned as ``codec``'s chunks are):
         this rank sends that mass in its next steps."""
         if state.owner_residual is None or list(state.owner_layout or []) == layout:
             return
         state.settle_on_host()
-        chunk = moved_owner_chunk(name, numel, unit, state.owner_layout, state.owner_residual.numel(), layout)
+        chunk = moved_owner_chunk(name, numel, chunk_unit(codec), state.owner_layout, state.owner_residual.numel(),
+                                  layout)
         if chunk is not None:
             begin, end = chunk
             residual = state.residual.kept
