@@ -69,7 +69,8 @@ from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.kernels import CarriedResidual, finish_sum
 from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
-                                                     ExchangeContext, adapter_method, decode_scaled, op_name)
+                                                     ExchangeContext, adapter_method, decode_scaled)
+from horovod_qsgd.tensorflow.feedback import op_name
 from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.conduct import GraphConduct
 from horovod_qsgd.tensorflow.fusion import FusedRound, group_name

@@ -1,14 +1,11 @@
 """What every TensorFlow compressor shares: settings handshake, state variables, checkpoints, statistics.
 
-Per gradient the state is an int64 step counter (the counter-based RNG's
-step) and, with error feedback, an fp32 residual, both ``tf.Variable``
-objects created on first use (outside any trace) so that a compressor works
-eagerly and in ``tf.function`` and is saved by ``tf.train.Checkpoint``.
+The per-gradient state (step counters, residuals: ``tf.Variable`` objects saved by ``tf.train.Checkpoint``)
+is kept by :class:`horovod_qsgd.tensorflow.feedback.FeedbackVariables`.
 :mod:`horovod_qsgd.tensorflow.compression` builds the public compressors on it.
 """
 import json
 import os
-import re
 import threading
 
 import numpy as np
@@ -16,22 +13,20 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
-from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.common.call_site import check_compressible
-from horovod_qsgd.common.engine import NO_OWNER
-from horovod_qsgd.common.errors import (CompressionMismatchError, RankInJoinError, elastic_process_set_unsupported,
-                                         elastic_state_missing)
+from horovod_qsgd.common.errors import RankInJoinError, elastic_process_set_unsupported, elastic_state_missing
 from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
-from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT, check_loadable, state_header
+from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.call_site import find_call_site
+from horovod_qsgd.tensorflow.feedback import FeedbackVariables, eager_value, new_variable
 from horovod_qsgd.tensorflow.host_ops import flat_fp32, host_op
 from horovod_qsgd.tensorflow.keras_guard import refuse_keras3_horovod_optimizer
 
@@ -39,10 +34,6 @@ PASS_THROUGH = None  # Horovod's own compressors use None as "nothing to undo" t
 ELASTIC_STATE_CALL = "horovod_qsgd.tensorflow.elastic.TensorFlowKerasState(model, optimizer, compression=compression)"
 PLACEHOLDER_DTYPES = (tf.float16, tf.float32, tf.float64)
 
-
-def op_name(name):
-    """A TensorFlow op name made from a stable tensor name (graph mode scopes it further)."""
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
 
 
 def _meaning(settings_json):
@@ -73,17 +64,6 @@ def decode_scaled(decode, totals, refusal, placeholder, num_ranks):
     return [finish_sum(total, scale) for total in totals]
 
 
-def _new_variable(initial_value, name, dtype):
-    """A variable created outside any graph being traced.
-
-    A compressor meets a new gradient when a function is (re)traced, possibly
-    not on its first trace, where ``tf.Variable`` refuses to create
-    variables; each state variable is created once per gradient name, so
-    lifting it out with ``init_scope`` and constructing it directly is safe.
-    """
-    with tf.init_scope():
-        return ResourceVariable(initial_value, name=op_name(name), dtype=dtype, trainable=False)
-
 
 def in_legacy_graph():
     """True while ops are built for a ``tf.compat.v1`` graph that a Session runs (also inside a
@@ -98,18 +78,6 @@ def _kept_unless(finite, new_value, variable):
     job's owner residual). A choice of one tensor, not an element-wise select: no pass over the residual."""
     return tf.cond(finite, lambda: new_value, variable.read_value)
 
-
-def _is_eager(variable):
-    """False for a variable of a ``tf.compat.v1`` graph, whose value only a Session reads."""
-    return isinstance(variable.handle, ops.EagerTensor)
-
-
-def _eager_value(variable):
-    """The variable's value (numpy), or None for a variable of a ``tf.compat.v1`` graph."""
-    if not _is_eager(variable):
-        return None
-    with context.eager_mode():
-        return variable.numpy()
 
 
 def adapter_method(method):
@@ -165,8 +133,8 @@ class ExchangeContext:
         self.graph = self.fused = self.index = None
 
 
-class CompressorBase(tf.Module):
-    """Settings handshake, per-gradient state variables, checkpoints and statistics."""
+class CompressorBase(FeedbackVariables, tf.Module):
+    """Settings handshake, per-gradient state variables (:class:`FeedbackVariables`), checkpoints and statistics."""
 
     @property
     def error_feedback(self):
@@ -179,12 +147,8 @@ class CompressorBase(tf.Module):
             raise ValueError(f"horovod_qsgd: min_numel must be >= 0, got {min_numel}")
         self.codec = codec
         self.min_numel = int(min_numel)
-        # Tracked by tf.train.Checkpoint: state name -> variable.
-        self._steps = {}
-        self._residuals = {}
-        self._owner_residuals = {}  # two-stage exchange with error feedback: this rank's owned chunk
-        self._owner_layouts = {}    # int64 [ranks, rank] each owner residual belongs to
-        self._settings = _new_variable(self._settings_json(), "horovod_qsgd_settings", tf.string)
+        self._init_feedback()
+        self._settings = new_variable(self._settings_json(), "horovod_qsgd_settings", tf.string)
         self._runtime = _Runtime()
         # In a Horovod Elastic job (horovodrun sets HOROVOD_ELASTIC=1 in its workers) a function is traced once
         # and runs on worlds of other sizes: plans are made when the ops run (compression.py).
@@ -246,7 +210,7 @@ class CompressorBase(tf.Module):
         self._runtime.verified_process_sets.add(key)
 
     def _check_restored_settings(self):
-        restored = _eager_value(self._settings)
+        restored = eager_value(self._settings)
         if restored is None:  # a tf.compat.v1 graph's variable: a Session restores it after this check
             return
         restored = restored.decode("utf-8")
@@ -273,130 +237,17 @@ class CompressorBase(tf.Module):
                 runtime.keep_alive.append(site.variable)
             return name
 
-    def _step_variable(self, name):
-        with self._runtime.lock:
-            var = self._steps.get(name)
-            if var is None:
-                var = self._steps[name] = _new_variable(np.int64(0), f"{name}/step", tf.int64)
-        return var
-
-    def _residual_variable(self, name, numel):
-        with self._runtime.lock:
-            var = self._residuals.get(name)
-            if var is None:
-                var = self._residuals[name] = _new_variable(np.zeros(numel, np.float32),
-                                                            f"{name}/residual", tf.float32)
-        if var.shape.num_elements() != numel:
-            raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {name!r} has {numel} elements but its error-feedback residual has "
-                f"{var.shape.num_elements()}; a checkpoint from another model was restored, or two "
-                "tensors share a name.")
-        return var
-
-    def _owner_residual_variable(self, plan):
-        """The owner-side residual variable of a two-stage plan's tensor; recreated (with the plan's warning)
-        for another rank count."""
-        name, layout = plan.name, plan.owner_layout()
-        with self._runtime.lock, tf.init_scope():
-            var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
-            saved = None
-            if layout_var is not None:
-                value = _eager_value(layout_var)
-                # a tf.compat.v1 graph's variable has no value before its Session runs; this process made it
-                # for this rank count, which a process cannot change
-                saved = layout if value is None else [int(v) for v in value]
-            if var is not None and not plan.keeps_owner_residual(saved, var.shape.num_elements()):
-                var = None
-            if var is None:
-                var = self._owner_residuals[name] = _new_variable(np.zeros(plan.own_numel(), np.float32),
-                                                                  f"{name}/owner_residual", tf.float32)
-                layout_var = self._owner_layouts[name] = _new_variable(np.array(layout, np.int64),
-                                                                       f"{name}/owner_layout", tf.int64)
-        return var
-
-    # -- checkpoints ------------------------------------------------------------------------
-    def state_dict(self):
-        """Step counters and residuals by tensor name (numpy), plus the settings they belong to.
-
-        ``tf.train.Checkpoint(compressor=c)`` saves and restores the same
-        variables; this is for code that checkpoints with numpy/pickle.
-        Residuals differ between ranks: save each rank's state. In a
-        ``tf.compat.v1`` graph the state lives in graph variables: save it
-        with ``tf.compat.v1.train.Saver`` there.
-        """
-        if not all(_is_eager(var) for var in self._steps.values()):
-            raise RuntimeError("horovod_qsgd: this compressor's state lives in a tf.compat.v1 graph; save and "
-                               "restore it with tf.compat.v1.train.Saver (its variables are global variables).")
-        tensors = {name: {"step": int(var.numpy()), "residual": None} for name, var in self._steps.items()}
-        for name, var in self._residuals.items():
-            tensors.setdefault(name, {"step": 0})["residual"] = var.numpy().copy()
-        for name, var in self._owner_residuals.items():
-            value = var.numpy().copy()
-            if value.size == 0:
-                continue  # an elastic job's owner residual where this rank owns no chunk
-            entry = tensors.setdefault(name, {"step": 0, "residual": None})
-            entry["owner_residual"] = value
-            entry["owner_layout"] = [int(v) for v in self._owner_layouts[name].numpy()]
-        return dict(state_header(type(self).__name__, self.settings()), tensors=tensors)
-
-    def load_state_dict(self, state):
-        check_loadable(state, type(self).__name__, self.settings())
-        for name, entry in state["tensors"].items():
-            self._step_variable(name).assign(entry["step"])
-            if entry.get("owner_residual") is not None:
-                self._load_owner_residual(name, np.asarray(entry["owner_residual"], np.float32),
-                                          np.asarray(entry["owner_layout"], np.int64))
-            elif name in self._owner_residuals and not self._owner_residuals[name].shape.is_fully_defined():
-                self._load_owner_residual(name, np.zeros(0, np.float32), np.array(NO_OWNER, np.int64))
-            if entry.get("residual") is not None:
-                residual = np.asarray(entry["residual"], dtype=np.float32)
-                self._residual_variable(name, residual.size).assign(residual)
-
-    def _load_owner_residual(self, name, value, layout):
-        """Into the variables a traced function reads where they can hold it (always in an elastic job, whose
-        owner residuals change size with the world), else into new ones (a function traced for another
-        layout is traced again: its plan would not match)."""
-        with self._runtime.lock:
-            var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)
-            if var is not None and (not var.shape.is_fully_defined() or var.shape.num_elements() == value.size):
-                var.assign(value)
-                layout_var.assign(layout)
-                return
-            self._owner_residuals[name] = _new_variable(value, f"{name}/owner_residual", tf.float32)
-            self._owner_layouts[name] = _new_variable(layout, f"{name}/owner_layout", tf.int64)
-
-    def _elastic_owner_variables(self, name):
-        """(owner residual, its layout) of tensor ``name`` in an elastic job: a variable of any length, empty
-        where this rank owns no chunk; the layout ``NO_OWNER`` until it does."""
-        with self._runtime.lock, tf.init_scope():
-            var = self._owner_residuals.get(name)
-            if var is None or var.shape.is_fully_defined():
-                initial = np.zeros(0, np.float32) if var is None else _eager_value(var)
-                layout = NO_OWNER if var is None else _eager_value(self._owner_layouts[name])
-                self._owner_residuals[name] = ResourceVariable(initial, name=op_name(f"{name}/owner_residual"),
-                                                               dtype=tf.float32, trainable=False,
-                                                               shape=tf.TensorShape([None]))
-                self._owner_layouts[name] = _new_variable(np.asarray(layout, np.int64), f"{name}/owner_layout",
-                                                          tf.int64)
-            return self._owner_residuals[name], self._owner_layouts[name]
-
     # -- Horovod Elastic (horovod_qsgd.tensorflow.elastic) -------------------------------------
     def start_new_world(self, steps):
         """After an elastic reset, on every rank: the settings are checked again and the step counters become
         ``steps`` (rank 0's, by tensor name), so that a rank that joined draws the same random streams."""
         self._runtime.verified_process_sets = set()
         self._runtime.refusals.clear()
-        for name, step in steps.items():
-            self._step_variable(name).assign(int(step))
+        self._set_step_counters(steps)
 
     def verify_settings(self):
         """Checks the settings among the ranks of the global process set now (eagerly, on every rank)."""
         self._handshake(hvd.global_process_set)
-
-    def step_counters(self):
-        """{tensor name: steps taken}: what :meth:`start_new_world` gets from rank 0."""
-        with self._runtime.lock:
-            return {name: int(var.numpy()) for name, var in self._steps.items()}
 
     def shadowing_flag(self):
         """The variable :class:`horovod_qsgd.tensorflow.Join` sets while this rank shadows the others' steps.
@@ -410,16 +261,8 @@ class CompressorBase(tf.Module):
                     "horovod_qsgd: make the Join before the compressor's first step: the functions traced "
                     "so far cannot zero this rank's gradients once it runs out of data. Create "
                     "Join(train_step, compression) right after the compressor.")
-            self._runtime.shadowing = _new_variable(False, "horovod_qsgd_join_shadowing", tf.bool)
+            self._runtime.shadowing = new_variable(False, "horovod_qsgd_join_shadowing", tf.bool)
         return self._runtime.shadowing
-
-    def rescale_residuals(self, factor):
-        """Multiplies every error-feedback residual by ``factor`` (a float or a scalar tensor; works in
-        ``tf.function``): call it with new / old loss scale when a loss scaler changes its scale (see
-        ``horovod_qsgd.torch``'s twin), so that residual and gradient stay in the same units."""
-        factor = tf.cast(factor, tf.float32)
-        for variable in list(self._residuals.values()) + list(self._owner_residuals.values()):
-            variable.assign(variable * factor)
 
     # -- statistics -------------------------------------------------------------------------
     def compression_stats(self, reset=False):
@@ -563,8 +406,8 @@ class _PassThroughCounter:
 
     def __init__(self, nbytes):
         self.nbytes = nbytes
-        self.variable = _new_variable(np.int64(0), "horovod_qsgd_pass_through", tf.int64)
-        self.bytes_variable = None if nbytes is not None else _new_variable(
+        self.variable = new_variable(np.int64(0), "horovod_qsgd_pass_through", tf.int64)
+        self.bytes_variable = None if nbytes is not None else new_variable(
             np.int64(0), "horovod_qsgd_pass_through_bytes", tf.int64)
         self.baseline = self.bytes_baseline = 0
 

@@ -27,7 +27,8 @@ import horovod.tensorflow as hvd
 from horovod_qsgd.common.collectives import ALLTOALL, conclude
 from horovod_qsgd.kernels import CarriedResidual
 from horovod_qsgd.tensorflow import hvd_join
-from horovod_qsgd.tensorflow.compressor_base import decode_scaled, op_name
+from horovod_qsgd.tensorflow.compressor_base import decode_scaled
+from horovod_qsgd.tensorflow.feedback import op_name
 
 _LIVE_LIMIT = 8  # conducts kept waiting per site: more means steps were abandoned halfway
 

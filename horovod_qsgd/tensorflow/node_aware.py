@@ -31,7 +31,7 @@ from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.naming import PAYLOAD_PREFIX
 from horovod_qsgd.common.node_aware import NodeAwareGroup, collective_names
 from horovod_qsgd.kernels import finish_sum
-from horovod_qsgd.tensorflow.compressor_base import op_name
+from horovod_qsgd.tensorflow.feedback import op_name
 
 
 class NodeAwareOps:
