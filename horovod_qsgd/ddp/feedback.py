@@ -115,17 +115,19 @@ class BucketFeedback:
         parameter. A bucket that passes through spills a node-aware shard residual too."""
         with self._lock:
             saved = self._owner_residuals.get(index)
+            stale = []
             if saved is not None and not (plan is not None and saved.fits(layout, plan.owned)):
-                self._spill(self._owner_residuals, index)
+                stale.append(self._owner_residuals)
             if plan is None and index in self._shard_residuals:
-                self._spill(self._shard_residuals, index)
+                stale.append(self._shard_residuals)
+            self._spill(index, *stale)
 
     def spill_owner_residual(self, index):
         """Moves the owner residual of bucket ``index``, if any, into its parameters' residuals (the node-aware
         exchange, where this rank's shard no longer takes the two stages it was kept for)."""
         with self._lock:
             if index in self._owner_residuals:
-                self._spill(self._owner_residuals, index)
+                self._spill(index, self._owner_residuals)
 
     def take_parameter_residuals(self, layout, staged_numel, device):
         """The node-aware exchange keeps error feedback per shard: residuals left per parameter (spilled by a
@@ -208,16 +210,20 @@ class BucketFeedback:
         with self._lock:
             saved = store.get(index)
             if saved is not None and not saved.fits(layout, owned):
-                self._spill(store, index)
+                self._spill(index, store)
                 saved = None
             if saved is None:
                 saved = store[index] = _OwnerResidual(
                     layout, owned, torch.zeros(owned[1] - owned[0], dtype=torch.float32, device=device))
             return saved.for_step(device, stamps, stamp)
 
-    def _spill(self, store, index):
-        self._settle_on_host()
-        store.pop(index).spill(self._spilled, self._residuals)
+    def _spill(self, index, *stores):
+        """Moves what each of ``stores`` keeps of bucket ``index`` into its parameters' residuals (one settling
+        on the host for all)."""
+        if stores:
+            self._settle_on_host()
+        for store in stores:
+            store.pop(index).spill(self._spilled, self._residuals)
 
 
 class _OwnerResidual:

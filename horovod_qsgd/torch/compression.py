@@ -231,9 +231,8 @@ class _CompressorBase:
         check_site(site)
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
-        state = self._feedback.state(site.name, flat.numel(), tensor.device, self.error_feedback)
-        self._feedback.spill_moved_owner_residual(site.name, state, flat.numel(), self.codec,
-                                                  self._owner_layout(site, tensor))
+        state = self._feedback.state(site.name, flat.numel(), tensor.device, self.error_feedback,
+                                     self._owner_layout(site, tensor), self.codec)
         # The step writes its residual into a second buffer, kept once the result shows the step counts (_settle).
         residual = None if state.residual is None else state.residual.for_step(state.stamps, state.step)
         with kernel_stream(tensor.device):
@@ -538,7 +537,7 @@ class PayloadCompressor(_CompressorBase):
             move_into_own_chunk(as_array(flat), as_array(residual), as_array(padded[:flat.numel()]))
             shard_residual = torch.zeros(plan.shard, dtype=torch.float32, device=flat.device)
             if plan.cross.owned is not None:  # this rank owns a chunk of its shard between nodes
-                state = self._feedback[site.name]  # one of another layout was spilled by compress
+                state = self._feedback[site.name]  # one of another layout was spilled by state()
                 owner_residual = state.owner_residual_for_step(plan, plan.own_numel(), flat.device, step)
         else:
             padded[:flat.numel()] = flat

@@ -71,9 +71,12 @@ class TensorFeedback:
         self._states = {}
         self._lock = threading.Lock()
 
-    def state(self, name, numel, device, needs_residual):
+    def state(self, name, numel, device, needs_residual, owner_layout, codec):
         """Tensor ``name``'s state for a step on ``device`` (created at its first step), with a residual of
-        ``numel`` elements where ``needs_residual``; raises where the one kept has another length."""
+        ``numel`` elements where ``needs_residual``; raises where the one kept has another length. An owner
+        residual kept for a layout other than ``owner_layout`` (an elastic reset, a checkpoint from another job
+        size or node layout) is added into the residual at its old chunk (aligned as ``codec``'s chunks are):
+        this rank sends that mass in its next steps."""
         with self._lock:
             state = self._states.get(name)
             if state is None:
@@ -88,23 +91,9 @@ class TensorFeedback:
                     f"residual has {state.residual.numel()}; a checkpoint from another model was loaded, "
                     "or two tensors share a name.")
             state.residual.to(device)
+        if state.owner_residual is not None and list(state.owner_layout or []) != owner_layout:
+            _spill_moved_owner_residual(name, state, numel, codec, owner_layout)
         return state
-
-    @staticmethod
-    def spill_moved_owner_residual(name, state, numel, codec, layout):
-        """Adds an owner residual kept for another ``layout`` (an elastic reset, a checkpoint from another job
-        size or node layout) into the tensor's residual at its old chunk (aligned as ``codec``'s chunks are):
-        this rank sends that mass in its next steps."""
-        if state.owner_residual is None or list(state.owner_layout or []) == layout:
-            return
-        state.settle_on_host()
-        chunk = moved_owner_chunk(name, numel, chunk_unit(codec), state.owner_layout, state.owner_residual.numel(),
-                                  layout)
-        if chunk is not None:
-            begin, end = chunk
-            residual = state.residual.kept
-            residual[begin:end].add_(state.owner_residual.kept[:end - begin].to(residual.device))
-        state.owner_residual, state.owner_layout = None, None
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
@@ -153,3 +142,14 @@ def _clone(tensor):
 
 def _kept(tensor):
     return None if tensor is None else KeptResidual(tensor.clone())
+
+
+def _spill_moved_owner_residual(name, state, numel, codec, layout):
+    state.settle_on_host()
+    chunk = moved_owner_chunk(name, numel, chunk_unit(codec), state.owner_layout, state.owner_residual.numel(),
+                              layout)
+    if chunk is not None:
+        begin, end = chunk
+        residual = state.residual.kept
+        residual[begin:end].add_(state.owner_residual.kept[:end - begin].to(residual.device))
+    state.owner_residual, state.owner_layout = None, None
