@@ -26,6 +26,9 @@ its group (learned from the step before) is compressed, starts one
 step starts the groups still waiting, sums and re-encodes this rank's owned
 chunks and starts one allgather per group, in name order; the first
 ``decompress`` of a group's tensors decodes the owners' sums of all of them.
+What is in flight between the two calls, and when each collective starts:
+:mod:`horovod_qsgd.torch.exchanges`. This file holds the Compression
+interface, the per-tensor state and the statistics.
 
 :class:`RandomK` needs none of this: every rank picks the same coordinates
 from a shared seed, so the optimizer's own allreduce sums the selected values.
@@ -44,23 +47,21 @@ import torch
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.errors import elastic_state_missing
-from horovod_qsgd.common.collectives import RefusedEarlier, conclude
-from horovod_qsgd.common.engine import PayloadEngine, TwoStagePlan
+from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale
-from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, FusedTwoStage, Fuser, check_fusion_threshold
-from horovod_qsgd.common.node_aware import NODE_AWARE, NODE_AWARE_GROUP_NBYTES, job_nodes, looks_for_nodes
+from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_threshold
+from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes, looks_for_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, tensor_key
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.kernels import finish_sum, move_into_own_chunk
+from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts
 from horovod_qsgd.torch.feedback import TensorFeedback
 from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
+from horovod_qsgd.torch.exchanges import PayloadExchanges
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
-from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
-from horovod_qsgd.torch.transport import HorovodTransport
 from horovod_qsgd.torch.join import note_allreduce, refuse_if_a_rank_joined, take_over_hvd_join
 
 _PASS_THROUGH = object()
@@ -332,117 +333,6 @@ class _CompressorBase:
         return None
 
 
-class _Alone:
-    """A tensor whose exchange the engine conducts alone: the allgather, started at compress (Horovod fuses
-    allgathers itself)."""
-    __slots__ = ("plan", "conduct", "handle")
-
-    def __init__(self, plan, conduct, handle):
-        self.plan, self.conduct, self.handle = plan, conduct, handle
-
-    def join(self, compressor, ctx, site):
-        """Nothing to group with."""
-
-    def receive(self, compressor, ctx):
-        return compressor._node_exchanges.synchronize(self.handle)
-
-    def result(self, compressor, ctx, received):
-        gathered, _ = conclude(self.conduct, received)  # one collective: nothing to refuse
-        self.conduct = None
-        total = ctx.zeroed_output(gathered.device)
-        self.plan.decode(as_array(gathered), as_array(total))
-        return total
-
-
-class _Fused:
-    """A two-stage tensor waiting for the rest of its group (:class:`_Group`), whose exchange the engine
-    conducts: its flat gradient and residual, encoded with the whole group's when the group starts (one launch
-    sequence for all members on a GPU); ``group``, ``index``: its group once started, and its place there."""
-    __slots__ = ("plan", "flat", "residual", "process_set", "group", "index")
-
-    def __init__(self, plan, flat, residual, process_set):
-        self.plan, self.flat, self.residual, self.process_set = plan, flat, residual, process_set
-        self.group = self.index = None
-
-    def join(self, compressor, ctx, site):
-        with compressor._lock:
-            ready = compressor._fuser.add((site.process_set.process_set_id, site.name), self.plan.payload_capacity(),
-                                          ctx)
-        for name, members in ready:
-            compressor._start_group(name, members)
-
-    def receive(self, compressor, ctx):
-        if self.group is None or self.group.second_handle is None:
-            compressor._end_round()
-        if self.group.results is None:
-            return compressor._node_exchanges.synchronize(self.group.second_handle)
-        return None  # decoded with an earlier member of its group
-
-    def result(self, compressor, ctx, received):
-        """The first member of a group to be decompressed decodes them all, in one pass.
-
-        The group lets go of its members once decoded, and each member of the group: a reference cycle
-        would keep every step's residual copies and buffers alive until Python's cycle collector ran
-        (measured: Top-k's step 2.5x slower, every large allocation page-faulting afresh).
-        """
-        group = self.group
-        if group.results is None:
-            # a refusal of this rank was raised as its second stage started; the notices in what arrived make
-            # the decode raise for every member decompressed after that
-            gathered, _ = conclude(group.conduct, received)
-            group.conduct = group.transport = None
-            outs = [member.zeroed_output(gathered.device) for member in group.members]
-            group.fused.decode(as_array(gathered), [as_array(out) for out in outs])
-            group.results, group.members = outs, None
-        result, group.results[self.index] = group.results[self.index], None
-        self.group = None
-        return result
-
-
-class _Group:
-    """Two-stage tensors that share one alltoall and one allgather (:mod:`horovod_qsgd.common.fusion`): the
-    engine's conduct of their exchange, the handle of the collective in flight."""
-    __slots__ = ("name", "fused", "members", "transport", "conduct", "handle", "second_handle", "results")
-
-    def __init__(self, name, fused, members, transport, conduct, handle):
-        self.name, self.fused, self.members, self.transport, self.conduct = name, fused, members, transport, conduct
-        self.handle, self.second_handle, self.results = handle, None, None
-
-
-class _NodeAware:
-    """A tensor in the node-aware exchange (:mod:`horovod_qsgd.torch.node_aware`), alone or fused."""
-    __slots__ = ("member",)
-
-    def __init__(self, member):
-        self.member = member
-
-    def join(self, compressor, ctx, site):
-        ctx.owner_residual = self.member.owner_residual
-        exchanges = compressor._node_exchanges
-        if compressor.fusion_threshold == 0:  # alone, under its own collectives' names (TensorFlow's wire)
-            exchanges.start([self.member])
-        else:
-            with compressor._lock:
-                ready = compressor._node_fuser.add((0, site.name), 4 * self.member.plan.padded_numel(), self.member)
-            for name, members in ready:
-                exchanges.start(members, name)
-        exchanges.progress()
-
-    def receive(self, compressor, ctx):
-        compressor._end_round()  # at the round's first decompress; later ones find it ended
-        return compressor._node_exchanges.wait(self.member)
-
-    def result(self, compressor, ctx, result):
-        """``result`` in the gradient's memory where it may be, and the shard residual back in this step's
-        residual."""
-        member = self.member
-        if member.shard_residual is not None:
-            begin, end = member.plan.own_span()
-            ctx.residual.target[begin:end] = member.shard_residual[:end - begin]
-        ctx.handle = None
-        return result if ctx.out is None else ctx.out.copy_(result)
-
-
 class PayloadCompressor(_CompressorBase):
     """Sends each gradient as compressed payloads; base of :class:`QSGD` and :class:`TopK`.
 
@@ -456,13 +346,12 @@ class PayloadCompressor(_CompressorBase):
         self.exchange = exchange
         self.second_codec = second_codec
         self.fusion_threshold = check_fusion_threshold(fusion_threshold)
-        self._engine = PayloadEngine(codec, second_codec, exchange, self._stats)
         # Group names count from 1 in each compressor; two compressors in one process (two optimizers) must not
         # start collectives under the same name. Scripts build their compressors in the same order on every rank.
-        self._fusion_namespace = f"compressor{next(_payload_compressors_built)}."
+        self._exchanges = PayloadExchanges(PayloadEngine(codec, second_codec, exchange, self._stats), self._feedback,
+                                           self._stats, self.fusion_threshold,
+                                           f"compressor{next(_payload_compressors_built)}.", self.error_feedback)
         self._nodes = None  # the NodeLayout, where this compressor's exchange is node-aware (global process set)
-        self._node_exchanges = NodeAwareExchanges(self._stats)
-        self._forget_exchanges()
 
     # A placeholder's NaN tells a rank in a step that a rank is in hvd.join() (every rank in a step sends 1).
     _join_stand_in = float("nan")
@@ -471,11 +360,7 @@ class PayloadCompressor(_CompressorBase):
         refuse_if_a_rank_joined(placeholder)  # before waiting for a payload the joined rank will not send
 
     def _forget_exchanges(self):
-        self._fuser = Fuser(self.fusion_threshold, self._fusion_namespace)
-        self._node_fuser = Fuser(min(self.fusion_threshold, NODE_AWARE_GROUP_NBYTES),
-                                 self._fusion_namespace + "node_aware.")
-        self._first_stages = []  # groups whose alltoall started and whose second stage did not
-        self._node_exchanges.forget()
+        self._exchanges.forget()
 
     def _handshake(self, process_set, tensor):
         """Also finds the nodes, once, where the exchange may be node-aware (see :meth:`_takes_node_aware`)."""
@@ -507,143 +392,20 @@ class PayloadCompressor(_CompressorBase):
     def _encode(self, tensor, flat, site, step, residual):
         take_over_hvd_join()  # from the first payload on, which Horovod's join could not answer
         placeholder = self._placeholder(tensor)
-        if self._takes_node_aware(site, tensor):
-            return placeholder, self._start_node_aware(tensor, flat, site, step, residual)
-        plan = self._engine.plan(site.name, flat.numel(), site.process_set.size(), site.process_set.rank(),
-                                 tensor.numel() * tensor.element_size(), placeholder.element_size())
-        residual = None if residual is None else as_array(residual)
-        if plan.starts_with_alltoall:  # Horovod does not fuse alltoalls: this adapter's Fuser groups them
-            return placeholder, _Fused(plan, flat, residual, site.process_set)
-        transport = HorovodTransport(site.process_set, flat.device)
-        conduct = plan.conduct(transport, flat, step, residual)
-        handle = transport.start(next(conduct))
-        self._stats.add(collectives_started=1)
-        return placeholder, _Alone(plan, conduct, handle)
-
-    def _start_node_aware(self, tensor, flat, site, step, residual):
-        """Step 1 of the node-aware exchange (horovod_qsgd.torch.node_aware), started.
-
-        With error feedback, the whole residual joins the gradient here
-        (``residual`` is zeroed): this rank's own shard of it is what the
-        node's sum did not send last step, anything elsewhere was left by
-        another layout. The node's sum of the shard is then compressed with a
-        zero shard residual, which the result puts back at the shard.
-        """
-        plan = self._engine.plan_node_aware(site.name, flat.numel(), self._nodes,
-                                            tensor.numel() * tensor.element_size())
-        padded = torch.zeros(plan.padded_numel(), dtype=torch.float32, device=flat.device)
-        shard_residual = owner_residual = None
-        if residual is not None:  # padded = flat + the residual, and the step's new residual zero
-            move_into_own_chunk(as_array(flat), as_array(residual), as_array(padded[:flat.numel()]))
-            shard_residual = torch.zeros(plan.shard, dtype=torch.float32, device=flat.device)
-            if plan.cross.owned is not None:  # this rank owns a chunk of its shard between nodes
-                state = self._feedback[site.name]  # one of another layout was spilled by state()
-                owner_residual = state.owner_residual_for_step(plan, plan.own_numel(), flat.device, step)
-        else:
-            padded[:flat.numel()] = flat
-        return _NodeAware(NodeAwareMember(plan, step, padded, shard_residual, owner_residual))
+        nodes = self._nodes if self._takes_node_aware(site, tensor) else None
+        return placeholder, self._exchanges.start(tensor, flat, site, step, residual, placeholder.element_size(),
+                                                  nodes)
 
     def _make_context(self, handle, site, tensor, state, out, residual):
         ctx = super()._make_context(handle, site, tensor, state, out, residual)
-        handle.join(self, ctx, site)
+        self._exchanges.join(ctx, site)
         return ctx
 
-    def _start_group(self, name, members):
-        """Starts a fused group's exchange, which the engine conducts: first the alltoall of its slices."""
-        parts = [member.handle for member in members]
-        plans = [part.plan for part in parts]
-        fused = FusedTwoStage(plans)
-        device = parts[0].flat.device
-        transport = HorovodTransport(parts[0].process_set, device)
-        outs = [torch.zeros(plan.capacity(), dtype=torch.uint8, device=device) for plan in plans]
-        owns = [torch.empty(plan.own_numel(), dtype=torch.float32, device=device) for plan in plans]
-        with kernel_stream(device):
-            member_splits = TwoStagePlan.encode_together(
-                plans, [as_array(part.flat) for part in parts], [as_array(out) for out in outs],
-                [as_array(own) for own in owns], [member.step for member in members],
-                [part.residual for part in parts])
-        numels = [part.plan.own_numel() for part in parts]
-
-        def owner_residuals():
-            return [as_array(self._owner_residual(member, numel, transport.device))
-                    for member, numel in zip(members, numels)]
-        conduct = fused.conduct(transport, name, [out[:sum(splits)] for out, splits in zip(outs, member_splits)],
-                                member_splits, owns, [member.step for member in members], owner_residuals)
-        del outs, owns  # the conduct holds what it still needs
-        collective = next(conduct)
-        manifests = collective.send.numel() - sum(sum(splits) for splits in member_splits)
-        group = _Group(name, fused, members, transport, conduct, transport.start(collective))
-        for index, part in enumerate(parts):
-            part.flat = part.residual = None
-            part.group, part.index = group, index
-        self._stats.add(collectives_started=1, bytes_sent_first_stage=manifests, bytes_sent=manifests)
-        with self._lock:
-            self._first_stages.append(group)
-
-    def _start_second_stages(self):
-        """Starts the second stage of every group whose first stage is under way.
-
-        Called at the round's first ``decompress``: the groups still waiting
-        for a member start their alltoalls first (:meth:`Fuser.end_round`).
-        Horovod's optimizer decompresses in hook order, which differs between
-        ranks, and collectives are matched by name: a rank that waited for
-        one group's allgather before starting the others' could wait for a
-        peer that waits for it. Starting all of them here, before waiting on
-        any, cannot deadlock in any order of calls. After a refusal, this
-        group's and every later group's second stage carry a refusal notice,
-        sent without waiting for their first stage (ranks that grouped
-        otherwise may never start it): every peer raises instead of waiting.
-        """
-        with self._lock:
-            remaining = self._fuser.end_round()
-        for name, members in remaining:
-            self._start_group(name, members)
-        with self._lock:
-            groups = sorted(self._first_stages, key=lambda g: g.name)
-            self._first_stages = []
-        refused = None
-        for group in groups:
-            if refused is None:
-                received, received_splits = self._node_exchanges.synchronize(group.handle)
-                collective = group.conduct.send((received, received_splits.tolist()))
-                refused = collective.refusal
-            else:
-                collective = group.conduct.throw(RefusedEarlier(refused))
-            group.handle, group.second_handle = None, group.transport.start(collective)
-            sent = collective.send.numel()
-            self._stats.add(bytes_sent_second_stage=sent, bytes_sent=sent, collectives_started=1)
-        if refused is not None:
-            raise refused
-
-    def _owner_residual(self, ctx, numel, device):
-        """What this step reads and writes the owner-side residual of ctx's tensor (``numel`` elements on this
-        rank) through (error feedback only), reset if the ranks changed."""
-        if not self.error_feedback:
-            return None
-        ctx.owner_residual = ctx.state.owner_residual_for_step(ctx.handle.plan, numel, device, ctx.step)
-        return ctx.owner_residual
-
-    def _end_round(self):
-        """At a round's first decompress, whatever its exchange: starts every group still waiting, node-aware
-        and two-stage, before waiting for anything."""
-        self._start_node_aware_groups()
-        self._start_second_stages()
-
-    def _start_node_aware_groups(self):
-        """Ends the round of node-aware tensors: starts the groups still waiting for a member (or never
-        learned), at the round's first decompress, as :meth:`_start_second_stages` does for the two stages,
-        before waiting for anything. Every node-aware decompress calls it: once a round's groups all started
-        as their last members were compressed, nothing else would end it."""
-        with self._lock:
-            remaining = self._node_fuser.end_round()
-        for name, members in remaining:
-            self._node_exchanges.start(members, name)
-
     def _receive(self, ctx):
-        return ctx.handle.receive(self, ctx)
+        return self._exchanges.receive(ctx)
 
     def _decode(self, tensor, ctx, received):
-        total = ctx.handle.result(self, ctx, received)
+        total = self._exchanges.result(ctx, received)
         if tensor.is_cuda:
             return self._finish(total, device_reduction_scale(tensor, ctx.num_ranks), ctx)
         return self._finish(total, reduction_scale(tensor.reshape(-1)[0].item(), ctx.num_ranks), ctx)

@@ -143,7 +143,7 @@ def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hv
     hvd = hvd_torch
     compressor = _compressor("qsgd")
     if hvd.rank() == 2:
-        compressor._fuser = Fuser(0, compressor._fuser.namespace)
+        compressor._exchanges.fuser = Fuser(0, compressor._exchanges.fuser.namespace)
     tensors = [torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(3)]
     with pytest.raises(CompressionMismatchError) as info:
         hvd.grouped_allreduce(tensors, name="three", compression=compressor)
