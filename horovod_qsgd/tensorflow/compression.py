@@ -143,7 +143,8 @@ class PayloadCompressor(CompressorBase):
         num_ranks = process_set.size()
         plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
                                  placeholder_dtype.size)
-        residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
+        residual_var = (self._residual_variable(step.name, step.numel, [num_ranks, rank]) if self.error_feedback
+                        else None)
         ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, step=step.value,
                               step_variable=step.variable, plan=plan, process_set=process_set)
         ctx.conduct = GraphConduct(plan.collectives(), process_set, stats)
@@ -205,7 +206,7 @@ class PayloadCompressor(CompressorBase):
                               step_variable=step.variable, plan=plan, process_set=step.site.process_set)
         ctx.node_input = [step.flat]
         if self.error_feedback:
-            ctx.residual_variable = self._residual_variable(step.name, step.numel)
+            ctx.residual_variable = self._residual_variable(step.name, step.numel, plan.layout.as_list())
             ctx.node_input.append(ctx.residual_variable.read_value())
         if self.fusion_threshold == 0:
             self._start_node_aware([ctx], None)

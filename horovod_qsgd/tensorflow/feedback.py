@@ -5,9 +5,9 @@ fp32 residual; where this rank owns a chunk of the sum (two stages, or between 3
 chunk's owner residual and the int64 layout it belongs to. All are ``tf.Variable`` objects created on first
 use (outside any trace), so that a compressor works eagerly and in ``tf.function`` and ``tf.train.Checkpoint``
 saves them. :class:`FeedbackVariables` is the part of every compressor that keeps them, with the rules that
-move them: a residual that does not match its gradient is an error, an owner residual of another layout is
-made anew (with the plan's warning), an elastic job's owner residuals change length with the world, the
-checkpoint format, a loss scaler's rescale. The variables stay attributes of the compressor itself
+move them: a residual that does not match its gradient is an error, an owner residual kept for another
+layout is added into the residual at its old chunk (as the PyTorch adapter's store does), an elastic job's
+owner residuals change length with the world, the checkpoint format, a loss scaler's rescale. The variables stay attributes of the compressor itself
 (``_steps``, ``_residuals``, ``_owner_residuals``, ``_owner_layouts``): the names checkpoints hold them under.
 """
 import re
@@ -18,9 +18,11 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
+from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.engine import NO_OWNER
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.state import check_loadable, state_header
+from horovod_qsgd.common.two_stage import moved_owner_chunk
 
 
 def op_name(name):
@@ -71,7 +73,10 @@ class FeedbackVariables:
                 var = self._steps[name] = new_variable(np.int64(0), f"{name}/step", tf.int64)
         return var
 
-    def _residual_variable(self, name, numel):
+    def _residual_variable(self, name, numel, owner_layout=None):
+        """Tensor ``name``'s residual variable (``numel`` elements). Given this rank's ``owner_layout``, an
+        owner residual kept for another layout (a checkpoint from another job size or node layout) is first
+        added into it at its old chunk (:meth:`_spill_moved_owner_residual`): call it before reading it."""
         with self._runtime.lock:
             var = self._residuals.get(name)
             if var is None:
@@ -82,11 +87,37 @@ class FeedbackVariables:
                 f"horovod_qsgd: tensor {name!r} has {numel} elements but its error-feedback residual has "
                 f"{var.shape.num_elements()}; a checkpoint from another model was restored, or two "
                 "tensors share a name.")
+        if owner_layout is not None and name in self._owner_residuals:
+            self._spill_moved_owner_residual(name, var, owner_layout)
         return var
+
+    def _spill_moved_owner_residual(self, name, residual_var, layout):
+        """Where tensor ``name``'s owner residual was kept for a layout other than ``layout``, adds it into the
+        residual at its old chunk (aligned as the codec's chunks are; :func:`moved_owner_chunk` warns where it
+        fits none) and drops it: this rank sends that mass in its next steps, as the PyTorch adapter's store
+        does. Done eagerly, when the tensor is first compressed eagerly or traced; not for an elastic job's
+        variable-length owner residuals (its host op spills them each step) or a tf.compat.v1 graph's (whose
+        process made them for its layout)."""
+        with self._runtime.lock, tf.init_scope():
+            var = self._owner_residuals.get(name)
+            if var is None or not var.shape.is_fully_defined():
+                return
+            saved = eager_value(self._owner_layouts[name])
+            if saved is None or [int(v) for v in saved] == list(layout):
+                return
+            owner_residual = eager_value(var)
+            chunk = moved_owner_chunk(name, residual_var.shape.num_elements(), chunk_unit(self.codec),
+                                      [int(v) for v in saved], owner_residual.size, list(layout))
+            if chunk is not None:
+                begin, end = chunk
+                residual = eager_value(residual_var)
+                residual[begin:end] += owner_residual[:end - begin]
+                residual_var.assign(residual)
+            del self._owner_residuals[name], self._owner_layouts[name]
 
     def _owner_residual_variable(self, plan):
         """The owner-side residual variable of a two-stage plan's tensor; recreated (with the plan's warning)
-        for another rank count."""
+        where the one kept does not fit (one of another layout was spilled as the tensor's residual was read)."""
         name, layout = plan.name, plan.owner_layout()
         with self._runtime.lock, tf.init_scope():
             var, layout_var = self._owner_residuals.get(name), self._owner_layouts.get(name)

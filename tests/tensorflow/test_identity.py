@@ -45,8 +45,10 @@ def test_same_payload_bytes_and_result_as_the_torch_adapter(hvd_tf, hvd_torch):
         torch_compressor = getattr(torch_adapter, class_name)(**kwargs)
         for compressor in (tf_compressor, torch_compressor):
             compressor.codec = RecordingCodec(compressor.codec)
-            if hasattr(compressor, "_engine"):  # the exchange engine encodes with the compressor's codec
+            if hasattr(compressor, "_engine"):  # TensorFlow's exchange engine encodes with the compressor's codec
                 compressor._engine.codec = compressor.codec
+            if hasattr(compressor, "_exchanges"):  # PyTorch's, in its exchanges
+                compressor._exchanges.engine.codec = compressor.codec
         for step in range(3):
             rng = np.random.default_rng(10 * rank + step)
             for dtype in (np.float32, np.float16):

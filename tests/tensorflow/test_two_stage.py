@@ -110,6 +110,47 @@ def test_top_k_two_stage_in_a_function_equals_the_reference_and_the_torch_adapte
     assert compressor.compression_stats()["exchanges"] == {"t": "two_stage"}
 
 
+@pytest.mark.ranks(3, timeout=240)
+def test_owner_residual_from_another_rank_count_is_sent_by_its_rank_or_reset_with_a_warning(hvd_tf):
+    # As the PyTorch adapter's test of the same name: a checkpoint of a 4-rank job loaded into 3 ranks. Rank r's
+    # owner-side residual of its chunk of 4 joins its own residual there (eagerly, and in a function traced
+    # after the load), so with zero gradients results plus all residuals equal what was loaded; one that fits
+    # no chunk of the tensor is reset with a warning.
+    import tensorflow as tf
+    import horovod_qsgd.tensorflow as tf_adapter
+    from tests.two_stage_reference import bounds
+    hvd = hvd_tf
+    numel, me = 90_000, hvd.rank()
+    compressor = tf_adapter.TopK(ratio=0.01, exchange="two_stage")
+    hvd.allreduce(tf.zeros(numel), name="t", compression=compressor)
+    state = compressor.state_dict()
+    loaded = np.zeros(numel, np.float32)
+    for rank, (b, e) in enumerate(bounds(numel, 4, 1)):
+        loaded[b:e] += rank + 1  # ranks 0-2's owner-side residuals of a 4-rank job; rank 3's went with it
+    loaded[bounds(numel, 4, 1)[3][0]:] = 0
+    b, e = bounds(numel, 4, 1)[me]
+    state["tensors"]["t"].update(owner_residual=np.full(e - b, me + 1.0, np.float32), owner_layout=[4, me])
+    for traced in (False, True):
+        resumed = tf_adapter.TopK(ratio=0.01, exchange="two_stage")
+        resumed.load_state_dict(state)
+
+        def step(x):
+            return hvd.allreduce(x, name="t", op=hvd.Sum, compression=resumed)
+        result = (tf.function(step) if traced else step)(tf.zeros(numel)).numpy()
+        after = resumed.state_dict()["tensors"]["t"]
+        assert after["owner_layout"] == [3, me], traced
+        left = hvd.allreduce(tf.constant(after["residual"]), name=f"left{traced}", op=hvd.Sum).numpy()
+        owned = hvd.allgather(tf.constant(after["owner_residual"]), name=f"owned{traced}").numpy()
+        assert np.array_equal(result + left + owned, loaded), traced
+
+    state["tensors"]["t"].update(owner_residual=np.ones(7, np.float32), owner_layout=[4, me])  # no chunk of 4 has 7
+    resumed = tf_adapter.TopK(ratio=0.01, exchange="two_stage")
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="saved as rank .* of 4, this is rank .* of 3; it is reset"):
+        hvd.allreduce(tf.zeros(numel), name="t", compression=resumed)
+    assert resumed.state_dict()["tensors"]["t"]["owner_layout"] == [3, me]
+
+
 FUSED_SIZES = (100_003, 70_001, 1_000, 512 * 40)  # no multiple of the ranks or the bucket; fewer buckets than ranks
 # Each case ~45 s: the rank counts and codecs in two (PyTorch's tests/torch/test_fusion.py runs all four)
 FUSED_CASES = [pytest.param(n, kind, marks=pytest.mark.ranks(n, timeout=300)) for n, kind in
