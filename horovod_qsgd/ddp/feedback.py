@@ -56,6 +56,24 @@ class BucketFeedback:
             self._shard_residuals = {int(index): _OwnerResidual.from_dict(o)
                                      for index, o in state.get("shard_residuals", {}).items()}
 
+    def rescale(self, factor):
+        """Multiplies every residual by ``factor``: each bucket's staged buffers (both, where a GPU's stamps
+        decide which holds it), with the parameters' residuals that view them, then every other residual and
+        spilled mass once."""
+        with self._lock:
+            staged = set()
+            for kept in self._bucket_residuals.values():
+                kept.scale(factor)
+                staged.add(kept.kept.untyped_storage().data_ptr())
+            for residual in self._residuals.values():
+                if residual.untyped_storage().data_ptr() not in staged:
+                    residual.mul_(factor)
+            for spilled in self._spilled.values():
+                spilled.mul_(factor)
+            for store in (self._owner_residuals, self._shard_residuals):
+                for owner in store.values():
+                    owner.scale(factor)
+
     # -- a bucket's step --------------------------------------------------------------------
     def step_stamps(self, index, device):
         """(bucket ``index``'s stamps on a GPU, or None on the CPU where the host decides; the stamp of its step
@@ -246,6 +264,9 @@ class _OwnerResidual:
 
     def settle_on_host(self, stamps):
         self._kept.settle_on_host(stamps)
+
+    def scale(self, factor):
+        self._kept.scale(factor)
 
     def fits(self, layout, owned):
         """Whether it was kept for this bucket ``layout`` and staged range ``owned`` (None: no owned range)."""

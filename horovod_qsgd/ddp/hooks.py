@@ -105,6 +105,15 @@ class _PayloadState:
             self.iteration = int(state["iteration"])
             self._keys = {}  # keys are given again, in the order the next iteration meets the parameters
 
+    def rescale_residuals(self, factor):
+        """Multiplies every error-feedback residual by ``factor`` (a float or a 0-d tensor).
+
+        The hooks see the *scaled* gradients of ``torch.amp.GradScaler``, so residuals are kept in the scale
+        of their step: call this with new / old scale after ``scaler.update()`` changed it, or the unsent mass
+        counts once at the wrong scale (``docs/mixed-precision.md``).
+        """
+        self.feedback.rescale(factor)
+
     # -- per bucket -------------------------------------------------------------------------
     def handshake(self, group, device):
         """At the first bucket, every rank checks every rank's settings and gradients' device type (raises on

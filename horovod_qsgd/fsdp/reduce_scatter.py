@@ -224,6 +224,12 @@ class ModuleReduceScatter(ReduceScatter):
         residual = saved["residual"]
         self.residual = None if residual is None else KeptResidual(residual.clone().float())
 
+    def rescale(self, factor):
+        """Multiplies the residual by ``factor``, once the last step's verdict is in."""
+        self.settle()
+        if self.residual is not None:
+            self.residual.scale(factor)
+
     def residual_to_save(self):
         """This rank's residual for a distributed checkpoint: the one kept, or zeros of the size its steps will
         keep (a module not run yet, as in a job about to load one); None for a module that passes through."""
@@ -323,6 +329,16 @@ class _ReduceScatterCompressor:
         through, bytes an ideal reduce-scatter would have sent (``bytes_uncompressed``) and sent
         (``bytes_sent``), collectives, non-finite sums (see ``horovod_qsgd.torch.QSGD.compression_stats``)."""
         return self._stats.snapshot(reset)
+
+    def rescale_residuals(self, factor):
+        """Multiplies every module's error-feedback residual by ``factor`` (a float or a 0-d tensor).
+
+        FSDP2 reduce-scatters the *scaled* gradients of a loss scaler (``torch.amp.GradScaler``, or FSDP2's
+        own ``ShardedGradScaler``), so residuals are kept in the scale of their step: call this with new / old
+        scale after the scaler's ``update()`` changed it, or the unsent mass counts once at the wrong scale.
+        """
+        for module in list(self._modules.values()):
+            module.rescale(factor)
 
     def state_dict(self):
         """Every module's step and residual, plus the settings they belong to; every rank saves its own (or use

@@ -141,6 +141,15 @@ class _Reference:
             _unbucket(residuals[rank], positions, self.residuals[rank])
         return _unstaged(total * np.float32(1.0 / num_ranks), positions, alignment), exchange
 
+    def rescale(self, factor):
+        """A loss scaler halved or doubled its scale: every residual follows (``rescale_residuals``)."""
+        for residuals in self.residuals:
+            for residual in residuals:
+                residual *= np.float32(factor)
+        for _, owners in self.owners.values():
+            for owner in owners:
+                owner *= np.float32(factor)
+
     def spill_stale(self, index, positions):
         """Bucket ``index`` now holds ``positions``: an owner residual kept for other parameters is spilled."""
         positions = _compressed(positions)
@@ -174,8 +183,9 @@ CASES = [("QSGDState", {"bits": 4, "exchange": "allgather"}),
 def test_bucket_results_are_the_codecs_alone_and_equal_on_every_rank(num_ranks, dist_gloo):
     """Every bucket, 3 steps (the first before DDP rebuilds its buckets), QSGD and top-k, allgather and two
     stages: bitwise what the codecs give alone (the reference the Horovod adapter's tests hold it to: the
-    Horovod adapter's bits for a tensor of the bucket's name), residuals included; small parameters get
-    DDP's average, in a bucket of their own and beside compressed ones. On 4 ranks: test_across_two_nodes."""
+    Horovod adapter's bits for a tensor of the bucket's name), residuals included, halved after step 1 as a
+    loss scaler's rescale_residuals does; small parameters get DDP's average, in a bucket of their own and
+    beside compressed ones. On 4 ranks: test_across_two_nodes."""
     assert dist_gloo.get_world_size() == num_ranks
     for class_name, kwargs in CASES:
         _check_against_reference(dist_gloo, class_name, kwargs)
@@ -238,6 +248,9 @@ def _check_against_reference(dist, class_name, kwargs, dtype=None, **ddp_kwargs)
         return values if dtype is None else torch.from_numpy(values).to(dtype).float().numpy()
 
     for step in range(3):
+        if step == 2 and state.error_feedback:  # a loss scaler halved its scale after step 1's overflow
+            state.rescale_residuals(0.5)
+            reference.rescale(0.5)
         start = len(calls)
         got = _step(torch, ddp, rank, step, dtype)
         compressed = passed = 0

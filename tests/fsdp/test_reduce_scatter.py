@@ -119,6 +119,12 @@ class _Reference:
             sums.append(total)
         return holders, sums, f".shard{local}"
 
+    def rescale(self, factor):
+        """A loss scaler halved or doubled its scale: every residual follows (``rescale_residuals``)."""
+        for kept in self.residuals.values():
+            for residual in kept.values():
+                residual *= np.float32(factor)
+
     def step(self, step, rank, finish, rounding=None, poisoned=None, unused=None, zero_unused=False):
         """{name: this rank's shards}; ``finish(total)``: the scaling FSDP2's op and divide factor give;
         ``rounding``: the reduce dtype's rounding of the gradients; ``poisoned``: (module, rank) with an inf;
@@ -188,12 +194,16 @@ def _assert_residuals(compressor, reference, rank):
 
 
 def _check_against_reference(torch, rank, num_ranks, kind, exchange="auto", per_node=None):
-    """3 steps of FSDP2's default AVG: every sharded gradient and residual the reference's; the statistics."""
+    """3 steps of FSDP2's default AVG: every sharded gradient and residual the reference's, the residuals halved
+    after step 1 as a loss scaler's rescale_residuals does; the statistics."""
     from horovod_qsgd.fsdp import compress_reduce_scatter
     model = _model(torch)
     compressor = compress_reduce_scatter(model, _compressor(kind, exchange))
     reference = _Reference(compressor, num_ranks, per_node)
     for step in range(3):
+        if step == 2 and compressor.error_feedback:
+            compressor.rescale_residuals(0.5)
+            reference.rescale(0.5)
         _assert_equal(_step(torch, model, rank, step), reference.step(step, rank, lambda t: t * (1.0 / num_ranks)))
         _assert_residuals(compressor, reference, rank)
     return compressor
