@@ -7,8 +7,9 @@ use (outside any trace), so that a compressor works eagerly and in ``tf.function
 saves them. :class:`FeedbackVariables` is the part of every compressor that keeps them, with the rules that
 move them: a residual that does not match its gradient is an error, an owner residual kept for another
 layout is added into the residual at its old chunk (as the PyTorch adapter's store does), an elastic job's
-owner residuals change length with the world, the checkpoint format, a loss scaler's rescale. The variables stay attributes of the compressor itself
-(``_steps``, ``_residuals``, ``_owner_residuals``, ``_owner_layouts``): the names checkpoints hold them under.
+owner residuals change length with the world, the checkpoint format, a loss scaler's rescale. The variables
+stay attributes of the compressor itself (``_steps``, ``_residuals``, ``_owner_residuals``,
+``_owner_layouts``): the names checkpoints hold them under.
 """
 import re
 
