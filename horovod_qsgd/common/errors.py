@@ -9,6 +9,14 @@ class CompressionMismatchError(RuntimeError):
     __init__ = Exception.__init__
 
 
+def residual_length_mismatch(tensor_name, numel, residual_numel):
+    """The error where tensor ``tensor_name`` (``numel`` elements) meets an error-feedback residual of
+    ``residual_numel``: its state belongs to another tensor."""
+    return CompressionMismatchError(
+        f"horovod_qsgd: tensor {tensor_name!r} has {numel} elements but its error-feedback residual has "
+        f"{residual_numel}; a checkpoint from another model was loaded, or two tensors share a name.")
+
+
 class UnsupportedCollectiveError(ValueError):
     """The compressor was asked to serve a collective it cannot serve (Adasum, reducescatter, ...)."""
 

@@ -38,6 +38,7 @@ from horovod_qsgd.common.collectives import drive
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag, looks_for_nodes
+from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
@@ -51,7 +52,7 @@ from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, scaled_and_finite
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class _PayloadState:
+class _PayloadState(CodecSettings):
     """What a payload hook keeps between calls: settings, error feedback (``feedback``), the step, statistics.
 
     Its attributes are the hook's working state, as ``PowerSGDState``'s are: ``engine`` plans each bucket's
@@ -73,16 +74,8 @@ class _PayloadState:
         self._keys = {}      # id(parameter) -> its key: the order the hook first saw it in
         self._keys_lock = threading.Lock()
 
-    @property
-    def error_feedback(self):
-        return bool(getattr(self.codec, "error_feedback", False))
-
     def settings(self):
         return dict(self.codec.config(), min_numel=self.min_numel, exchange=self.exchange)
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
-        return f"{type(self).__name__}({args})"
 
     # -- statistics -------------------------------------------------------------------------
     def compression_stats(self, reset=False):

@@ -75,6 +75,7 @@ from horovod_qsgd.common.collectives import drive
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import NODE_AWARE, looks_for_nodes
 from horovod_qsgd.common.reduce_scatter import REDUCE_SCATTER, ReduceScatterPlan, RowLayout
+from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import qsgd_codecs
@@ -287,7 +288,7 @@ def _unstage(total, layout, output_tensor):
 
 
 
-class _ReduceScatterCompressor:
+class _ReduceScatterCompressor(CodecSettings):
     """What the modules of one model share: settings, statistics, checkpoints."""
 
     def __init__(self, codec, min_numel, exchange):
@@ -299,10 +300,6 @@ class _ReduceScatterCompressor:
         self._stats = CompressionStats()
         self._modules = {}  # name -> ModuleReduceScatter
         self._nodes = ()    # not looked for yet; then None (flat) or DistributedNodes
-
-    @property
-    def error_feedback(self):
-        return bool(getattr(self.codec, "error_feedback", False))
 
     def settings(self):
         return dict(self.codec.config(), min_numel=self.min_numel, exchange=self.exchange)
@@ -319,10 +316,6 @@ class _ReduceScatterCompressor:
                 warnings.warn("horovod_qsgd: exchange='node_aware' needs FSDP2's reduce-scatter over every rank "
                               f"(its group has {group.size()} of {dist.get_world_size()}): it is flat instead.")
         return self._nodes
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
-        return f"{type(self).__name__}({args})"
 
     def compression_stats(self, reset=False):
         """Counters since the last reset: modules' reduce-scatters compressed (``tensors_compressed``) and passed

@@ -20,6 +20,7 @@ from horovod_qsgd.common.errors import RankInJoinError, elastic_process_set_unsu
 from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
+from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
@@ -133,13 +134,8 @@ class ExchangeContext:
         self.graph = self.fused = self.index = None
 
 
-class CompressorBase(FeedbackVariables, tf.Module):
+class CompressorBase(CodecSettings, FeedbackVariables, tf.Module):
     """Settings handshake, per-gradient state variables (:class:`FeedbackVariables`), checkpoints and statistics."""
-
-    @property
-    def error_feedback(self):
-        """True when what a step does not send is kept in a residual and added to the next step's gradient."""
-        return bool(getattr(self.codec, "error_feedback", False))
 
     def __init__(self, codec, min_numel):
         super().__init__(name=type(self).__name__)
@@ -174,10 +170,6 @@ class CompressorBase(FeedbackVariables, tf.Module):
     def _settings_json(self):
         return json.dumps({"compressor": type(self).__name__, "format": STATE_FORMAT,
                            "settings": self.settings()}, sort_keys=True, default=str)
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
-        return f"{type(self).__name__}({args})"
 
     def _passes_through(self, tensor):
         return (not tensor.dtype.is_floating or tensor.shape.num_elements() is None

@@ -21,7 +21,7 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.engine import NO_OWNER
-from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.errors import residual_length_mismatch
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 
@@ -84,10 +84,7 @@ class FeedbackVariables:
                 var = self._residuals[name] = new_variable(np.zeros(numel, np.float32),
                                                            f"{name}/residual", tf.float32)
         if var.shape.num_elements() != numel:
-            raise CompressionMismatchError(
-                f"horovod_qsgd: tensor {name!r} has {numel} elements but its error-feedback residual has "
-                f"{var.shape.num_elements()}; a checkpoint from another model was restored, or two "
-                "tensors share a name.")
+            raise residual_length_mismatch(name, numel, var.shape.num_elements())
         if owner_layout is not None and name in self._owner_residuals:
             self._spill_moved_owner_residual(name, var, owner_layout)
         return var

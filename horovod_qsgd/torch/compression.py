@@ -53,6 +53,7 @@ from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_th
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes, looks_for_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, tensor_key
+from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.kernels import finish_sum
@@ -103,17 +104,12 @@ class _InFlight:
         return torch.zeros(self.shape.numel(), dtype=torch.float32, device=device)
 
 
-class _CompressorBase:
+class _CompressorBase(CodecSettings):
     """Settings handshake, per-tensor state, checkpoints and statistics shared by all compressors."""
 
     # What hvd.join() sends in place of this compressor's tensor (horovod_qsgd.torch.join): zeros, as
     # Horovod's join does, for a tensor that is summed as it is.
     _join_stand_in = 0.0
-
-    @property
-    def error_feedback(self):
-        """True when what a step does not send is kept in a residual and added to the next step's gradient."""
-        return bool(getattr(self.codec, "error_feedback", False))
 
     def __init__(self, codec, min_numel):
         if min_numel < 0:
@@ -131,10 +127,6 @@ class _CompressorBase:
     # -- settings ---------------------------------------------------------------------------
     def settings(self):
         return dict(self.codec.config(), min_numel=self.min_numel)
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.settings().items()))
-        return f"{type(self).__name__}({args})"
 
     def _passes_through(self, tensor):
         return (not tensor.dtype.is_floating_point or tensor.is_sparse

@@ -11,7 +11,7 @@ into the residual, the checkpoint format, a loss scaler's rescale, an elastic wo
 import threading
 
 from horovod_qsgd.common.chunks import chunk_unit
-from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.errors import residual_length_mismatch
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.torch_feedback import KeptResidual, step_stamps
 
@@ -86,10 +86,7 @@ class TensorFeedback:
             if state.residual is None:
                 state.residual = KeptResidual.zeros(numel, device)
             elif state.residual.numel() != numel:
-                raise CompressionMismatchError(
-                    f"horovod_qsgd: tensor {name!r} now has {numel} elements but its error-feedback "
-                    f"residual has {state.residual.numel()}; a checkpoint from another model was loaded, "
-                    "or two tensors share a name.")
+                raise residual_length_mismatch(name, numel, state.residual.numel())
             state.residual.to(device)
         if state.owner_residual is not None and list(state.owner_layout or []) != owner_layout:
             _spill_moved_owner_residual(name, state, numel, codec, owner_layout)

@@ -100,3 +100,12 @@ def test_state_dict_round_trip_and_settings_check(hvd_tf, tmp_path_factory):
     tf.train.Checkpoint(compressor=unfused).restore(path).expect_partial()
     hvd.allreduce(tf.ones([20000]), name="w", compression=unfused)
     assert unfused.state_dict()["tensors"]["w"]["step"] == 3
+
+    # A residual of another length (another model's) is refused, naming the tensor, on every rank.
+    from horovod_qsgd.common.errors import CompressionMismatchError
+    other_model = TopK(ratio=0.01)
+    other_model.load_state_dict(dict(state, tensors={"w": dict(state["tensors"]["w"],
+                                                               residual=np.zeros(19_999, np.float32))}))
+    with pytest.raises(CompressionMismatchError,
+                       match="tensor 'w' has 20000 elements but its error-feedback residual has 19999; a checkpoint"):
+        hvd.allreduce(tf.ones([20000]), name="w", compression=other_model)

@@ -56,3 +56,19 @@ def test_state_from_other_settings_is_refused():
     state = QSGD(bits=4).state_dict()
     with pytest.raises(ValueError, match="settings"):
         QSGD(bits=8).load_state_dict(state)
+
+
+@pytest.mark.ranks(2)
+def test_a_residual_of_another_length_is_refused_on_every_rank_naming_the_tensor(hvd_torch):
+    import torch
+    from horovod_qsgd.common.errors import CompressionMismatchError
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    compressor = TopK(ratio=0.01, min_numel=0)
+    hvd.allreduce(torch.ones(1000), name="w", compression=compressor)
+    state = compressor.state_dict()
+    state["tensors"]["w"]["residual"] = torch.zeros(999)  # another model's
+    compressor.load_state_dict(state)
+    with pytest.raises(CompressionMismatchError,
+                       match="tensor 'w' has 1000 elements but its error-feedback residual has 999; a checkpoint"):
+        hvd.allreduce(torch.ones(1000), name="w", compression=compressor)
