@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from horovod_qsgd.common.collectives import ALLTOALL
-from horovod_qsgd.common.node_aware import node_blind_reason, warn_node_blind
+from horovod_qsgd.common.node_aware import NodeLayout, node_blind_reason, warn_node_blind
 from horovod_qsgd.torch_arrays import TorchBuffers
 
 # torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
@@ -60,15 +60,14 @@ class DistributedTransport(TorchBuffers):
         return self.start(collective, async_op=False)[1]
 
 
-class DistributedNodes:
-    """The job's nodes for the node-aware exchanges (DDP hooks, FSDP2): this rank's node's process group
-    (``local``), the group of the ranks with this rank's local index on every node (``cross``), and where this
-    rank is in both (``local_rank``; ``cross_rank``: its node's index); ``members``: each node's ranks."""
+class DistributedNodes(NodeLayout):
+    """The job's nodes for the node-aware exchanges (DDP hooks, FSDP2), a
+    :class:`~horovod_qsgd.common.node_aware.NodeLayout` of any grouping, with this rank's node's process group
+    (``local``) and the group of the ranks with this rank's local index on every node (``cross``)."""
 
     def __init__(self, members, rank):
-        self.members, self.count, self.local_size = members, len(members), len(members[0])
-        self.cross_rank = next(k for k, ranks in enumerate(members) if rank in ranks)
-        self.local_rank = members[self.cross_rank].index(rank)
+        layout = NodeLayout.of_members(members, rank)
+        super().__init__(layout.num_nodes, layout.local_size, layout.node, layout.local_rank, layout.members)
         # every rank creates every group, in the same order, as torch.distributed requires
         for ranks in members:
             group = dist.new_group(ranks)

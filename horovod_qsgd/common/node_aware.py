@@ -133,11 +133,20 @@ def decode_forwarded(gathered, rows, decode, label, ranks_named="rank"):
 
 
 class NodeLayout:
-    """M nodes of L ranks, ranks numbered node by node (rank = node · L + local rank), as Horovod numbers them."""
+    """M nodes of L ranks: this rank is local rank ``local_rank`` of node ``node``; ``members[k]``: node k's
+    ranks in local-rank order. Horovod numbers ranks node by node (rank = node · L + local rank, the default);
+    torch.distributed's adapters take any grouping (:class:`~horovod_qsgd.torch_distributed.DistributedNodes`)."""
 
-    def __init__(self, num_nodes, local_size, node, local_rank):
+    def __init__(self, num_nodes, local_size, node, local_rank, members=None):
         self.num_nodes, self.local_size, self.node, self.local_rank = num_nodes, local_size, node, local_rank
         self.num_ranks = num_nodes * local_size
+        self.members = members or [list(range(k * local_size, (k + 1) * local_size)) for k in range(num_nodes)]
+
+    @classmethod
+    def of_members(cls, members, rank):
+        """The layout of nodes whose ranks are ``members`` (each node's, in local-rank order), seen from ``rank``."""
+        node = next(k for k, ranks in enumerate(members) if rank in ranks)
+        return cls(len(members), len(members[0]), node, members[node].index(rank), [list(m) for m in members])
 
     @classmethod
     def from_records(cls, records, rank):
@@ -162,12 +171,11 @@ class NodeLayout:
 
     def local_ranks(self):
         """The global ranks of this rank's node, in local-rank order."""
-        first = self.node * self.local_size
-        return range(first, first + self.local_size)
+        return self.members[self.node]
 
     def cross_ranks(self):
         """The global ranks of this rank's local index on every node, in node order."""
-        return range(self.local_rank, self.num_ranks, self.local_size)
+        return [ranks[self.local_rank] for ranks in self.members]
 
     def in_node_splits(self, count):
         """Splits of a global alltoall that sends ``count`` to each rank of this node and nothing elsewhere."""

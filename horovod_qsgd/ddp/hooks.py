@@ -286,8 +286,8 @@ def _node_aware(state, bucket, group, buffer, split):
     small_future = _average_small(state, group, split, bucket_flat)
     unit = chunk_unit(state.codec)
     shard = shard_numel(split.staged_numel, nodes.local_size, unit)
-    plan = state.engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.count,
-                              nodes.cross_rank, 4 * shard, 0)
+    plan = state.engine.plan(f"ddp.bucket{bucket.index()}.shard{nodes.local_rank}", shard, nodes.num_nodes,
+                              nodes.node, 4 * shard, 0)
     base = nodes.local_rank * shard  # where this rank's shard starts in the staged tensor
     residual = owner_residual = restore = None
     if state.error_feedback:  # error feedback where the compression happens: on the node's sum of the shard
@@ -309,7 +309,7 @@ def _node_aware(state, bucket, group, buffer, split):
     node_sum = slices[:shard]
     for j in range(1, nodes.local_size):  # in local-rank order: the same bits on every node
         node_sum += slices[j * shard:(j + 1) * shard]
-    cross = DistributedTransport(nodes.cross, nodes.cross_rank, device)
+    cross = DistributedTransport(nodes.cross, nodes.node, device)
     with kernel_stream(device):
         gathered, refusal = drive(plan.conduct(cross, node_sum, step, as_array(residual),
                                                lambda: as_array(owner_residual)), cross.run)
@@ -324,7 +324,7 @@ def _node_aware(state, bucket, group, buffer, split):
     shards = send.zero_()  # sent long ago: its buffer takes the node's shards in local-rank order
     if error is None:
         plans = [plan if j == nodes.local_rank else state.engine.plan(
-            f"ddp.bucket{bucket.index()}.shard{j}", shard, nodes.count, nodes.cross_rank, 4 * shard, 0, noted=False)
+            f"ddp.bucket{bucket.index()}.shard{j}", shard, nodes.num_nodes, nodes.node, 4 * shard, 0, noted=False)
             for j in range(nodes.local_size)]
         with kernel_stream(device):
             error = decode_forwarded(

@@ -242,7 +242,7 @@ class ModuleReduceScatter(ReduceScatter):
         if group.mesh_info.shard_mesh_size * sum(pieces) < self.compressor.min_numel:
             return None
         nodes = self.compressor._nodes_of(group.mesh_info.shard_process_group, group.device)
-        rows = group.mesh_info.shard_mesh_size if nodes is None else nodes.count
+        rows = group.mesh_info.shard_mesh_size if nodes is None else nodes.num_nodes
         staged = RowLayout(pieces, chunk_unit(self.compressor.codec)).staged_numel
         return torch.zeros(rows * staged, dtype=torch.float32, device=group.device)
 
@@ -260,11 +260,11 @@ def _sum_in_node(rows, nodes, stats):
     send = rows[torch.tensor([owner for counterparts in owners for owner in counterparts], device=rows.device)]
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=nodes.local)
-    received = received.view(nodes.local_size, nodes.count, -1)
+    received = received.view(nodes.local_size, nodes.num_nodes, -1)
     total = received[0].float()  # float32 rows: summed in place, in this call's own buffer
     for part in received[1:]:
         total += part.float()
-    stats.add(bytes_sent_in_node=(nodes.local_size - 1) * nodes.count * rows.shape[1] * rows.element_size())
+    stats.add(bytes_sent_in_node=(nodes.local_size - 1) * nodes.num_nodes * rows.shape[1] * rows.element_size())
     return total
 
 

@@ -31,6 +31,20 @@ def test_layout_of_equal_nodes_names_every_rank_alike():
     assert layout.cross_splits([5, 9]) == [0, 5, 0, 0, 9, 0]
 
 
+def test_a_layout_of_nodes_grouped_in_any_order_names_its_peers_by_rank():
+    # torch.distributed's adapters group ranks by host as they find them (DistributedNodes): here the
+    # even ranks share one node, the odd ones the other
+    members = [[0, 2, 4], [1, 3, 5]]
+    layout = NodeLayout.of_members(members, 3)
+    assert (layout.num_nodes, layout.local_size, layout.node, layout.local_rank) == (2, 3, 1, 1)
+    assert list(layout.local_ranks()) == [1, 3, 5] and list(layout.cross_ranks()) == [2, 3]
+    assert layout.in_node_splits(7) == [0, 7, 0, 7, 0, 7]
+    assert layout.cross_splits([8, 9]) == [0, 0, 8, 9, 0, 0]
+    assert layout.as_list() == [2, 3, 1, 1]
+    numbered = NodeLayout(2, 3, 1, 1)  # Horovod's: node by node
+    assert list(numbered.local_ranks()) == [3, 4, 5] and list(numbered.cross_ranks()) == [1, 4]
+
+
 def test_layouts_without_a_node_aware_exchange_say_why():
     assert "differ in size ([1, 2] ranks)" in NodeLayout.from_records(_records([2, 1]), 0)[1]
     assert "1 node(s) of 4 rank(s)" in NodeLayout.from_records(_records([4]), 0)[1]
