@@ -38,7 +38,6 @@ ordinary allreduce unchanged.
 """
 import itertools
 import os
-import threading
 import time
 
 import horovod.torch as hvd
@@ -118,7 +117,6 @@ class _CompressorBase(CodecSettings):
         self.min_numel = int(min_numel)
         self._feedback = TensorFeedback()
         self._verified_process_sets = set()
-        self._lock = threading.Lock()
         self._stats = CompressionStats()
         self._nonfinite_on_device = DeviceNonfiniteCounts()  # no host read per tensor
         self._in_elastic_job = os.environ.get("HOROVOD_ELASTIC") == "1"
