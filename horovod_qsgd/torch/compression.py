@@ -324,10 +324,10 @@ class _CompressorBase(CodecSettings):
 
 
 class PayloadCompressor(_CompressorBase):
-    """Sends each gradient as compressed payloads; base of :class:`QSGD` and :class:`TopK`.
-
-    ``second_codec`` (None: allgather only) encodes the owners' sums of the
-    two-stage exchange (:mod:`horovod_qsgd.common.two_stage`).
+    """Sends each gradient as compressed payloads (base of :class:`QSGD` and :class:`TopK`): ``compress``
+    hands it to this compressor's :class:`~horovod_qsgd.torch.exchanges.PayloadExchanges` behind a
+    placeholder for the optimizer's allreduce, ``decompress`` takes its sum from there. ``second_codec``
+    (None: allgather only) encodes the owners' sums of the two stages (:mod:`horovod_qsgd.common.two_stage`).
     """
 
     def __init__(self, codec, min_numel, exchange="allgather", second_codec=None,
