@@ -9,12 +9,12 @@ class CompressionMismatchError(RuntimeError):
     __init__ = Exception.__init__
 
 
-def residual_length_mismatch(tensor_name, numel, residual_numel):
-    """The error where tensor ``tensor_name`` (``numel`` elements) meets an error-feedback residual of
-    ``residual_numel``: its state belongs to another tensor."""
+def residual_length_mismatch(tensor, numel, residual_numel, cause="or two tensors share a name"):
+    """The error where ``tensor`` (its description: "tensor 'fc.weight'") of ``numel`` elements meets an
+    error-feedback residual of ``residual_numel``: its state belongs to another tensor."""
     return CompressionMismatchError(
-        f"horovod_qsgd: tensor {tensor_name!r} has {numel} elements but its error-feedback residual has "
-        f"{residual_numel}; a checkpoint from another model was loaded, or two tensors share a name.")
+        f"horovod_qsgd: {tensor} has {numel} elements but its error-feedback residual has {residual_numel}; "
+        f"a checkpoint from another model was loaded, {cause}.")
 
 
 class UnsupportedCollectiveError(ValueError):

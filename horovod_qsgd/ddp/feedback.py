@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from horovod_qsgd.common.errors import residual_length_mismatch
 from horovod_qsgd.torch_feedback import KeptResidual, step_stamps
 
 
@@ -197,9 +198,8 @@ class BucketFeedback:
             if residual is None:
                 residual = self._residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
             elif residual.numel() != numel:
-                raise ValueError(f"horovod_qsgd: parameter {key} (in the order DDP's buckets first held "
-                                 f"them) has {numel} elements, its residual {residual.numel()}: the state "
-                                 "was saved for another model.")
+                raise residual_length_mismatch(f"parameter {key} (in the order DDP's buckets first held them)",
+                                               numel, residual.numel(), "or the parameters' order changed")
             if key in self._spilled:
                 residual = self._residuals[key] = residual + self._spilled.pop(key).to(residual.device)
             staged[offset:offset + numel] = residual

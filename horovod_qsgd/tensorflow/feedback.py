@@ -84,7 +84,7 @@ class FeedbackVariables:
                 var = self._residuals[name] = new_variable(np.zeros(numel, np.float32),
                                                            f"{name}/residual", tf.float32)
         if var.shape.num_elements() != numel:
-            raise residual_length_mismatch(name, numel, var.shape.num_elements())
+            raise residual_length_mismatch(f"tensor {name!r}", numel, var.shape.num_elements())
         if owner_layout is not None and name in self._owner_residuals:
             self._spill_moved_owner_residual(name, var, owner_layout)
         return var

@@ -86,7 +86,7 @@ class TensorFeedback:
             if state.residual is None:
                 state.residual = KeptResidual.zeros(numel, device)
             elif state.residual.numel() != numel:
-                raise residual_length_mismatch(name, numel, state.residual.numel())
+                raise residual_length_mismatch(f"tensor {name!r}", numel, state.residual.numel())
             state.residual.to(device)
         if state.owner_residual is not None and list(state.owner_layout or []) != owner_layout:
             _spill_moved_owner_residual(name, state, numel, codec, owner_layout)

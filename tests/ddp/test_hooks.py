@@ -351,6 +351,30 @@ def test_other_settings_on_one_rank_are_refused_on_every_rank(num_ranks, dist_gl
 
 
 @pytest.mark.parametrize("num_ranks", _on(2, timeout=120))
+def test_a_state_of_another_model_is_refused_naming_the_parameter(num_ranks, dist_gloo):
+    """Residuals of other lengths (another model's state) are refused on every rank at the first bucket that
+    meets them, naming the parameter, instead of being added into its gradient."""
+    import torch
+    from horovod_qsgd.common.errors import CompressionMismatchError
+    from horovod_qsgd.ddp import TopKState, topk_hook
+    rank = dist_gloo.get_rank()
+    state = TopKState(ratio=0.02, min_numel=MIN_NUMEL)
+    ddp, _ = _ddp(torch, state, topk_hook)
+    _step(torch, ddp, rank, 0)
+    saved = state.state_dict()
+    saved["residuals"] = {key: torch.zeros(r.numel() + 1) for key, r in saved["residuals"].items()}
+    other = TopKState(ratio=0.02, min_numel=MIN_NUMEL)
+    other.load_state_dict(saved)
+    ddp, _ = _ddp(torch, other, topk_hook)
+    with pytest.raises(Exception) as raised:
+        _step(torch, ddp, rank, 1)
+    message = str(raised.value)
+    assert isinstance(raised.value, CompressionMismatchError) or "CompressionMismatchError" in message
+    assert "(in the order DDP's buckets first held them) has" in message, message
+    assert any(f"has {n} elements but its error-feedback residual has {n + 1}" in message for n in SIZES), message
+
+
+@pytest.mark.parametrize("num_ranks", _on(2, timeout=120))
 def test_node_aware_on_one_host_warns_on_every_rank_and_trains_node_blind(num_ranks, dist_gloo):
     """exchange='node_aware' where torchrun's ranks share one node: every rank warns why, and the step's
     results are those of exchange='auto' (node-blind), bit for bit."""
