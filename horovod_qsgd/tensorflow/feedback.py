@@ -100,12 +100,13 @@ class FeedbackVariables:
             var = self._owner_residuals.get(name)
             if var is None or not var.shape.is_fully_defined():
                 return
-            saved = eager_value(self._owner_layouts[name])
-            if saved is None or [int(v) for v in saved] == list(layout):
+            value = eager_value(self._owner_layouts[name])
+            saved = None if value is None else [int(v) for v in value]
+            if saved is None or saved == list(layout):
                 return
             owner_residual = eager_value(var)
-            chunk = moved_owner_chunk(name, residual_var.shape.num_elements(), chunk_unit(self.codec),
-                                      [int(v) for v in saved], owner_residual.size, list(layout))
+            chunk = moved_owner_chunk(name, residual_var.shape.num_elements(), chunk_unit(self.codec), saved,
+                                      owner_residual.size, list(layout))
             if chunk is not None:
                 begin, end = chunk
                 residual = eager_value(residual_var)
