@@ -125,3 +125,25 @@ def averaged_training(kind, sizes, num_ranks, steps):
             total = reference(codec, codec, f"layer{i}.weight", grads, step, unit, residuals, owner_residuals)
             wanted[step].append(total * np.float32(1.0 / num_ranks))
     return wanted
+
+
+def allgathered_training(kind, sizes, num_ranks, steps):
+    """:func:`averaged_training` through the allgather: every rank's whole gradient (plus its residual, top-k)
+    encoded with its key, and every rank's payload decoded into the sum, in rank order."""
+    import zlib
+    from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+    codec = QSGDCodec(bits=4) if kind == "qsgd" else TopKCodec(ratio=0.02)
+    wanted = [[] for _ in range(steps)]
+    for i, numel in enumerate(sizes):
+        name = f"layer{i}.weight"
+        residuals = [np.zeros(numel, np.float32) for _ in range(num_ranks)] if kind == "topk" else None
+        for step in range(steps):
+            total = np.zeros(numel, np.float32)
+            for rank in range(num_ranks):
+                buf = np.zeros(codec.max_payload_nbytes(numel), np.uint8)
+                used = codec.encode(gradient(rank, numel, 10 * step + i), buf, step=step,
+                                    key=zlib.crc32(f"{name}@rank{rank}".encode()),
+                                    residual=None if residuals is None else residuals[rank])
+                codec.decode_accumulate(buf[:used], total)
+            wanted[step].append(total * np.float32(1.0 / num_ranks))
+    return wanted

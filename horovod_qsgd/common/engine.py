@@ -109,6 +109,10 @@ class AllgatherPlan(_Counted):
         """Bytes of the zeroed buffer :meth:`encode` writes into."""
         return self.codec.max_payload_nbytes(self.numel)
 
+    def payload_capacity(self):
+        """:meth:`capacity`: the tensor's size for fusion, equal on every rank (as ``TwoStage.payload_capacity``)."""
+        return self.capacity()
+
     def collectives(self):
         """[(kind, name)] of the collectives :meth:`conduct` yields, in order (for a graph built in advance)."""
         return [(ALLGATHER, self.payload_name)]

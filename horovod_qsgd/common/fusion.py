@@ -147,6 +147,12 @@ class _Manifest:
         return []
 
 
+def fused_exchange(plans):
+    """The fused exchange of several plans of one kind and process set: :class:`FusedTwoStage` for two-stage
+    plans, :class:`FusedAllgather` for allgather plans."""
+    return (FusedTwoStage if plans[0].starts_with_alltoall else FusedAllgather)(plans)
+
+
 def group_label(names):
     """How errors name a fused group's tensors: all of them, or the first three and a count."""
     return ", ".join(names) if len(names) <= 3 else f"{', '.join(names[:3])} and {len(names) - 3} more fused with them"
@@ -199,6 +205,38 @@ class FusedAllgather(_FusedPayloads):
         super().__init__(plans)
         self.plans = list(plans)
         self.codec, self.num_ranks = self.plans[0].codec, self.plans[0].num_ranks
+
+    def conduct_members(self, transport, name, xs, steps, residuals, owner_residuals=None):
+        """:meth:`conduct` from the members' flat float32 gradients ``xs`` (the adapter's tensors), encoded
+        first, together (one launch sequence on a GPU where they share a step); ``residuals``: each member's
+        error-feedback residual as the codec takes it, or None each; ``owner_residuals``: unused (see
+        :meth:`FusedTwoStage.conduct_members`). Counts this rank's manifest as sent."""
+        outs = [transport.zeros(plan.capacity(), "uint8") for plan in self.plans]
+        used = type(self.plans[0]).encode_together(self.plans, [transport.array(x) for x in xs],
+                                                   [transport.array(out) for out in outs], steps, residuals)
+        self.plans[0].stats.add(bytes_sent=HEADER_NBYTES)
+        return (yield from self.conduct(transport, name, outs, used))
+
+    def capacity(self):
+        """Bytes of one rank's part: what the group's members' payloads can take, and the manifest."""
+        return HEADER_NBYTES + sum(plan.capacity() for plan in self.plans)
+
+    def conduct(self, transport, name, payloads, used):
+        """The group's allgather, named ``name``, conducted as
+        :meth:`~horovod_qsgd.common.engine.AllgatherPlan.conduct` does one tensor's: ``payloads[m]`` is member
+        m's buffer (the adapter's uint8 tensor) as its plan's ``encode`` (or ``encode_together``) wrote
+        ``used[m]`` bytes of it. Returns (every rank's part, for :meth:`decode`; None: an allgather refuses
+        nothing, every rank checks every part as it decodes)."""
+        send = transport.concatenate(self.part_pieces(used), payloads)
+        arriving = [self.capacity()] * self.num_ranks if self.codec.payload_nbytes_is_fixed else None
+        gathered = yield Collective(ALLGATHER, PAYLOAD_PREFIX + name, send, arriving=arriving, equal_parts=True,
+                                    final=True)
+        return gathered, None
+
+    @staticmethod
+    def collectives(name):
+        """[(kind, name)] of the collective :meth:`conduct` yields for a group named ``name``."""
+        return [(ALLGATHER, PAYLOAD_PREFIX + name)]
 
     def decode(self, gathered, outs):
         """Adds every rank's payloads, in rank order, to ``outs[m]`` (float32, zeros on entry), checked."""
@@ -259,6 +297,22 @@ class FusedTwoStage(_FusedPayloads):
                                            residuals=residuals), None
         return [stage.encode_owned(total, out, step, residual) for stage, total, out, step, residual
                 in zip(self.stages, totals, outs, steps, owner_residuals)], None
+
+    def conduct_members(self, transport, name, xs, steps, residuals, owner_residuals):
+        """:meth:`conduct` from the members' flat float32 gradients ``xs`` (the adapter's tensors), encoded
+        first, together (see ``TwoStagePlan.encode_together``); ``residuals``: each member's error-feedback
+        residual as the codec takes it, or None each; ``owner_residuals``: as :meth:`conduct` takes it.
+        Counts this rank's manifests as sent in the first stage."""
+        outs = [transport.zeros(stage.capacity(), "uint8") for stage in self.stages]
+        owns = [transport.empty(stage.own_numel(), "float32") for stage in self.stages]
+        member_splits = type(self.stages[0]).encode_together(
+            self.stages, [transport.array(x) for x in xs], [transport.array(out) for out in outs],
+            [transport.array(own) for own in owns], steps, residuals)
+        manifests = HEADER_NBYTES * (self.num_ranks - 1)
+        self.stages[0].stats.add(bytes_sent_first_stage=manifests, bytes_sent=manifests)
+        return (yield from self.conduct(transport, name, [out[:sum(splits)] for out, splits in
+                                                          zip(outs, member_splits)], member_splits, owns, steps,
+                                        owner_residuals))
 
     def conduct(self, transport, name, slices, member_splits, owns, steps, owner_residuals):
         """The group's exchange, named ``name``, from its members' encoded slices to what the owners' sums

@@ -4,11 +4,13 @@
 returns the tensor's part in flight; ``decompress`` asks :meth:`PayloadExchanges.receive` and
 :meth:`PayloadExchanges.result`. The part knows its exchange, so the compressor never branches on it:
 
-* **alone** (:class:`_Alone`): the allgather, started at compress (Horovod fuses allgathers itself);
-* **fused two stages** (:class:`_Fused`, :class:`_Group`): Horovod does not fuse alltoalls, so tensors wait for
-  their group (:class:`~horovod_qsgd.common.fusion.Fuser`, learned from the step before), whose alltoall
-  starts when its last member is compressed; every group's second stage starts at the round's first
-  decompress, before anything is waited for;
+* **fused** (:class:`_Fused`, :class:`_Group`): tensors wait for their group
+  (:class:`~horovod_qsgd.common.fusion.Fuser`, learned from the step before), which is encoded together (one
+  launch sequence on a GPU, whatever its tensor count) and starts its first collective when its last member
+  is compressed: the allgather of the members' payloads, or the two stages' alltoall, whose second stage
+  starts at the round's first decompress, before anything is waited for. Allgathers and two-stage tensors
+  form groups apart;
+* **alone** (:class:`_Alone`, ``fusion_threshold=0``): the allgather, started at compress;
 * **node-aware** (:class:`_NodeAware`): a member of a flight of :mod:`horovod_qsgd.torch.node_aware`, alone
   or in a fused group, advanced at every compress and decompress.
 
@@ -20,8 +22,7 @@ import threading
 import torch
 
 from horovod_qsgd.common.collectives import RefusedEarlier, conclude
-from horovod_qsgd.common.engine import TwoStagePlan
-from horovod_qsgd.common.fusion import FusedTwoStage, Fuser
+from horovod_qsgd.common.fusion import Fuser, fused_exchange
 from horovod_qsgd.common.node_aware import NODE_AWARE_GROUP_NBYTES
 from horovod_qsgd.kernels import move_into_own_chunk
 from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
@@ -42,13 +43,15 @@ class PayloadExchanges:
         self.fusion_threshold, self.namespace, self.error_feedback = fusion_threshold, namespace, error_feedback
         self.node_exchanges = NodeAwareExchanges(stats)
         self._lock = threading.Lock()
+        self.round = 0  # rounds ended so far: a part in flight knows its round by this number
         self.forget()
 
     def forget(self):
         """Drops what a failed step left in flight; fusion groups are learned anew."""
-        self.fuser = Fuser(self.fusion_threshold, self.namespace)
+        self.fuser = Fuser(self.fusion_threshold, self.namespace)  # two-stage tensors
+        self.allgather_fuser = Fuser(self.fusion_threshold, self.namespace + "allgather.")
         self.node_fuser = Fuser(min(self.fusion_threshold, NODE_AWARE_GROUP_NBYTES), self.namespace + "node_aware.")
-        self._first_stages = []  # groups whose alltoall started and whose second stage did not
+        self._first_stages = []  # two-stage groups whose alltoall started and whose second stage did not
         self.node_exchanges.forget()
 
     # -- the compressor's calls ----------------------------------------------------------------
@@ -61,8 +64,8 @@ class PayloadExchanges:
         plan = self.engine.plan(site.name, flat.numel(), site.process_set.size(), site.process_set.rank(),
                                 tensor.numel() * tensor.element_size(), placeholder_nbytes)
         residual = None if residual is None else as_array(residual)
-        if plan.starts_with_alltoall:  # Horovod does not fuse alltoalls: the Fuser groups them
-            return _Fused(plan, flat, residual, site.process_set)
+        if self.fusion_threshold or plan.starts_with_alltoall:  # unfused, a two-stage tensor is a group of one
+            return _Fused(plan, flat, residual, site.process_set, self.round)
         transport = HorovodTransport(site.process_set, flat.device)
         conduct = plan.conduct(transport, flat, step, residual)
         handle = transport.start(next(conduct))
@@ -103,39 +106,34 @@ class PayloadExchanges:
                 owner_residual = state.owner_residual_for_step(plan, plan.own_numel(), flat.device, step)
         else:
             padded[:flat.numel()] = flat
-        return _NodeAware(NodeAwareMember(plan, step, padded, shard_residual, owner_residual))
+        return _NodeAware(NodeAwareMember(plan, step, padded, shard_residual, owner_residual), self.round)
 
     def _start_group(self, name, members):
-        """Starts a fused group's exchange, which the engine conducts: first the alltoall of its slices."""
+        """Starts a fused group's exchange, which the engine conducts: its members encoded together, then its
+        first collective (the allgather, or the two stages' alltoall)."""
         parts = [member.handle for member in members]
-        plans = [part.plan for part in parts]
-        fused = FusedTwoStage(plans)
+        fused = fused_exchange([part.plan for part in parts])
         device = parts[0].flat.device
         transport = HorovodTransport(parts[0].process_set, device)
-        outs = [torch.zeros(plan.capacity(), dtype=torch.uint8, device=device) for plan in plans]
-        owns = [torch.empty(plan.own_numel(), dtype=torch.float32, device=device) for plan in plans]
-        with kernel_stream(device):
-            member_splits = TwoStagePlan.encode_together(
-                plans, [as_array(part.flat) for part in parts], [as_array(out) for out in outs],
-                [as_array(own) for own in owns], [member.step for member in members],
-                [part.residual for part in parts])
-        numels = [part.plan.own_numel() for part in parts]
+        steps = [member.step for member in members]
 
         def owner_residuals():
-            return [as_array(self._owner_residual(member, numel, transport.device))
-                    for member, numel in zip(members, numels)]
-        conduct = fused.conduct(transport, name, [out[:sum(splits)] for out, splits in zip(outs, member_splits)],
-                                member_splits, owns, [member.step for member in members], owner_residuals)
-        del outs, owns  # the conduct holds what it still needs
-        collective = next(conduct)
-        manifests = collective.send.numel() - sum(sum(splits) for splits in member_splits)
+            return [as_array(self._owner_residual(member, part.plan.own_numel(), transport.device))
+                    for member, part in zip(members, parts)]
+        conduct = fused.conduct_members(transport, name, [part.flat for part in parts], steps,
+                                        [part.residual for part in parts], owner_residuals)
+        with kernel_stream(device):
+            collective = next(conduct)
         group = _Group(name, fused, members, transport, conduct, transport.start(collective))
+        if collective.final:  # the allgather: its result is what the members wait for
+            group.final, group.handle = group.handle, None
+        else:
+            with self._lock:
+                self._first_stages.append(group)
         for index, part in enumerate(parts):
             part.flat = part.residual = None
             part.group, part.index = group, index
-        self.stats.add(collectives_started=1, bytes_sent_first_stage=manifests, bytes_sent=manifests)
-        with self._lock:
-            self._first_stages.append(group)
+        self.stats.add(collectives_started=1)
 
     def _owner_residual(self, ctx, numel, device):
         """What this step reads and writes the owner-side residual of ctx's tensor (``numel`` elements on this
@@ -145,28 +143,29 @@ class PayloadExchanges:
         ctx.owner_residual = ctx.state.owner_residual_for_step(ctx.handle.plan, numel, device, ctx.step)
         return ctx.owner_residual
 
-    def _end_round(self):
-        """At a round's first decompress, whatever its exchange: starts every group still waiting, node-aware
-        and two-stage, before waiting for anything."""
-        self._start_node_aware_groups()
-        self._start_second_stages()
-
-    def _start_node_aware_groups(self):
-        """Ends the round of node-aware tensors: starts the groups still waiting for a member (or never
-        learned), at the round's first decompress, as :meth:`_start_second_stages` does for the two stages,
-        before waiting for anything. Every node-aware decompress calls it: once a round's groups all started
-        as their last members were compressed, nothing else would end it."""
+    def _end_round(self, round_):
+        """At the first decompress of round ``round_`` (what was compressed before it), whatever its exchange:
+        starts every group still waiting (learned groups with a member missing, tensors never grouped), node-
+        aware, two-stage and allgather, and every two-stage group's second stage, before waiting for anything.
+        Every decompress calls it; later ones find their round ended. A group that started as its last member
+        was compressed ends nothing: the round is told by its number, not by its groups."""
         with self._lock:
-            remaining = self.node_fuser.end_round()
-        for name, members in remaining:
+            if round_ != self.round:
+                return
+            self.round += 1
+            node_aware = self.node_fuser.end_round()
+            fused = self.fuser.end_round() + self.allgather_fuser.end_round()
+        for name, members in node_aware:
             self.node_exchanges.start(members, name)
+        for name, members in fused:
+            self._start_group(name, members)
+        self._start_second_stages()
 
     def _start_second_stages(self):
         """Starts the second stage of every group whose first stage is under way.
 
-        Called at the round's first ``decompress``: the groups still waiting
-        for a member start their alltoalls first (:meth:`Fuser.end_round`).
-        Horovod's optimizer decompresses in hook order, which differs between
+        Called at the round's first ``decompress``, once the groups still
+        waiting for a member started their alltoalls. Horovod's optimizer decompresses in hook order, which differs between
         ranks, and collectives are matched by name: a rank that waited for
         one group's allgather before starting the others' could wait for a
         peer that waits for it. Starting all of them here, before waiting on
@@ -175,10 +174,6 @@ class PayloadExchanges:
         sent without waiting for their first stage (ranks that grouped
         otherwise may never start it): every peer raises instead of waiting.
         """
-        with self._lock:
-            remaining = self.fuser.end_round()
-        for name, members in remaining:
-            self._start_group(name, members)
         with self._lock:
             groups = sorted(self._first_stages, key=lambda g: g.name)
             self._first_stages = []
@@ -190,7 +185,7 @@ class PayloadExchanges:
                 refused = collective.refusal
             else:
                 collective = group.conduct.throw(RefusedEarlier(refused))
-            group.handle, group.second_handle = None, group.transport.start(collective)
+            group.handle, group.final = None, group.transport.start(collective)
             sent = collective.send.numel()
             self.stats.add(bytes_sent_second_stage=sent, bytes_sent=sent, collectives_started=1)
         if refused is not None:
@@ -198,8 +193,8 @@ class PayloadExchanges:
 
 
 class _Alone:
-    """A tensor whose exchange the engine conducts alone: the allgather, started at compress (Horovod fuses
-    allgathers itself)."""
+    """A tensor whose exchange the engine conducts alone (``fusion_threshold=0``): the allgather, started at
+    compress."""
     __slots__ = ("plan", "conduct", "handle")
 
     def __init__(self, plan, conduct, handle):
@@ -220,27 +215,27 @@ class _Alone:
 
 
 class _Fused:
-    """A two-stage tensor waiting for the rest of its group (:class:`_Group`), whose exchange the engine
-    conducts: its flat gradient and residual, encoded with the whole group's when the group starts (one launch
-    sequence for all members on a GPU); ``group``, ``index``: its group once started, and its place there."""
-    __slots__ = ("plan", "flat", "residual", "process_set", "group", "index")
+    """A tensor waiting for the rest of its group (:class:`_Group`), whose exchange the engine conducts: its
+    flat gradient and residual, encoded with the whole group's when the group starts (one launch sequence for
+    all members on a GPU); ``group``, ``index``: its group once started, and its place there."""
+    __slots__ = ("plan", "flat", "residual", "process_set", "round", "group", "index")
 
-    def __init__(self, plan, flat, residual, process_set):
-        self.plan, self.flat, self.residual, self.process_set = plan, flat, residual, process_set
+    def __init__(self, plan, flat, residual, process_set, round_):
+        self.plan, self.flat, self.residual, self.process_set, self.round = plan, flat, residual, process_set, round_
         self.group = self.index = None
 
     def join(self, exchanges, ctx, site):
+        # Horovod fuses allgathers, not alltoalls; an allgather group's whole exchange is that collective
+        fuser = exchanges.fuser if self.plan.starts_with_alltoall else exchanges.allgather_fuser
         with exchanges._lock:
-            ready = exchanges.fuser.add((site.process_set.process_set_id, site.name), self.plan.payload_capacity(),
-                                        ctx)
+            ready = fuser.add((site.process_set.process_set_id, site.name), self.plan.payload_capacity(), ctx)
         for name, members in ready:
             exchanges._start_group(name, members)
 
     def receive(self, exchanges, ctx):
-        if self.group is None or self.group.second_handle is None:
-            exchanges._end_round()
+        exchanges._end_round(self.round)
         if self.group.results is None:
-            return exchanges.node_exchanges.synchronize(self.group.second_handle)
+            return exchanges.node_exchanges.synchronize(self.group.final)
         return None  # decoded with an earlier member of its group
 
     def result(self, exchanges, ctx, received):
@@ -265,21 +260,22 @@ class _Fused:
 
 
 class _Group:
-    """Two-stage tensors that share one alltoall and one allgather (:mod:`horovod_qsgd.common.fusion`): the
-    engine's conduct of their exchange, the handle of the collective in flight."""
-    __slots__ = ("name", "fused", "members", "transport", "conduct", "handle", "second_handle", "results")
+    """Tensors that share their collectives (:mod:`horovod_qsgd.common.fusion`): one allgather, or one alltoall
+    and one allgather; the engine's conduct of their exchange, the handles of the collective in flight:
+    ``handle`` (the alltoall) until ``final`` (the allgather whose result is decoded) has started."""
+    __slots__ = ("name", "fused", "members", "transport", "conduct", "handle", "final", "results")
 
     def __init__(self, name, fused, members, transport, conduct, handle):
         self.name, self.fused, self.members, self.transport, self.conduct = name, fused, members, transport, conduct
-        self.handle, self.second_handle, self.results = handle, None, None
+        self.handle, self.final, self.results = handle, None, None
 
 
 class _NodeAware:
     """A tensor in the node-aware exchange (:mod:`horovod_qsgd.torch.node_aware`), alone or fused."""
-    __slots__ = ("member",)
+    __slots__ = ("member", "round")
 
-    def __init__(self, member):
-        self.member = member
+    def __init__(self, member, round_):
+        self.member, self.round = member, round_
 
     def join(self, exchanges, ctx, site):
         ctx.owner_residual = self.member.owner_residual
@@ -293,7 +289,7 @@ class _NodeAware:
         exchanges.node_exchanges.progress()
 
     def receive(self, exchanges, ctx):
-        exchanges._end_round()  # at the round's first decompress; later ones find it ended
+        exchanges._end_round(self.round)
         return exchanges.node_exchanges.wait(self.member)
 
     def result(self, exchanges, ctx, result):

@@ -20,6 +20,11 @@ class RecordingCodec:
         self.sent.append(np.array(out[:nbytes], copy=True))
         return nbytes
 
+    def encode_many(self, xs, outs, **kwargs):
+        used = self._codec.encode_many(xs, outs, **kwargs)
+        self.sent.extend(np.array(out[:nbytes], copy=True) for out, nbytes in zip(outs, used))
+        return used
+
     def gather(self, x, **kwargs):
         values = self._codec.gather(x, **kwargs)
         self.sent.append(np.array(values, copy=True))

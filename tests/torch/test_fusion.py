@@ -1,11 +1,11 @@
-"""Fused two-stage exchanges under horovodrun: the same bits as one tensor at a time, fewer collectives.
+"""Fused exchanges under horovodrun: the same bits as one tensor at a time, fewer collectives.
 
 Each rank trains two copies of a model, one with a compressor that fuses its
-two-stage tensors (the default) and one with ``fusion_threshold=0`` (every
-tensor its own alltoall and allgather); both must give the reference built
-from every rank's gradients with the codecs alone. Autograd's hooks fire in
-another order on each rank, so the groups must not depend on the order of
-arrival.
+tensors (the default) and one with ``fusion_threshold=0`` (every two-stage
+tensor its own alltoall and allgather, every allgather tensor its own
+allgather); both must give the reference built from every rank's gradients
+with the codecs alone. Autograd's hooks fire in another order on each rank,
+so the groups must not depend on the order of arrival.
 """
 import gc
 import inspect
@@ -13,7 +13,7 @@ import inspect
 import numpy as np
 import pytest
 
-from tests.two_stage_reference import averaged_training
+from tests.two_stage_reference import allgathered_training, averaged_training
 from tests.two_stage_reference import gradient as _gradient
 
 SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
@@ -45,11 +45,11 @@ def _train(hvd, compressor, steps):
     return history
 
 
-def _compressor(kind, **kwargs):
+def _compressor(kind, exchange="two_stage", **kwargs):
     from horovod_qsgd.torch import QSGD, TopK
     if kind == "qsgd":
-        return QSGD(bits=4, exchange="two_stage", min_numel=0, **kwargs)
-    return TopK(ratio=0.02, exchange="two_stage", min_numel=0, **kwargs)
+        return QSGD(bits=4, exchange=exchange, min_numel=0, **kwargs)
+    return TopK(ratio=0.02, exchange=exchange, min_numel=0, **kwargs)
 
 
 @pytest.mark.parametrize("num_ranks, kind", CASES)
@@ -83,13 +83,46 @@ def test_fused_training_is_bitwise_the_unfused_one_with_two_collectives_a_step(h
         assert st_alone["bytes_sent_second_stage"] - st_fused["bytes_sent_second_stage"] == saved
 
 
+ALLGATHER_CASES = [pytest.param(n, kind, marks=pytest.mark.ranks(n, timeout=240)) for n, kind in
+                   ((2, "qsgd"), (2, "topk"), (3, "qsgd"), (4, "topk"))]
+
+
+@pytest.mark.parametrize("num_ranks, kind", ALLGATHER_CASES)
+def test_fused_allgathers_are_bitwise_the_unfused_ones_in_one_collective_a_step(hvd_torch, num_ranks, kind):
+    # Issue #51: a group's payloads are encoded together and decoded together (one launch sequence each on a
+    # GPU, whatever the tensor count) and travel in one allgather; each payload is byte for byte the same.
+    import torch
+    hvd = hvd_torch
+    steps = 3
+    fused = _train(hvd, _compressor(kind, exchange="allgather"), steps)
+    alone = _train(hvd, _compressor(kind, exchange="allgather", fusion_threshold=0), steps)
+    wanted = allgathered_training(kind, SIZES, num_ranks, steps)
+    for step, ((g_fused, s_fused, st_fused), (g_alone, s_alone, st_alone)) in enumerate(zip(fused, alone)):
+        for i, (a, b) in enumerate(zip(g_fused, g_alone)):
+            assert torch.equal(a, b), (step, i)
+            assert np.array_equal(a.numpy(), wanted[step][i]), (step, i)
+        for name, state in s_alone["tensors"].items():
+            if state["residual"] is None:
+                assert kind == "qsgd" and s_fused["tensors"][name]["residual"] is None
+            else:
+                assert torch.equal(s_fused["tensors"][name]["residual"], state["residual"]), (step, name)
+            assert s_fused["tensors"][name]["step"] == state["step"] == step + 1
+        assert st_fused["collectives_started"] == 1 and st_alone["collectives_started"] == len(SIZES), step
+        assert st_fused["tensors_compressed"] == st_alone["tensors_compressed"] == len(SIZES)
+        assert st_fused["exchanges"] == st_alone["exchanges"] == {f"layer{i}.weight": "allgather"
+                                                                 for i in range(len(SIZES))}
+        assert st_fused["bytes_sent"] - st_alone["bytes_sent"] == 16, step  # this rank's manifest
+
+
 @pytest.mark.ranks(3, timeout=120)
-def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_torch):
-    # 20_000 fp32 values at 4 bits are 10_208 bytes of first-stage payload (3 chunks): two fit under 25_000.
+@pytest.mark.parametrize("exchange", ["two_stage", "allgather"])
+def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_torch, exchange):
+    # 20_000 fp32 values at 4 bits are 10_208 bytes of first-stage payload (3 chunks), 10_176 of allgather
+    # payload: two fit under 25_000.
     import torch
     from horovod_qsgd.torch import QSGD
     hvd = hvd_torch
-    compressor = QSGD(bits=4, exchange="two_stage", min_numel=0, fusion_threshold=25_000)
+    compressor = QSGD(bits=4, exchange=exchange, min_numel=0, fusion_threshold=25_000)
     assert compressor.settings()["fusion_threshold"] == 25_000
     tensors = {f"t{i}": torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(5)}
     gc.collect()
@@ -102,8 +135,10 @@ def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_to
         gc.enable()
     assert not left, left
     stats = compressor.compression_stats()
-    assert stats["tensors_two_stage"] == 5 and stats["collectives_started"] == 2 * 3  # groups of 2, 2 and 1
-    alone = QSGD(bits=4, exchange="two_stage", min_numel=0, fusion_threshold=0)
+    collectives = 2 if exchange == "two_stage" else 1
+    assert stats["tensors_two_stage"] == (5 if exchange == "two_stage" else 0)
+    assert stats["collectives_started"] == collectives * 3  # groups of 2, 2 and 1
+    alone = QSGD(bits=4, exchange=exchange, min_numel=0, fusion_threshold=0)
     expected = hvd.grouped_allreduce(list(tensors.values()), name="five", compression=alone)
     assert all(torch.equal(a, b) for a, b in zip(results, expected))
 
@@ -134,19 +169,22 @@ def test_two_compressors_fuse_in_the_same_step_without_sharing_collectives(hvd_t
 
 
 @pytest.mark.ranks(3, timeout=120)
-def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hvd_torch):
+@pytest.mark.parametrize("exchange, what", [("two_stage", "first-stage slices"), ("allgather", "payloads")])
+def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hvd_torch, exchange, what):
     # Rank 2's plan is forced apart from the others' (one tensor per group): the groups' names still meet,
     # the manifests differ, and every rank raises.
     import torch
     from horovod_qsgd.common.errors import CompressionMismatchError
     from horovod_qsgd.common.fusion import Fuser
     hvd = hvd_torch
-    compressor = _compressor("qsgd")
+    compressor = _compressor("qsgd", exchange=exchange)
+    exchanges = compressor._exchanges
     if hvd.rank() == 2:
-        compressor._exchanges.fuser = Fuser(0, compressor._exchanges.fuser.namespace)
+        exchanges.fuser = Fuser(0, exchanges.fuser.namespace)
+        exchanges.allgather_fuser = Fuser(0, exchanges.allgather_fuser.namespace)
     tensors = [torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(3)]
     with pytest.raises(CompressionMismatchError) as info:
-        hvd.grouped_allreduce(tensors, name="three", compression=compressor)
+        hvd.grouped_allreduce(tensors, name=f"three.{exchange}", compression=compressor)
     message = str(info.value)
-    assert "group of first-stage slices does not match this rank's" in message, message
+    assert f"group of {what} does not match this rank's" in message, message
     assert "the ranks grouped other tensors" in message, message
