@@ -54,7 +54,10 @@ _FUSION_ARGS = {"step": """
         fusion_threshold: the two-stage tensors of a step share one alltoall
             and one allgather per group of at most this many bytes of
             first-stage payload (default 64 MiB, as Horovod's own fusion
-            buffer: usually one group per step); node-aware tensors share
+            buffer: usually one group per step), the allgather tensors one
+            allgather per group of as many bytes of payload, each group
+            encoded and decoded together (on a GPU, launches per group, not
+            per tensor); node-aware tensors share
             each of their steps' collectives per group of at most this many
             bytes of float32 gradient, and at most 4 MiB (a larger tensor
             starts alone, overlapping the backward pass). 0 gives every

@@ -109,9 +109,10 @@ class AllgatherPlan(_Counted):
         """Bytes of the zeroed buffer :meth:`encode` writes into."""
         return self.codec.max_payload_nbytes(self.numel)
 
-    def payload_capacity(self):
-        """:meth:`capacity`: the tensor's size for fusion, equal on every rank (as ``TwoStage.payload_capacity``)."""
-        return self.capacity()
+    def fusion_nbytes(self):
+        """What this tensor counts against its fused group's threshold: its float32 gradient's bytes (an
+        allgather group waits for its last member, which the backward pass sets by gradient size)."""
+        return 4 * self.numel
 
     def collectives(self):
         """[(kind, name)] of the collectives :meth:`conduct` yields, in order (for a graph built in advance)."""
@@ -189,6 +190,10 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
     def capacity(self):
         """Bytes of the zeroed buffer :meth:`encode` writes the slices into."""
         return self.send_capacity()
+
+    def fusion_nbytes(self):
+        """What this tensor counts against its fused group's threshold: its first-stage payload capacity."""
+        return self.payload_capacity()
 
     def collectives(self):
         """[(kind, name)] of the collectives :meth:`conduct` yields, in order (for a graph built in advance)."""

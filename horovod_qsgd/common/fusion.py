@@ -39,6 +39,12 @@ from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX
 from horovod_qsgd.common.two_stage import owner_key
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's own HOROVOD_FUSION_THRESHOLD default
+# A fused allgather group holds at most this many bytes of float32 gradient (or fusion_threshold, if smaller),
+# as DDP's buckets (bucket_cap_mb=25): a group starts when its last member is compressed, and fused in one
+# group the three large tensors of a 10M MLP began their allgather only after the whole backward pass: steps
+# at 2 ranks and 1 Gbit/s took 1.14x (QSGD-4) and 1.07x (Top-k 1%) as long as with each alone. ResNet-50's 52
+# compressed gradients make 5 groups, GPT-2 small's 50 make 17.
+ALLGATHER_GROUP_NBYTES = 25 * 1024 * 1024
 
 
 def check_fusion_threshold(threshold):

@@ -22,7 +22,7 @@ import threading
 import torch
 
 from horovod_qsgd.common.collectives import RefusedEarlier, conclude
-from horovod_qsgd.common.fusion import Fuser, fused_exchange
+from horovod_qsgd.common.fusion import ALLGATHER_GROUP_NBYTES, Fuser, fused_exchange
 from horovod_qsgd.common.node_aware import NODE_AWARE_GROUP_NBYTES
 from horovod_qsgd.kernels import move_into_own_chunk
 from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
@@ -49,7 +49,7 @@ class PayloadExchanges:
     def forget(self):
         """Drops what a failed step left in flight; fusion groups are learned anew."""
         self.fuser = Fuser(self.fusion_threshold, self.namespace)  # two-stage tensors
-        self.allgather_fuser = Fuser(self.fusion_threshold, self.namespace + "allgather.")
+        self.allgather_fuser = Fuser(min(self.fusion_threshold, ALLGATHER_GROUP_NBYTES), self.namespace + "allgather.")
         self.node_fuser = Fuser(min(self.fusion_threshold, NODE_AWARE_GROUP_NBYTES), self.namespace + "node_aware.")
         self._first_stages = []  # two-stage groups whose alltoall started and whose second stage did not
         self.node_exchanges.forget()
@@ -165,8 +165,9 @@ class PayloadExchanges:
         """Starts the second stage of every group whose first stage is under way.
 
         Called at the round's first ``decompress``, once the groups still
-        waiting for a member started their alltoalls. Horovod's optimizer decompresses in hook order, which differs between
-        ranks, and collectives are matched by name: a rank that waited for
+        waiting for a member started their alltoalls. Horovod's optimizer
+        decompresses in hook order, which differs between ranks, and
+        collectives are matched by name: a rank that waited for
         one group's allgather before starting the others' could wait for a
         peer that waits for it. Starting all of them here, before waiting on
         any, cannot deadlock in any order of calls. After a refusal, this
@@ -228,7 +229,7 @@ class _Fused:
         # Horovod fuses allgathers, not alltoalls; an allgather group's whole exchange is that collective
         fuser = exchanges.fuser if self.plan.starts_with_alltoall else exchanges.allgather_fuser
         with exchanges._lock:
-            ready = fuser.add((site.process_set.process_set_id, site.name), self.plan.payload_capacity(), ctx)
+            ready = fuser.add((site.process_set.process_set_id, site.name), self.plan.fusion_nbytes(), ctx)
         for name, members in ready:
             exchanges._start_group(name, members)
 

@@ -115,15 +115,15 @@ def test_fused_allgathers_are_bitwise_the_unfused_ones_in_one_collective_a_step(
 
 
 @pytest.mark.ranks(3, timeout=120)
-@pytest.mark.parametrize("exchange", ["two_stage", "allgather"])
-def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_torch, exchange):
-    # 20_000 fp32 values at 4 bits are 10_208 bytes of first-stage payload (3 chunks), 10_176 of allgather
-    # payload: two fit under 25_000.
+@pytest.mark.parametrize("exchange, threshold", [("two_stage", 25_000), ("allgather", 200_000)])
+def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_torch, exchange, threshold):
+    # 20_000 fp32 values at 4 bits are 10_208 bytes of first-stage payload (3 chunks), which a two-stage group
+    # counts: two fit under 25_000; an allgather group counts their 80_000 bytes of float32: two fit under 200_000.
     import torch
     from horovod_qsgd.torch import QSGD
     hvd = hvd_torch
-    compressor = QSGD(bits=4, exchange=exchange, min_numel=0, fusion_threshold=25_000)
-    assert compressor.settings()["fusion_threshold"] == 25_000
+    compressor = QSGD(bits=4, exchange=exchange, min_numel=0, fusion_threshold=threshold)
+    assert compressor.settings()["fusion_threshold"] == threshold
     tensors = {f"t{i}": torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(5)}
     gc.collect()
     gc.disable()  # what a step leaves behind must go by reference counting: a cycle kept every step's buffers
