@@ -54,19 +54,19 @@ _FUSION_ARGS = {"step": """
         fusion_threshold: the two-stage tensors of a step share one alltoall
             and one allgather per group of at most this many bytes of
             first-stage payload (default 64 MiB, as Horovod's own fusion
-            buffer: usually one group per step), the allgather tensors one
-            allgather per group of as many bytes of payload, each group
-            encoded and decoded together (on a GPU, launches per group, not
-            per tensor); node-aware tensors share
-            each of their steps' collectives per group of at most this many
-            bytes of float32 gradient, and at most 4 MiB (a larger tensor
-            starts alone, overlapping the backward pass). 0 gives every
-            tensor its own collectives. A group's alltoall waits for its
-            last tensor, so smaller groups overlap more of the backward
-            pass, and each costs a collective's latency (N-1 messages):
-            measured on 2 cores, 8 ranks
-            7-14% faster fused, 4 ranks with three large tensors 13% slower
-            with QSGD (``benchmarks/results/fusion``).""", "grouped": """
+            buffer: usually one group per step); allgather tensors share one
+            allgather per group of at most this many bytes of float32
+            gradient and at most 25 MiB (DDP's bucket size), node-aware
+            tensors each of their steps' collectives per group of at most
+            this many bytes of float32 gradient and at most 4 MiB (a larger
+            tensor starts alone, overlapping the backward pass). A group is
+            encoded and decoded together (on a GPU: launches per group, not
+            per tensor). 0 gives every tensor its own collectives. A group's
+            first collective waits for its last tensor, so smaller groups
+            overlap more of the backward pass, and each costs a collective's
+            latency (N-1 messages): measured on 2 cores, 8 ranks 7-14% faster
+            fused, 4 ranks with three large tensors 13% slower with QSGD
+            (``benchmarks/results/fusion``).""", "grouped": """
         fusion_threshold: the two-stage tensors of one grouped call share
             one alltoall and one allgather, its node-aware ones each step's
             collective (3 at 2 nodes, 4 from 3): ``hvd.grouped_allreduce``, and

@@ -40,11 +40,13 @@ from horovod_qsgd.common.two_stage import owner_key
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's own HOROVOD_FUSION_THRESHOLD default
 # A fused allgather group holds at most this many bytes of float32 gradient (or fusion_threshold, if smaller),
-# as DDP's buckets (bucket_cap_mb=25): a group starts when its last member is compressed, and fused in one
-# group the three large tensors of a 10M MLP began their allgather only after the whole backward pass: steps
-# at 2 ranks and 1 Gbit/s took 1.14x (QSGD-4) and 1.07x (Top-k 1%) as long as with each alone. ResNet-50's 52
-# compressed gradients make 5 groups, GPT-2 small's 50 make 17.
-ALLGATHER_GROUP_NBYTES = 25 * 1024 * 1024
+# by the device its tensors are on. A group starts when its last member is compressed, and groups are packed in
+# name order, not in the backward pass's: on 2 CPU ranks at 1 Gbit/s, 25 MiB groups made steps 1.27x (QSGD-4)
+# and 1.12x (Top-k 1%) as long on a 17-layer MLP (one group that waited for the backward's last layer), while
+# on the host a tensor alone costs little besides its collective; there a group takes only tensors under 1 MiB.
+# On a GPU every tensor alone pays its kernels' launches (30-150 us of host time each, issue #51): groups of
+# DDP's bucket size, where ResNet-50's 52 compressed gradients make 5 groups and GPT-2 small's 50 make 17.
+ALLGATHER_GROUP_NBYTES = {"cpu": 1024 * 1024, "cuda": 25 * 1024 * 1024}
 
 
 def check_fusion_threshold(threshold):

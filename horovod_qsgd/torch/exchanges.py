@@ -49,7 +49,7 @@ class PayloadExchanges:
     def forget(self):
         """Drops what a failed step left in flight; fusion groups are learned anew."""
         self.fuser = Fuser(self.fusion_threshold, self.namespace)  # two-stage tensors
-        self.allgather_fuser = Fuser(min(self.fusion_threshold, ALLGATHER_GROUP_NBYTES), self.namespace + "allgather.")
+        self.allgather_fusers = {}  # by device type (ALLGATHER_GROUP_NBYTES)
         self.node_fuser = Fuser(min(self.fusion_threshold, NODE_AWARE_GROUP_NBYTES), self.namespace + "node_aware.")
         self._first_stages = []  # two-stage groups whose alltoall started and whose second stage did not
         self.node_exchanges.forget()
@@ -135,6 +135,15 @@ class PayloadExchanges:
             part.group, part.index = group, index
         self.stats.add(collectives_started=1)
 
+    def allgather_fuser(self, device):
+        """The :class:`Fuser` of the allgather tensors on ``device`` (a torch device), made at its first."""
+        kind = device.type if device.type in ALLGATHER_GROUP_NBYTES else "cuda"  # another accelerator: as a GPU
+        fuser = self.allgather_fusers.get(kind)
+        if fuser is None:
+            threshold = min(self.fusion_threshold, ALLGATHER_GROUP_NBYTES[kind])
+            fuser = self.allgather_fusers[kind] = Fuser(threshold, f"{self.namespace}allgather.{kind}.")
+        return fuser
+
     def _owner_residual(self, ctx, numel, device):
         """What this step reads and writes the owner-side residual of ctx's tensor (``numel`` elements on this
         rank) through (error feedback only), reset if the ranks changed."""
@@ -154,7 +163,9 @@ class PayloadExchanges:
                 return
             self.round += 1
             node_aware = self.node_fuser.end_round()
-            fused = self.fuser.end_round() + self.allgather_fuser.end_round()
+            fused = self.fuser.end_round()
+            for device in sorted(self.allgather_fusers):
+                fused += self.allgather_fusers[device].end_round()
         for name, members in node_aware:
             self.node_exchanges.start(members, name)
         for name, members in fused:
@@ -226,8 +237,10 @@ class _Fused:
         self.group = self.index = None
 
     def join(self, exchanges, ctx, site):
-        # Horovod fuses allgathers, not alltoalls; an allgather group's whole exchange is that collective
-        fuser = exchanges.fuser if self.plan.starts_with_alltoall else exchanges.allgather_fuser
+        if self.plan.starts_with_alltoall:
+            fuser = exchanges.fuser
+        else:
+            fuser = exchanges.allgather_fuser(self.flat.device)
         with exchanges._lock:
             ready = fuser.add((site.process_set.process_set_id, site.name), self.plan.fusion_nbytes(), ctx)
         for name, members in ready:

@@ -143,6 +143,25 @@ def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_to
     assert all(torch.equal(a, b) for a, b in zip(results, expected))
 
 
+@pytest.mark.ranks(2, timeout=120)
+def test_allgather_groups_on_the_host_take_only_tensors_under_a_mebibyte(hvd_torch):
+    # A group starts when its last member is compressed: on the host a tensor of 1 MiB of float32 or more goes
+    # alone, overlapping the backward pass; on a GPU groups take up to 25 MiB (launches per group, not tensor).
+    import torch
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    compressor = QSGD(bits=4, exchange="allgather", min_numel=0)
+    sizes = (1 << 18, 1 << 18, 1000, 2000, (1 << 18) - 3000)  # 1 MiB, 1 MiB, then three that fit together
+    tensors = [torch.from_numpy(_gradient(hvd.rank(), n, i)) for i, n in enumerate(sizes)]
+    alone = QSGD(bits=4, exchange="allgather", min_numel=0, fusion_threshold=0)
+    for step in range(2):  # the first round's groups, then the learned ones
+        results = hvd.grouped_allreduce(tensors, name="sized", compression=compressor)
+        assert compressor.compression_stats(reset=True)["collectives_started"] == 3, step
+        expected = hvd.grouped_allreduce(tensors, name="sized", compression=alone)
+        assert all(torch.equal(a, b) for a, b in zip(results, expected)), step
+    assert compressor._exchanges.allgather_fuser(torch.device("cuda")).threshold == 25 << 20
+
+
 @pytest.mark.ranks(3, timeout=120)
 def test_two_compressors_fuse_in_the_same_step_without_sharing_collectives(hvd_torch):
     # Two optimizers (a GAN's, or two parts of a model), each with its own compressor, in one backward pass:
@@ -179,10 +198,10 @@ def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hv
     hvd = hvd_torch
     compressor = _compressor("qsgd", exchange=exchange)
     exchanges = compressor._exchanges
+    tensors = [torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(3)]
     if hvd.rank() == 2:
         exchanges.fuser = Fuser(0, exchanges.fuser.namespace)
-        exchanges.allgather_fuser = Fuser(0, exchanges.allgather_fuser.namespace)
-    tensors = [torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(3)]
+        exchanges.allgather_fusers["cpu"] = Fuser(0, exchanges.allgather_fuser(tensors[0].device).namespace)
     with pytest.raises(CompressionMismatchError) as info:
         hvd.grouped_allreduce(tensors, name=f"three.{exchange}", compression=compressor)
     message = str(info.value)
