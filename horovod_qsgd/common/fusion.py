@@ -218,11 +218,22 @@ class FusedAllgather(_FusedPayloads):
         """:meth:`conduct` from the members' flat float32 gradients ``xs`` (the adapter's tensors), encoded
         first, together (one launch sequence on a GPU where they share a step); ``residuals``: each member's
         error-feedback residual as the codec takes it, or None each; ``owner_residuals``: unused (see
-        :meth:`FusedTwoStage.conduct_members`). Counts this rank's manifest as sent."""
-        outs = [transport.zeros(plan.capacity(), "uint8") for plan in self.plans]
+        :meth:`FusedTwoStage.conduct_members`). Counts this rank's manifest as sent.
+
+        Fixed-size payloads are encoded in place, behind the manifest, in the buffer sent: no copy."""
+        capacities = [plan.capacity() for plan in self.plans]
+        if self.codec.payload_nbytes_is_fixed:
+            part = transport.zeros(HEADER_NBYTES + sum(capacities), "uint8")
+            starts = itertools.accumulate(capacities, initial=HEADER_NBYTES)
+            outs = [part[start:start + capacity] for start, capacity in zip(starts, capacities)]
+        else:
+            part, outs = None, [transport.zeros(capacity, "uint8") for capacity in capacities]
         used = type(self.plans[0]).encode_together(self.plans, [transport.array(x) for x in xs],
                                                    [transport.array(out) for out in outs], steps, residuals)
         self.plans[0].stats.add(bytes_sent=HEADER_NBYTES)
+        if part is not None and list(used) == capacities:
+            part[:HEADER_NBYTES] = transport.concatenate([self._manifest.pack(len(part))], [])
+            return (yield from self._gather(name, part))
         return (yield from self.conduct(transport, name, outs, used))
 
     def capacity(self):
@@ -235,7 +246,9 @@ class FusedAllgather(_FusedPayloads):
         m's buffer (the adapter's uint8 tensor) as its plan's ``encode`` (or ``encode_together``) wrote
         ``used[m]`` bytes of it. Returns (every rank's part, for :meth:`decode`; None: an allgather refuses
         nothing, every rank checks every part as it decodes)."""
-        send = transport.concatenate(self.part_pieces(used), payloads)
+        return (yield from self._gather(name, transport.concatenate(self.part_pieces(used), payloads)))
+
+    def _gather(self, name, send):
         arriving = [self.capacity()] * self.num_ranks if self.codec.payload_nbytes_is_fixed else None
         gathered = yield Collective(ALLGATHER, PAYLOAD_PREFIX + name, send, arriving=arriving, equal_parts=True,
                                     final=True)

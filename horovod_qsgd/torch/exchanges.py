@@ -136,7 +136,8 @@ class PayloadExchanges:
         self.stats.add(collectives_started=1)
 
     def allgather_fuser(self, device):
-        """The :class:`Fuser` of the allgather tensors on ``device`` (a torch device), made at its first."""
+        """The :class:`Fuser` of the allgather tensors on ``device`` (a torch device), made at its first (under
+        the lock)."""
         kind = device.type if device.type in ALLGATHER_GROUP_NBYTES else "cuda"  # another accelerator: as a GPU
         fuser = self.allgather_fusers.get(kind)
         if fuser is None:
@@ -237,11 +238,11 @@ class _Fused:
         self.group = self.index = None
 
     def join(self, exchanges, ctx, site):
-        if self.plan.starts_with_alltoall:
-            fuser = exchanges.fuser
-        else:
-            fuser = exchanges.allgather_fuser(self.flat.device)
         with exchanges._lock:
+            if self.plan.starts_with_alltoall:
+                fuser = exchanges.fuser
+            else:
+                fuser = exchanges.allgather_fuser(self.flat.device)
             ready = fuser.add((site.process_set.process_set_id, site.name), self.plan.fusion_nbytes(), ctx)
         for name, members in ready:
             exchanges._start_group(name, members)

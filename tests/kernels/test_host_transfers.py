@@ -100,6 +100,16 @@ def test_the_codecs_cost_per_step_grows_with_the_groups_not_the_tensors(report, 
     assert (entry["d2h"], entry["h2d"]) == (2 * entry["groups"], 0)
 
 
+@pytest.mark.parametrize("model, groups", [("resnet50", 5), ("gpt2-small", 17)])
+def test_the_pytorch_adapters_allgather_groups_on_a_gpu_keep_the_budget(report, model, groups):
+    """The same budget for the groups the PyTorch Horovod adapter forms of its allgather tensors on a GPU (at
+    most 25 MiB of float32 gradient each, in name order): ResNet-50's 52 compressed tensors in 5 groups,
+    GPT-2 small's 50 in 17 (most of its tensors are 2.4-9 MiB of gradient), 6 launches and 2 host reads each."""
+    entry = report[f"budget {model}, allgather groups, threshold 25 MiB"]
+    assert entry["matches_cpu"]
+    assert (entry["groups"], entry["launch"], entry["d2h"], entry["h2d"]) == (groups, 6 * groups, 2 * groups, 0)
+
+
 def test_top_k_costs_per_group_and_sender_not_per_tensor(report):
     """The same budget for Top-k 1% (exact, error feedback), ResNet-50's 52 compressed gradients in one group
     (64 MiB): 11 launches select and write every payload, the decode adds the 4 ranks' parts in 4 launches (a

@@ -32,6 +32,7 @@ from horovod_qsgd import kernels as K  # noqa: E402
 from horovod_qsgd.kernels import CarriedResidual  # noqa: E402
 from horovod_qsgd.codecs import LatticeCodec, QSGDCodec, RandomKCodec, TopKCodec  # noqa: E402
 from horovod_qsgd.common.exchange import decode_gathered  # noqa: E402
+from horovod_qsgd.common.fusion import ALLGATHER_GROUP_NBYTES  # noqa: E402
 from horovod_qsgd.common.two_stage import TwoStage  # noqa: E402
 from tests.two_stage_reference import first_stage_inboxes  # noqa: E402
 
@@ -210,7 +211,9 @@ class _Member:
         self.name, self.numel, self.codec, self.num_ranks = name, numel, codec, num_ranks
 
 
-def budget_case(model, shapes, codec, thresholds, label=None):
+def budget_case(model, shapes, codec, thresholds, label=None, by_gradient=False):
+    """``by_gradient``: groups packed as the PyTorch adapter packs its allgather tensors (in name order, by
+    their float32 gradient's bytes); else by payload bytes, as its two-stage tensors."""
     from horovod_qsgd.common.collectives import join_host_pieces
     from horovod_qsgd.common.fusion import FusedAllgather, pack
     from horovod_qsgd.testdata.model_shapes import compressed
@@ -221,7 +224,10 @@ def budget_case(model, shapes, codec, thresholds, label=None):
     ef = getattr(codec, "error_feedback", False)
     d_residuals = {name: device(np.zeros(x.size, np.float32)) for name, x in xs.items()} if ef else {}
     for threshold in thresholds:
-        groups = pack([((0, name), codec.max_payload_nbytes(numel)) for name, numel in real], threshold)
+        if by_gradient:
+            groups = pack([((0, name), 4 * numel) for name, numel in sorted(real)], threshold)
+        else:
+            groups = pack([((0, name), codec.max_payload_nbytes(numel)) for name, numel in real], threshold)
         members = [[_Member(name, xs[name].size, codec, BUDGET_RANKS) for _, name in group] for group in groups]
         host, device_parts = [], []
         for group in members:
@@ -357,6 +363,8 @@ def main():
     from horovod_qsgd.testdata.model_shapes import gpt2_small, resnet50
     for model, shapes in [("resnet50", resnet50()), ("gpt2-small", gpt2_small())]:
         budget_case(model, shapes, qsgd, thresholds=[64 << 20, 4 << 20, 1 << 20])
+        budget_case(model, shapes, qsgd, thresholds=[ALLGATHER_GROUP_NBYTES["cuda"]], label="allgather groups",
+                    by_gradient=True)
     topk = TopKCodec(ratio=0.01)
     encode_many_case("topk-5% encode_many of 5 tensors", TopKCodec(ratio=0.05), [3000, 517, 8, 20_000, 1],
                      residuals=True)
