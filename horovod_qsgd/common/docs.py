@@ -54,9 +54,10 @@ _FUSION_ARGS = {"step": """
         fusion_threshold: the two-stage tensors of a step share one alltoall
             and one allgather per group of at most this many bytes of
             first-stage payload (default 64 MiB, as Horovod's own fusion
-            buffer: usually one group per step); allgather tensors share one
-            allgather per group of at most this many bytes of float32
-            gradient and at most 25 MiB (DDP's bucket size), node-aware
+            buffer: usually one group per step); on a GPU, allgather tensors
+            share one allgather per group of at most this many bytes of
+            float32 gradient and at most 25 MiB (DDP's bucket size; on the
+            host each has its own), node-aware
             tensors each of their steps' collectives per group of at most
             this many bytes of float32 gradient and at most 4 MiB (a larger
             tensor starts alone, overlapping the backward pass). A group is

@@ -40,13 +40,14 @@ from horovod_qsgd.common.two_stage import owner_key
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's own HOROVOD_FUSION_THRESHOLD default
 # A fused allgather group holds at most this many bytes of float32 gradient (or fusion_threshold, if smaller),
-# by the device its tensors are on. A group starts when its last member is compressed, and groups are packed in
-# name order, not in the backward pass's: on 2 CPU ranks at 1 Gbit/s, 25 MiB groups made steps 1.27x (QSGD-4)
-# and 1.12x (Top-k 1%) as long on a 17-layer MLP (one group that waited for the backward's last layer), while
-# on the host a tensor alone costs little besides its collective; there a group takes only tensors under 1 MiB.
-# On a GPU every tensor alone pays its kernels' launches (30-150 us of host time each, issue #51): groups of
-# DDP's bucket size, where ResNet-50's 52 compressed gradients make 5 groups and GPT-2 small's 50 make 17.
-ALLGATHER_GROUP_NBYTES = {"cpu": 1024 * 1024, "cuda": 25 * 1024 * 1024}
+# by the device its tensors are on; a tensor above it is a group of its own. On a GPU every tensor alone pays
+# its kernels' launches (30-150 us of host time each, issue #51): groups of DDP's bucket size, where ResNet-50's
+# 52 compressed gradients make 5 groups and GPT-2 small's 50 make 17 (chosen from the launch counts, not yet
+# timed on a GPU). On the host (0: each tensor alone, as Horovod's own allgather fusion packs them) fusing
+# measured mixed on 2 ranks: a 17-layer MLP's steps 0.82x unshaped but 1.27x at 1 Gbit/s (one 17 MiB group
+# waits for the backward pass's last layer, as groups are packed in name order), and a group of one cost about
+# 0.35 ms more than the tensor alone (its manifest, built and checked).
+ALLGATHER_GROUP_NBYTES = {"cpu": 0, "cuda": 25 * 1024 * 1024}
 
 
 def check_fusion_threshold(threshold):

@@ -8,9 +8,10 @@ returns the tensor's part in flight; ``decompress`` asks :meth:`PayloadExchanges
   (:class:`~horovod_qsgd.common.fusion.Fuser`, learned from the step before), which is encoded together (one
   launch sequence on a GPU, whatever its tensor count) and starts its first collective when its last member
   is compressed: the allgather of the members' payloads, or the two stages' alltoall, whose second stage
-  starts at the round's first decompress, before anything is waited for. Allgathers and two-stage tensors
-  form groups apart;
-* **alone** (:class:`_Alone`, ``fusion_threshold=0``): the allgather, started at compress;
+  starts at the round's first decompress, before anything is waited for. Allgather tensors are fused on a
+  GPU only (``ALLGATHER_GROUP_NBYTES``), in groups apart from the two-stage ones;
+* **alone** (:class:`_Alone`): an allgather tensor on the host (or anywhere with ``fusion_threshold=0``),
+  started at compress;
 * **node-aware** (:class:`_NodeAware`): a member of a flight of :mod:`horovod_qsgd.torch.node_aware`, alone
   or in a fused group, advanced at every compress and decompress.
 
@@ -64,8 +65,12 @@ class PayloadExchanges:
         plan = self.engine.plan(site.name, flat.numel(), site.process_set.size(), site.process_set.rank(),
                                 tensor.numel() * tensor.element_size(), placeholder_nbytes)
         residual = None if residual is None else as_array(residual)
-        if self.fusion_threshold or plan.starts_with_alltoall:  # unfused, a two-stage tensor is a group of one
-            return _Fused(plan, flat, residual, site.process_set, self.round)
+        if plan.starts_with_alltoall:  # unfused (fusion_threshold=0), a two-stage tensor is a group of one
+            return _Fused(plan, flat, residual, site.process_set, self.round, self.fuser)
+        with self._lock:
+            fuser = self.allgather_fuser(flat.device)
+        if fuser.threshold:  # on a GPU; a tensor above the group's limit is a group of one
+            return _Fused(plan, flat, residual, site.process_set, self.round, fuser)
         transport = HorovodTransport(site.process_set, flat.device)
         conduct = plan.conduct(transport, flat, step, residual)
         handle = transport.start(next(conduct))
@@ -137,7 +142,7 @@ class PayloadExchanges:
 
     def allgather_fuser(self, device):
         """The :class:`Fuser` of the allgather tensors on ``device`` (a torch device), made at its first (under
-        the lock)."""
+        the lock); its threshold is 0 where they are not fused (the host, ``fusion_threshold=0``)."""
         kind = device.type if device.type in ALLGATHER_GROUP_NBYTES else "cuda"  # another accelerator: as a GPU
         fuser = self.allgather_fusers.get(kind)
         if fuser is None:
@@ -206,8 +211,7 @@ class PayloadExchanges:
 
 
 class _Alone:
-    """A tensor whose exchange the engine conducts alone (``fusion_threshold=0``): the allgather, started at
-    compress."""
+    """A tensor whose exchange the engine conducts alone: the allgather, started at compress."""
     __slots__ = ("plan", "conduct", "handle")
 
     def __init__(self, plan, conduct, handle):
@@ -231,19 +235,15 @@ class _Fused:
     """A tensor waiting for the rest of its group (:class:`_Group`), whose exchange the engine conducts: its
     flat gradient and residual, encoded with the whole group's when the group starts (one launch sequence for
     all members on a GPU); ``group``, ``index``: its group once started, and its place there."""
-    __slots__ = ("plan", "flat", "residual", "process_set", "round", "group", "index")
+    __slots__ = ("plan", "flat", "residual", "process_set", "round", "fuser", "group", "index")
 
-    def __init__(self, plan, flat, residual, process_set, round_):
+    def __init__(self, plan, flat, residual, process_set, round_, fuser):
         self.plan, self.flat, self.residual, self.process_set, self.round = plan, flat, residual, process_set, round_
-        self.group = self.index = None
+        self.fuser, self.group, self.index = fuser, None, None
 
     def join(self, exchanges, ctx, site):
         with exchanges._lock:
-            if self.plan.starts_with_alltoall:
-                fuser = exchanges.fuser
-            else:
-                fuser = exchanges.allgather_fuser(self.flat.device)
-            ready = fuser.add((site.process_set.process_set_id, site.name), self.plan.fusion_nbytes(), ctx)
+            ready = self.fuser.add((site.process_set.process_set_id, site.name), self.plan.fusion_nbytes(), ctx)
         for name, members in ready:
             exchanges._start_group(name, members)
 

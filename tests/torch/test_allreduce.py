@@ -27,9 +27,8 @@ def test_integer_small_and_large_tensors(hvd_torch):
     assert torch.equal(big, torch.full((1000, 3), 0.25))
     stats = compressor.compression_stats()
     assert stats["tensors_compressed"] == 1
-    # 3000 coordinates: 16-byte header + 6 fp32 scales + 3000 bytes of 8-bit codes, plus the placeholder and
-    # the 16-byte manifest of its fused group (of one).
-    assert stats["bytes_sent"] == 16 + 6 * 4 + 3000 + 4 + 16
+    # 3000 coordinates: 16-byte header + 6 fp32 scales + 3000 bytes of 8-bit codes, plus the placeholder.
+    assert stats["bytes_sent"] == 16 + 6 * 4 + 3000 + 4
     assert stats["bytes_uncompressed"] == 12000
 
 

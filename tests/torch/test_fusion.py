@@ -87,12 +87,20 @@ ALLGATHER_CASES = [pytest.param(n, kind, marks=pytest.mark.ranks(n, timeout=240)
                    ((2, "qsgd"), (2, "topk"), (3, "qsgd"), (4, "topk"))]
 
 
+def _gpu_allgather_groups_on_the_host(monkeypatch):
+    """The host's allgather tensors fused as a GPU's are (ALLGATHER_GROUP_NBYTES): the same code path."""
+    from horovod_qsgd.common.fusion import ALLGATHER_GROUP_NBYTES
+    monkeypatch.setitem(ALLGATHER_GROUP_NBYTES, "cpu", ALLGATHER_GROUP_NBYTES["cuda"])
+
+
 @pytest.mark.parametrize("num_ranks, kind", ALLGATHER_CASES)
-def test_fused_allgathers_are_bitwise_the_unfused_ones_in_one_collective_a_step(hvd_torch, num_ranks, kind):
+def test_fused_allgathers_are_bitwise_the_unfused_ones_in_one_collective_a_step(hvd_torch, num_ranks, kind,
+                                                                                monkeypatch):
     # Issue #51: a group's payloads are encoded together and decoded together (one launch sequence each on a
     # GPU, whatever the tensor count) and travel in one allgather; each payload is byte for byte the same.
     import torch
     hvd = hvd_torch
+    _gpu_allgather_groups_on_the_host(monkeypatch)
     steps = 3
     fused = _train(hvd, _compressor(kind, exchange="allgather"), steps)
     alone = _train(hvd, _compressor(kind, exchange="allgather", fusion_threshold=0), steps)
@@ -116,12 +124,14 @@ def test_fused_allgathers_are_bitwise_the_unfused_ones_in_one_collective_a_step(
 
 @pytest.mark.ranks(3, timeout=120)
 @pytest.mark.parametrize("exchange, threshold", [("two_stage", 25_000), ("allgather", 200_000)])
-def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_torch, exchange, threshold):
+def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_torch, exchange, threshold,
+                                                                          monkeypatch):
     # 20_000 fp32 values at 4 bits are 10_208 bytes of first-stage payload (3 chunks), which a two-stage group
     # counts: two fit under 25_000; an allgather group counts their 80_000 bytes of float32: two fit under 200_000.
     import torch
     from horovod_qsgd.torch import QSGD
     hvd = hvd_torch
+    _gpu_allgather_groups_on_the_host(monkeypatch)
     compressor = QSGD(bits=4, exchange=exchange, min_numel=0, fusion_threshold=threshold)
     assert compressor.settings()["fusion_threshold"] == threshold
     tensors = {f"t{i}": torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(5)}
@@ -144,22 +154,26 @@ def test_a_small_threshold_splits_the_step_into_groups_with_the_same_bits(hvd_to
 
 
 @pytest.mark.ranks(2, timeout=120)
-def test_allgather_groups_on_the_host_take_only_tensors_under_a_mebibyte(hvd_torch):
-    # A group starts when its last member is compressed: on the host a tensor of 1 MiB of float32 or more goes
-    # alone, overlapping the backward pass; on a GPU groups take up to 25 MiB (launches per group, not tensor).
+def test_allgather_tensors_go_alone_on_the_host_and_in_groups_of_25_mib_on_a_gpu(hvd_torch, monkeypatch):
+    # On the host each allgather tensor has its own collective, as before fusion; a GPU's groups hold up to
+    # 25 MiB of float32 gradient, and a larger tensor is a group of its own.
     import torch
     from horovod_qsgd.torch import QSGD
     hvd = hvd_torch
-    compressor = QSGD(bits=4, exchange="allgather", min_numel=0)
-    sizes = (1 << 18, 1 << 18, 1000, 2000, (1 << 18) - 3000)  # 1 MiB, 1 MiB, then three that fit together
+    sizes = (7_000_000, 1000, 2000)  # 28 MB of gradient: alone; then two that fit together
     tensors = [torch.from_numpy(_gradient(hvd.rank(), n, i)) for i, n in enumerate(sizes)]
+    host = QSGD(bits=4, exchange="allgather", min_numel=0)
     alone = QSGD(bits=4, exchange="allgather", min_numel=0, fusion_threshold=0)
+    expected = [hvd.grouped_allreduce(tensors, name=f"sized{step}", compression=alone) for step in range(2)]
+    got = [hvd.grouped_allreduce(tensors, name=f"sized{step}", compression=host) for step in range(2)]
+    assert all(torch.equal(a, b) for step in range(2) for a, b in zip(got[step], expected[step]))
+    assert host.compression_stats()["collectives_started"] == alone.compression_stats()["collectives_started"] == 6
+    _gpu_allgather_groups_on_the_host(monkeypatch)
+    gpu = QSGD(bits=4, exchange="allgather", min_numel=0)
     for step in range(2):  # the first round's groups, then the learned ones
-        results = hvd.grouped_allreduce(tensors, name="sized", compression=compressor)
-        assert compressor.compression_stats(reset=True)["collectives_started"] == 3, step
-        expected = hvd.grouped_allreduce(tensors, name="sized", compression=alone)
-        assert all(torch.equal(a, b) for a, b in zip(results, expected)), step
-    assert compressor._exchanges.allgather_fuser(torch.device("cuda")).threshold == 25 << 20
+        results = hvd.grouped_allreduce(tensors, name=f"sized{step}", compression=gpu)
+        assert gpu.compression_stats(reset=True)["collectives_started"] == 2, step
+        assert all(torch.equal(a, b) for a, b in zip(results, expected[step])), step
 
 
 @pytest.mark.ranks(3, timeout=120)
@@ -189,19 +203,21 @@ def test_two_compressors_fuse_in_the_same_step_without_sharing_collectives(hvd_t
 
 @pytest.mark.ranks(3, timeout=120)
 @pytest.mark.parametrize("exchange, what", [("two_stage", "first-stage slices"), ("allgather", "payloads")])
-def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hvd_torch, exchange, what):
-    # Rank 2's plan is forced apart from the others' (one tensor per group): the groups' names still meet,
-    # the manifests differ, and every rank raises.
+def test_a_rank_that_groups_otherwise_raises_on_every_rank_instead_of_hanging(hvd_torch, exchange, what,
+                                                                               monkeypatch):
+    # Rank 2's plan is forced apart from the others' (one tensor per group, a 1-byte limit): the groups' names
+    # still meet, the manifests differ, and every rank raises.
     import torch
     from horovod_qsgd.common.errors import CompressionMismatchError
     from horovod_qsgd.common.fusion import Fuser
     hvd = hvd_torch
+    _gpu_allgather_groups_on_the_host(monkeypatch)
     compressor = _compressor("qsgd", exchange=exchange)
     exchanges = compressor._exchanges
     tensors = [torch.from_numpy(_gradient(hvd.rank(), 20_000, i)) for i in range(3)]
     if hvd.rank() == 2:
-        exchanges.fuser = Fuser(0, exchanges.fuser.namespace)
-        exchanges.allgather_fusers["cpu"] = Fuser(0, exchanges.allgather_fuser(tensors[0].device).namespace)
+        exchanges.fuser = Fuser(1, exchanges.fuser.namespace)
+        exchanges.allgather_fusers["cpu"] = Fuser(1, exchanges.allgather_fuser(tensors[0].device).namespace)
     with pytest.raises(CompressionMismatchError) as info:
         hvd.grouped_allreduce(tensors, name=f"three.{exchange}", compression=compressor)
     message = str(info.value)
