@@ -57,10 +57,10 @@ _FUSION_ARGS = {"step": """
             buffer: usually one group per step); on a GPU, allgather tensors
             share one allgather per group of at most this many bytes of
             float32 gradient and at most 25 MiB (DDP's bucket size; on the
-            host each has its own), node-aware
-            tensors each of their steps' collectives per group of at most
-            this many bytes of float32 gradient and at most 4 MiB (a larger
-            tensor starts alone, overlapping the backward pass). A group is
+            host each has its own), node-aware tensors each of their steps'
+            collectives per group of at most this many bytes of float32
+            gradient and at most 4 MiB (a larger tensor starts alone,
+            overlapping the backward pass). A group is
             encoded and decoded together (on a GPU: launches per group, not
             per tensor). 0 gives every tensor its own collectives. A group's
             first collective waits for its last tensor, so smaller groups

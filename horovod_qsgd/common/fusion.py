@@ -232,6 +232,7 @@ class FusedAllgather(_FusedPayloads):
         used = type(self.plans[0]).encode_together(self.plans, [transport.array(x) for x in xs],
                                                    [transport.array(out) for out in outs], steps, residuals)
         self.plans[0].stats.add(bytes_sent=HEADER_NBYTES)
+        del xs  # not held while the payloads travel
         if part is not None and list(used) == capacities:
             part[:HEADER_NBYTES] = transport.concatenate([self._manifest.pack(len(part))], [])
             return (yield from self._gather(name, part))
@@ -332,9 +333,10 @@ class FusedTwoStage(_FusedPayloads):
             [transport.array(own) for own in owns], steps, residuals)
         manifests = HEADER_NBYTES * (self.num_ranks - 1)
         self.stages[0].stats.add(bytes_sent_first_stage=manifests, bytes_sent=manifests)
-        return (yield from self.conduct(transport, name, [out[:sum(splits)] for out, splits in
-                                                          zip(outs, member_splits)], member_splits, owns, steps,
-                                        owner_residuals))
+        conduct = self.conduct(transport, name, [out[:sum(splits)] for out, splits in zip(outs, member_splits)],
+                               member_splits, owns, steps, owner_residuals)
+        del xs, outs, owns  # the conduct holds what it still needs, no longer than it needs it
+        return (yield from conduct)
 
     def conduct(self, transport, name, slices, member_splits, owns, steps, owner_residuals):
         """The group's exchange, named ``name``, from its members' encoded slices to what the owners' sums
