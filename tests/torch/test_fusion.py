@@ -52,25 +52,34 @@ def _compressor(kind, exchange="two_stage", **kwargs):
     return TopK(ratio=0.02, exchange=exchange, min_numel=0, **kwargs)
 
 
-@pytest.mark.parametrize("num_ranks, kind", CASES)
-def test_fused_training_is_bitwise_the_unfused_one_with_two_collectives_a_step(hvd_torch, num_ranks, kind):
+def _assert_the_same_training(fused, alone, wanted, fields):
+    """Asserts that two :func:`_train` histories have the same gradients, equal to ``wanted`` (the codecs
+    alone), and the same state ``fields`` and step counters at every step; returns each step's (fused, alone)
+    statistics."""
     import torch
-    hvd = hvd_torch
-    steps = 3
-    fused = _train(hvd, _compressor(kind), steps)
-    alone = _train(hvd, _compressor(kind, fusion_threshold=0), steps)
-    wanted = averaged_training(kind, SIZES, num_ranks, steps)
-    for step, ((g_fused, s_fused, st_fused), (g_alone, s_alone, st_alone)) in enumerate(zip(fused, alone)):
+    for step, ((g_fused, s_fused, _), (g_alone, s_alone, _)) in enumerate(zip(fused, alone)):
         for i, (a, b) in enumerate(zip(g_fused, g_alone)):
             assert torch.equal(a, b), (step, i)
             assert np.array_equal(a.numpy(), wanted[step][i]), (step, i)
         for name, state in s_alone["tensors"].items():
-            for field in ("residual", "owner_residual"):
+            for field in fields:
                 if state[field] is None:
                     assert s_fused["tensors"][name][field] is None
                 else:
                     assert torch.equal(s_fused["tensors"][name][field], state[field]), (step, name, field)
             assert s_fused["tensors"][name]["step"] == state["step"] == step + 1
+    return [(st_fused, st_alone) for (_, _, st_fused), (_, _, st_alone) in zip(fused, alone)]
+
+
+@pytest.mark.parametrize("num_ranks, kind", CASES)
+def test_fused_training_is_bitwise_the_unfused_one_with_two_collectives_a_step(hvd_torch, num_ranks, kind):
+    hvd = hvd_torch
+    steps = 3
+    fused = _train(hvd, _compressor(kind), steps)
+    alone = _train(hvd, _compressor(kind, fusion_threshold=0), steps)
+    stats = _assert_the_same_training(fused, alone, averaged_training(kind, SIZES, num_ranks, steps),
+                                      ("residual", "owner_residual"))
+    for step, ((_, s_fused, _), (st_fused, st_alone)) in enumerate(zip(fused, stats)):
         if kind == "topk":
             assert any(s["owner_residual"].abs().sum() > 0 for s in s_fused["tensors"].values())
         # One alltoall and one allgather a step for all four tensors, against two per tensor.
@@ -98,23 +107,15 @@ def test_fused_allgathers_are_bitwise_the_unfused_ones_in_one_collective_a_step(
                                                                                 monkeypatch):
     # Issue #51: a group's payloads are encoded together and decoded together (one launch sequence each on a
     # GPU, whatever the tensor count) and travel in one allgather; each payload is byte for byte the same.
-    import torch
     hvd = hvd_torch
     _gpu_allgather_groups_on_the_host(monkeypatch)
     steps = 3
     fused = _train(hvd, _compressor(kind, exchange="allgather"), steps)
     alone = _train(hvd, _compressor(kind, exchange="allgather", fusion_threshold=0), steps)
-    wanted = allgathered_training(kind, SIZES, num_ranks, steps)
-    for step, ((g_fused, s_fused, st_fused), (g_alone, s_alone, st_alone)) in enumerate(zip(fused, alone)):
-        for i, (a, b) in enumerate(zip(g_fused, g_alone)):
-            assert torch.equal(a, b), (step, i)
-            assert np.array_equal(a.numpy(), wanted[step][i]), (step, i)
-        for name, state in s_alone["tensors"].items():
-            if state["residual"] is None:
-                assert kind == "qsgd" and s_fused["tensors"][name]["residual"] is None
-            else:
-                assert torch.equal(s_fused["tensors"][name]["residual"], state["residual"]), (step, name)
-            assert s_fused["tensors"][name]["step"] == state["step"] == step + 1
+    stats = _assert_the_same_training(fused, alone, allgathered_training(kind, SIZES, num_ranks, steps),
+                                      ("residual",))
+    for step, ((_, s_fused, _), (st_fused, st_alone)) in enumerate(zip(fused, stats)):
+        assert all((state["residual"] is None) == (kind == "qsgd") for state in s_fused["tensors"].values())
         assert st_fused["collectives_started"] == 1 and st_alone["collectives_started"] == len(SIZES), step
         assert st_fused["tensors_compressed"] == st_alone["tensors_compressed"] == len(SIZES)
         assert st_fused["exchanges"] == st_alone["exchanges"] == {f"layer{i}.weight": "allgather"
