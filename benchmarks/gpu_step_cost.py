@@ -10,10 +10,11 @@ of one step of the allgather exchange among ``--ranks`` ranks (every rank's payl
 * ``qsgd-4 grouped``: the tensors fused into groups of at most 64 MiB of payload (Horovod's fusion threshold),
   each group's payloads encoded by one ``encode_many`` and every rank's part decoded by the group's decode
   (what the engine does for a fused group: :mod:`horovod_qsgd.common.fusion`);
-* ``qsgd-4 one by one``: each tensor encoded alone and its ranks' payloads decoded alone (what the PyTorch
-  Horovod adapter's allgather tensors still do);
+* ``qsgd-4 one by one``: each tensor encoded alone and its ranks' payloads decoded alone (what a tensor takes
+  with ``fusion_threshold=0``);
 * ``topk-1% grouped`` and ``topk-1% one by one``: Top-k 1% (exact) with error feedback, the same two ways (a
-  group's selection in one launch sequence: :mod:`horovod_qsgd.kernels.select_grouped`).
+  group's selection in one launch sequence: :mod:`horovod_qsgd.kernels.select_grouped`);
+* ``gaussiank-1% grouped``: Gaussian-k 1% with error feedback, grouped (held to Top-k's target).
 
 Each is timed from a synchronised device to a synchronised device (host and device time: the budget's
 "per-step codec wall time, all compressed tensors"); the medians over ``--reps`` steps are printed with the
@@ -181,6 +182,7 @@ def main():
     arrays = Arrays(args.device)
     rng = np.random.default_rng(0)
     qsgd, topk = QSGDCodec(bits=4), TopKCodec(ratio=0.01, error_feedback=True)
+    gaussian = TopKCodec(ratio=0.01, selector="gaussian", error_feedback=True)
     results = {"device": args.device, "ranks": args.ranks, "scale": args.scale, "machine": platform.node(),
                "steps": {}}
     if args.device != "cpu":
@@ -191,11 +193,14 @@ def main():
         residuals = [arrays.zeros(int(x.numel() if hasattr(x, "numel") else x.size), np.float32) for _, x in tensors]
         grouped, groups = grouped_step(qsgd, tensors, arrays, args.ranks)
         topk_grouped, topk_groups = grouped_step(topk, tensors, arrays, args.ranks, residuals)
+        gaussian_grouped, gaussian_groups = grouped_step(gaussian, tensors, arrays, args.ranks, residuals)
         steps = {"qsgd-4 grouped": ("qsgd", grouped, groups),
                  "qsgd-4 one by one": ("qsgd", one_by_one_step(qsgd, tensors, arrays, args.ranks), len(tensors)),
                  "topk-1% grouped": ("topk", topk_grouped, topk_groups),
                  "topk-1% one by one": ("topk", one_by_one_step(topk, tensors, arrays, args.ranks, residuals),
-                                        len(tensors))}
+                                        len(tensors)),
+                 # Gaussian-k is held to Top-k's target
+                 "gaussiank-1% grouped": ("topk", gaussian_grouped, gaussian_groups)}
         for label, (codec_name, step, step_groups) in steps.items():
             median, times = wall_ms(step, arrays, args.reps)
             launches, reads = counted(step, arrays)

@@ -312,14 +312,20 @@ def _check_unaligned_decode(codec, payload, unaligned, numel):
 
 
 def run_topk_encode_many_cases(rng, sizes=(3000, 517, 8, 1, 20_000)):
-    """Exact top-k's group of tensors by one encode_many (:mod:`horovod_qsgd.kernels.select_grouped`): the CPU's
-    one-by-one payloads and residuals, residuals updated in place and carried (last step counted or not), ties
-    and a NaN; and a payload off a 4-byte boundary decoded by the per-payload scatter."""
+    """Exact, Gaussian and sample top-k's group of tensors by one encode_many
+    (:mod:`horovod_qsgd.kernels.select_grouped`): the CPU's one-by-one payloads and residuals, residuals updated
+    in place and carried (last step counted or not), ties, heavy tails (the thresholds' refinements), an inf and a
+    NaN (the exact fallback); and a payload off a 4-byte boundary decoded by the per-payload scatter."""
     count = 0
     for codec in [TopKCodec(ratio=0.05), TopKCodec(ratio=0.01, value_dtype="float16"),
-                  TopKCodec(ratio=0.05, error_feedback=False)]:
+                  TopKCodec(ratio=0.05, error_feedback=False), TopKCodec(ratio=0.05, selector="gaussian"),
+                  TopKCodec(ratio=0.01, selector="gaussian", value_dtype="float16", error_feedback=False),
+                  TopKCodec(ratio=0.05, selector="sample"), TopKCodec(ratio=0.02, selector="sample",
+                                                                      error_feedback=False)]:
         xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
         xs[0][:30] = 2.0
+        xs[1] = xs[1] ** 5
+        xs[2][3] = np.inf  # the thresholds of the 8-element tensor not finite: the exact fallback
         xs[4][7] = np.nan
         caps = [codec.max_payload_nbytes(n) for n in sizes]
         starts = np.cumsum([0] + caps)[:-1]

@@ -149,9 +149,9 @@ class TopKCodec(Codec):
         return self._finish(out, n, HEADER_NBYTES + cap * (4 + _value_bytes(self.value_dtype)))
 
     def encode_many(self, xs, outs, *, step, keys, residuals=None):
-        """See :meth:`Codec.encode_many`: the exact selector on a GPU selects for all inputs in one launch
-        sequence (11 launches, :mod:`horovod_qsgd.kernels.select_grouped`); the others encode one by one."""
-        if self.selector == "exact" and xs and _is_cuda(xs[0]):
+        """See :meth:`Codec.encode_many`: on a GPU every selector selects for all inputs in one launch sequence
+        (exact 11 launches, Gaussian 22, sample 29, :mod:`horovod_qsgd.kernels.select_grouped`)."""
+        if xs and _is_cuda(xs[0]):
             self._check_step_key(step, 0)
             for key in keys:
                 self._check_step_key(0, key)
@@ -161,9 +161,12 @@ class TopKCodec(Codec):
             if all(gpu for _, _, _, gpu in prepared):
                 converted = [x for x, _, _, _ in prepared]  # converted once
                 if K.topk_encode_many(converted, [residual for _, _, residual, _ in prepared],
-                                      [out for _, out, _, _ in prepared], [self.capacity(x.size) for x in converted],
+                                      [out for _, out, _, _ in prepared], [self.k(x.size) for x in converted],
+                                      [self.capacity(x.size) for x in converted], selector=self.selector,
                                       error_feedback=self.error_feedback, half=self.value_dtype == "float16",
-                                      version=WIRE_VERSION, codec_id=self.codec_id, digest=self.digest):
+                                      version=WIRE_VERSION, codec_id=self.codec_id, digest=self.digest,
+                                      sampling=(self.seed, step, list(keys),
+                                                [self.sample_size(x.size) for x in converted])):
                     return [self.max_payload_nbytes(x.size) for x in converted]
         return super().encode_many(xs, outs, step=step, keys=keys, residuals=residuals)
 

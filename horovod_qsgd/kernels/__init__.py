@@ -22,8 +22,9 @@ Modules:
   :mod:`.select_device`'s kernels on a GPU) and the scatter back;
 * :mod:`.select_device` - the GPU's selection: shared-memory histograms,
   one-block digit choices and scans, tiles written in index order;
-* :mod:`.select_grouped` - exact top-k of many tensors in one launch
-  sequence, and the sparse decode of many payloads, a launch per sender;
+* :mod:`.select_grouped` - top-k of many tensors in one launch sequence
+  (exact, Gaussian and sampled thresholds), and the sparse decode of many
+  payloads, a launch per sender;
 * :mod:`.scan` - block-wide prefix sums (the selection's tiles, Elias's bucket ends);
 * :mod:`.bytes` - headers written by a kernel from its arguments, many
   payloads' headers read back in one copy, variable-size payloads' header

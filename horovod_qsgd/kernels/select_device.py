@@ -230,6 +230,12 @@ def exact_count_kernel(keys, cand_keys, st, tiles):
 # -------------------------------------------- candidates (exact selector) --
 
 @gpu_only
+def at_least(a, bound):
+    """1 where not (|a| < bound): the threshold selectors' rule, NaN included (:func:`.select.count_chunk`)."""
+    return 0 if abs(a) < bound else 1
+
+
+@gpu_only
 def thread_count_at_least(x, r, rc, take_r, accumulate, bound, tile, t):
     """Of thread t's elements of the tile: how many have not (|acc| < bound); with ``accumulate``,
     r = x + the residual to add first."""
@@ -306,25 +312,17 @@ def acc_value(x, r, rc, take_r, ef, i):
     return np.float64(a)
 
 
-@cuda_kernel
-def moments_block_kernel(x, r, rc, commit, stamp, ef, sums):
-    """sums[c] = (sum, sum of squares) of chunk c of acc in float64, in :func:`.select.moments_chunk`'s order.
-
-    One block of 64 threads per chunk: thread u is lane u (elements u mod 64, in index order); thread 0
-    adds the lanes in lane order, then the tail.  With ``ef``, r = x + r on the way.
-    """
-    lane_sum = cuda.shared.array(_LANES, numba.float64)  # noqa: F821
-    lane_sq = cuda.shared.array(_LANES, numba.float64)  # noqa: F821
-    u = cuda.threadIdx.x  # noqa: F821
-    c = cuda.blockIdx.x  # noqa: F821
-    lo = c * CHUNK
-    hi = min(x.size, lo + CHUNK)
+@gpu_only
+def chunk_moments(x, r, rc, take_r, ef, at, lo, hi, lane_sum, lane_sq, u):
+    """(sum, sum of squares) of acc[at + lo:at + hi] in float64, in :func:`.select.moments_chunk`'s order, for
+    thread u of a block of 64 (the others get partial sums): thread u is lane u (elements u mod 64, in index
+    order), then thread 0 adds the lanes in lane order and the tail. ``lane_sum``, ``lane_sq``: the block's
+    shared arrays of 64. With ``ef``, r = x + the residual to add on the way (:func:`acc_value`)."""
     blocks = (hi - lo) // _LANES
-    take_r = committed(commit, stamp)
     s1 = _ZERO64
     s2 = _ZERO64
     for q in range(blocks):
-        v = acc_value(x, r, rc, take_r, ef, lo + q * _LANES + u)
+        v = acc_value(x, r, rc, take_r, ef, at + lo + q * _LANES + u)
         s1 += v
         s2 += fmul64(v, v)
     lane_sum[u] = s1
@@ -336,45 +334,70 @@ def moments_block_kernel(x, r, rc, commit, stamp, ef, sums):
         for w in range(_LANES):
             s1 += lane_sum[w]
             s2 += lane_sq[w]
-        for i in range(lo + blocks * _LANES, hi):
+        for i in range(at + lo + blocks * _LANES, at + hi):
             v = acc_value(x, r, rc, take_r, ef, i)
             s1 += v
             s2 += fmul64(v, v)
+    return s1, s2
+
+
+@cuda_kernel
+def moments_block_kernel(x, r, rc, commit, stamp, ef, sums):
+    """sums[c] = (sum, sum of squares) of chunk c of acc (:func:`chunk_moments`): one block of 64 threads per
+    chunk. With ``ef``, r = x + r on the way."""
+    lane_sum = cuda.shared.array(_LANES, numba.float64)  # noqa: F821
+    lane_sq = cuda.shared.array(_LANES, numba.float64)  # noqa: F821
+    u = cuda.threadIdx.x  # noqa: F821
+    c = cuda.blockIdx.x  # noqa: F821
+    lo = c * CHUNK
+    s1, s2 = chunk_moments(x, r, rc, committed(commit, stamp), ef, 0, lo, min(x.size, lo + CHUNK), lane_sum, lane_sq,
+                           u)
+    if u == 0:
         sums[c, 0] = s1
         sums[c, 1] = s2
 
 
+@gpu_only
+def gaussian_threshold(s1, s2, n, z, st, ft):
+    """t = |mu| + sigma * z from acc's sum and sum of squares (float64); MODE_FULL if not finite."""
+    nf = np.float64(n)
+    mu = s1 / nf
+    sigma = _NAN64
+    if math.isfinite(s2):
+        sigma = math.sqrt(max(s2 / nf - fmul64(mu, mu), _ZERO64))
+    if math.isfinite(mu) and math.isfinite(sigma):
+        ft[F_T] = abs(mu) + fmul64(sigma, z)
+        st[S_MODE] = MODE_THRESHOLD
+    else:
+        st[S_MODE] = MODE_FULL
+
+
 @cuda_kernel
 def gaussian_threshold_kernel(sums, n, z, st, ft):
-    """t = |mu| + sigma * z from the chunks' moments (added in chunk order); MODE_FULL if not finite."""
+    """The Gaussian threshold from the chunks' moments, added in chunk order."""
     if cuda.grid(1) == 0:  # noqa: F821
         s1 = _ZERO64
         s2 = _ZERO64
         for c in range(sums.shape[0]):
             s1 += sums[c, 0]
             s2 += sums[c, 1]
-        nf = np.float64(n)
-        mu = s1 / nf
-        sigma = _NAN64
-        if math.isfinite(s2):
-            sigma = math.sqrt(max(s2 / nf - fmul64(mu, mu), _ZERO64))
-        if math.isfinite(mu) and math.isfinite(sigma):
-            ft[F_T] = abs(mu) + fmul64(sigma, z)
-            st[S_MODE] = MODE_THRESHOLD
-        else:
-            st[S_MODE] = MODE_FULL
+        gaussian_threshold(s1, s2, n, z, st, ft)
+
+
+@gpu_only
+def sample_threshold(t, st, ft):
+    """The sampled threshold ``t`` (a float32's value) starts the refinement; MODE_FULL if not finite."""
+    if math.isfinite(t):
+        ft[F_T] = t
+        st[S_MODE] = MODE_THRESHOLD
+    else:
+        st[S_MODE] = MODE_FULL
 
 
 @cuda_kernel
 def sample_threshold_kernel(threshold, st, ft):
-    """The sampled threshold (a float32) starts the refinement; MODE_FULL if not finite."""
     if cuda.grid(1) == 0:  # noqa: F821
-        t = np.float64(threshold[0])
-        if math.isfinite(t):
-            ft[F_T] = t
-            st[S_MODE] = MODE_THRESHOLD
-        else:
-            st[S_MODE] = MODE_FULL
+        sample_threshold(np.float64(threshold[0]), st, ft)
 
 
 @cuda_kernel
@@ -403,10 +426,10 @@ def finish_refinement(st, ft, rnd, t, total, capacity):
     ft[F_FINAL] = t
 
 
-@cuda_kernel
-def refine_kernel(st, ft, rnd, k, capacity, last):
+@gpu_only
+def refine_step(st, ft, rnd, k, capacity, last):
     """One refinement step after round ``rnd``'s count, as :func:`.topk._refine` takes it on the host."""
-    if cuda.grid(1) != 0 or st[S_MODE] != MODE_THRESHOLD or st[S_DONE] != 0:  # noqa: F821
+    if st[S_MODE] != MODE_THRESHOLD or st[S_DONE] != 0:
         return
     total = st[S_ROUND_TOTAL + rnd]
     t = ft[F_T]
@@ -428,6 +451,12 @@ def refine_kernel(st, ft, rnd, k, capacity, last):
         ft[F_LO] = t
         hi = ft[F_HI]
         ft[F_T] = t * 1.5 if math.isnan(hi) else (hi + t) / 2
+
+
+@cuda_kernel
+def refine_kernel(st, ft, rnd, k, capacity, last):
+    if cuda.grid(1) == 0:  # noqa: F821
+        refine_step(st, ft, rnd, k, capacity, last)
 
 
 # ------------------------------------------------------------------ output --

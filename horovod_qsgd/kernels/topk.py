@@ -17,6 +17,7 @@ from . import select_device as _dev
 from . import select_grouped as _grouped
 from ._arrays import device_view, split_residual, empty, float_bits, to_host, zeros
 from ._dual import cpu_launch, on_cuda
+from .rng import PURPOSE_SAMPLE, seed_word
 
 __all__ = ["topk_select", "topk_encode_many", "sparse_accumulate", "sparse_accumulate_many", "exact_threshold",
            "acklam_ppf"]
@@ -205,16 +206,30 @@ def topk_select(x, residual, idx, values, *, k, selector, error_feedback, half,
     values[used:] = 0
 
 
-def topk_encode_many(xs, residuals, outs, ks, *, error_feedback, half, version, codec_id, digest):
-    """Whole exact top-k payloads of the CUDA arrays ``xs[i]`` (float32) into ``outs[i]`` (uint8), k = ``ks[i]``
-    (the capacity), residuals updated in place or :class:`._arrays.CarriedResidual`: the bytes and residuals of
-    the codec's one-by-one encodes, in one launch sequence for all (:mod:`.select_grouped`). Returns False,
-    having done nothing, where the arrays cannot be taken together: encode them one by one then."""
+def topk_encode_many(xs, residuals, outs, ks, caps, *, selector, error_feedback, half, version, codec_id, digest,
+                     sampling=None):
+    """Whole top-k payloads of the CUDA arrays ``xs[i]`` (float32) into ``outs[i]`` (uint8), seeking ``ks[i]``
+    entries in ``caps[i]`` slots (the same for the exact selector), residuals updated in place or
+    :class:`._arrays.CarriedResidual`: the bytes and residuals of the codec's one-by-one encodes, in one launch
+    sequence for all (:mod:`.select_grouped`). ``sampling``, for the sample selector: (seed, step, the tensors'
+    keys, their sample sizes). Returns False, having done nothing, where the arrays cannot be taken together:
+    encode them one by one then."""
     ef = bool(error_feedback)
     split = [split_residual(residual) for residual in residuals] if ef else None
-    return _grouped.select_exact_many([device_view(x) for x in xs], split, [device_view(out) for out in outs],
-                                      [int(k) for k in ks], ef=ef, half=half, version=version, codec_id=codec_id,
-                                      digest=digest)
+    xs, outs, ks, caps = [device_view(x) for x in xs], [device_view(out) for out in outs], [int(k) for k in ks], \
+        [int(cap) for cap in caps]
+    common = dict(ef=ef, half=half, version=version, codec_id=codec_id, digest=digest)
+    if selector == "exact" and ks == caps:
+        return _grouped.select_exact_many(xs, split, outs, ks, **common)
+    if selector == "gaussian":
+        return _grouped.select_gaussian_many(xs, split, outs, ks, caps, [gaussian_z(k, x.size) for x, k in zip(xs, ks)],
+                                             **common)
+    if selector == "sample":
+        seed, step, keys, sizes = sampling
+        ranks = [sample_rank(k, x.size, m) for x, k, m in zip(xs, ks, sizes)]
+        return _grouped.select_sampled_many(xs, split, outs, ks, caps,
+                                            (seed_word(seed), step, PURPOSE_SAMPLE, keys, sizes, ranks), **common)
+    return False
 
 
 def _select_cpu(x, r, carried, idx, val32, val16, half, ef, k, selector, sample_base, sample_size):

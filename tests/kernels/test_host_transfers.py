@@ -68,6 +68,27 @@ def test_a_group_of_top_k_payloads_takes_one_launch_sequence(report, group, laun
     assert (following["launch"], following["h2d"], following["d2h"]) == (launches, 0, 0)
 
 
+@pytest.mark.parametrize("group, launches", [
+    ("gaussiank-5% encode_many of 5 tensors", 22),
+    ("gaussiank-5% fp16 encode_many of 3 tensors, one not finite", 22),
+    ("gaussiank-5% without error feedback, encode_many of 2 tensors", 21),
+    ("sample-k 5% encode_many of 5 tensors", 29),
+    ("sample-k 5% fp16 encode_many of 3 tensors, one not finite", 29),
+    ("sample-k 5% without error feedback, encode_many of 2 tensors", 28)])
+def test_a_group_of_threshold_selections_takes_one_launch_sequence(report, group, launches):
+    """Issue #51: Gaussian-k's and sample-k's selections of a group take one sequence whatever the tensor count.
+    Both: init, accumulate (with error feedback), then the first thresholds, four rounds of count and refinement,
+    the exact fallback's three histogram + digit launches (they return at once for a tensor whose first
+    threshold was finite; the cases with an inf and a NaN run them for that tensor inside the group), count,
+    scan, write, pad. Gaussian-k's first thresholds: moments and threshold (22 launches); sample-k's: the
+    samples' gather, their own init and three radix passes, threshold (29). The first step of a layout copies
+    two tables (the layout; Gaussian-k's z or sample-k's samples' layout), the next step nothing. The bytes and
+    residuals are the CPU's one-by-one encodes (every other tensor heavy-tailed, so thresholds refine)."""
+    first, following = report[f"{group}, first step"], report[f"{group}, next step"]
+    assert (first["launch"], first["h2d"], first["d2h"]) == (launches, 2, 0)
+    assert (following["launch"], following["h2d"], following["d2h"]) == (launches, 0, 0)
+
+
 def test_a_tensors_slices_for_the_owners_take_two_launches(report):
     assert {k: report["qsgd-4 two stages: slices for 3 owners"][k] for k in ("launch", "h2d", "d2h")} == \
         {"launch": 2, "h2d": 0, "d2h": 0}

@@ -140,13 +140,19 @@ def decode_case(name, codec, rows, residual=False):
             if isinstance(codec, (QSGDCodec, TopKCodec)) else None)
 
 
-def encode_many_case(name, codec, sizes, step=3, residuals=False):
+def encode_many_case(name, codec, sizes, step=3, residuals=False, heavy_tails=False, not_finite=None):
     """A group's payloads by one encode_many, against the CPU's one-by-one encodes; the first step of a layout
     (its table copied to the device) and the next. ``residuals``: each input with an error-feedback residual,
-    half of them carried (:class:`CarriedResidual`, its last step counted for every other one), compared too."""
+    half of them carried (:class:`CarriedResidual`, its last step counted for every other one), compared too.
+    ``heavy_tails``: every other input to the fifth power (a Gaussian threshold then needs its refinements);
+    ``not_finite``: the input of that index gets an inf and a NaN."""
     rng = np.random.default_rng(2)
     xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
     xs[0][:40] = 1.5  # ties broken by the lower index
+    if heavy_tails:
+        xs = [x ** 5 if i % 2 else x for i, x in enumerate(xs)]
+    if not_finite is not None:
+        xs[not_finite][[3, 5]] = [np.inf, np.nan]
     caps = [codec.max_payload_nbytes(n) for n in sizes]
     starts = np.cumsum([0] + caps)[:-1]
     keys = list(range(len(sizes)))
@@ -372,6 +378,22 @@ def main():
                      [1001, 30, 7], residuals=True)
     encode_many_case("topk-5% without error feedback, encode_many of 2 tensors",
                      TopKCodec(ratio=0.05, error_feedback=False), [1001, 300])
+    gaussian = TopKCodec(ratio=0.05, selector="gaussian")
+    encode_many_case("gaussiank-5% encode_many of 5 tensors", gaussian, [3000, 517, 8, 20_000, 1], residuals=True,
+                     heavy_tails=True)
+    encode_many_case("gaussiank-5% fp16 encode_many of 3 tensors, one not finite",
+                     TopKCodec(ratio=0.05, selector="gaussian", value_dtype="float16"), [1001, 30, 7],
+                     residuals=True, not_finite=0)
+    encode_many_case("gaussiank-5% without error feedback, encode_many of 2 tensors",
+                     TopKCodec(ratio=0.05, selector="gaussian", error_feedback=False), [1001, 300], heavy_tails=True)
+    encode_many_case("sample-k 5% encode_many of 5 tensors", TopKCodec(ratio=0.05, selector="sample"),
+                     [3000, 517, 8, 20_000, 1], residuals=True, heavy_tails=True)
+    # the 7-element tensor's 7 samples: its rank-1 sample is the NaN, so it falls back to the exact select
+    encode_many_case("sample-k 5% fp16 encode_many of 3 tensors, one not finite",
+                     TopKCodec(ratio=0.05, selector="sample", value_dtype="float16"), [1001, 30, 7], residuals=True,
+                     not_finite=2)
+    encode_many_case("sample-k 5% without error feedback, encode_many of 2 tensors",
+                     TopKCodec(ratio=0.05, selector="sample", error_feedback=False), [1001, 300], heavy_tails=True)
     # one group (~30 s a step here); GPT-2 small's 50 tensors cost the same 19 launches (run once, 2026-11-28)
     budget_case("resnet50", resnet50(), topk, thresholds=[64 << 20], label="top-k 1%")
     zeros = np.zeros(x.size, np.float32)
