@@ -106,27 +106,82 @@ def profile(torch, calls, device, reps):
     return shares
 
 
-def launch_cost(torch, tensors, device, launches=500):
-    """Host microseconds per launch of an empty kernel: {'launch_us_arrays', 'launch_us_tensors'}."""
+def empty_kernel():
     from numba import cuda
-    from horovod_qsgd.torch_arrays import as_array
 
     @cuda.jit
     def empty(a, b, c, d):
         pass
+    return empty
 
+
+def launch_cost(torch, tensors, device, launches=500):
+    """Host microseconds per launch of an empty kernel with 4 array arguments, launched the ways issue #51 asks to
+    compare: ``launch_us_tensors`` (torch tensors converted per launch), ``launch_us_arrays`` (numba arrays made
+    once: numba's dispatch), ``launch_us_configured`` (the grid configuration made once, as the kernels' callers
+    could keep it) and ``launch_us_overload`` (the resolved overload's ``launch``: no per-call type dispatch). An
+    option that fails on this numba-cuda gives ``<key>_error`` instead. CUDA graphs: :func:`graph_launch_cost`."""
+    from numba import cuda
+    from horovod_qsgd.torch_arrays import as_array
+
+    empty = empty_kernel()
     stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
     arrays = [as_array(t) for t in tensors]
     empty[1, 32, stream](*arrays)
     torch.cuda.synchronize()
+    configured = empty[1, 32, stream]
+
+    def overload_launch():
+        kernel = next(iter(empty.overloads.values()))
+        return lambda: kernel.launch(arrays, (1, 1, 1), (32, 1, 1), stream, 0)
+
+    options = {"tensors": lambda: (lambda: empty[1, 32, stream](*[as_array(t) for t in tensors])),
+               "arrays": lambda: (lambda: empty[1, 32, stream](*arrays)),
+               "configured": lambda: (lambda: configured(*arrays)),
+               "overload": overload_launch}
     cost = {}
-    for label, args in (("arrays", lambda: arrays), ("tensors", lambda: [as_array(t) for t in tensors])):
-        start = time.perf_counter()
-        for _ in range(launches):
-            empty[1, 32, stream](*args())
-        cost[f"launch_us_{label}"] = (time.perf_counter() - start) / launches * 1e6
+    for label, make in options.items():
+        try:
+            call = make()
+            call()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(launches):
+                call()
+            cost[f"launch_us_{label}"] = (time.perf_counter() - start) / launches * 1e6
+        except Exception as error:  # one option's failure must not hide the others
+            cost[f"launch_us_{label}_error"] = repr(error)
         torch.cuda.synchronize()
     return cost
+
+
+def graph_launch_cost(torch, tensors, device, captured=20, replays=50):
+    """{'launch_us_graph': host microseconds per launch where ``captured`` launches of the empty kernel were
+    captured once in a CUDA graph (numba launching on the capturing torch stream) and the graph is replayed}, or
+    {'launch_us_graph_error': why not}. Run last: a failed capture can leave the device unusable."""
+    from numba import cuda
+    from horovod_qsgd.torch_arrays import as_array
+    try:
+        empty = empty_kernel()
+        arrays = [as_array(t) for t in tensors]
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            empty[1, 32, cuda.external_stream(side.cuda_stream)](*arrays)  # compiled and warmed outside the capture
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=side):
+                on_capture = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+                for _ in range(captured):
+                    empty[1, 32, on_capture](*arrays)
+        graph.replay()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(replays):
+            graph.replay()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return {"launch_us_graph": elapsed / (replays * captured) * 1e6}
+    except Exception as error:
+        return {"launch_us_graph_error": repr(error)}
 
 
 def host_profile(torch, calls, device, reps=20):
@@ -247,9 +302,11 @@ def main():
             print("profile failed:", repr(error))
 
     # -- what one launch costs the host: numba-cuda's dispatch of an empty kernel with 4 array arguments ----
-    results.update(launch_cost(torch, [x, payload, total, copy_dst], device))
-    print(f"one empty kernel launch, 4 array arguments: {results['launch_us_arrays']:.0f} us of host time with "
-          f"numba arrays made once, {results['launch_us_tensors']:.0f} us converting torch tensors per launch")
+    launches = launch_cost(torch, [x, payload, total, copy_dst], device)
+    results.update(launches)
+    print("one empty kernel launch, 4 array arguments, host time: " + ", ".join(
+        f"{key[len('launch_us_'):]} {value:.1f} us" if isinstance(value, float) else f"{key}: {value}"
+        for key, value in launches.items()))
 
     if args.host_profile:
         host_profile(torch, codec_calls(torch, qsgd, TopKCodec, x, payload, total, device, ("exact",)), device)
@@ -284,9 +341,17 @@ def main():
           "synchronisation; on numba's default stream instead it "
           f"{'equals it too' if results['stream_race_without_kernel_stream_equal'] else 'differs (the race is real)'}")
 
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    save()  # before the capture, which may take the process down
+    graph = graph_launch_cost(torch, [x, payload, total, copy_dst], device)
+    results.update(graph)
+    print("the same launches captured in a CUDA graph and replayed:", ", ".join(
+        f"{value:.2f} us of host time per launch" if isinstance(value, float) else f"failed: {value}"
+        for value in graph.values()))
+    save()
     if not results["stream_race_payload_equal"]:
         sys.exit(1)
 
