@@ -1,7 +1,7 @@
 """Bad input and rank mismatches raise named errors on every rank, within the harness timeout."""
 import pytest
 
-SHARED_LAUNCHES = True  # tests with the same rank count, env and launcher run in one launch (tests/multirank.py)
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 
 
 @pytest.mark.ranks(2, timeout=120)

@@ -1,6 +1,7 @@
 """A step whose gradient holds inf or NaN on any rank: non-finite everywhere, and no trace in the state."""
 import pytest
 
+from horovod_qsgd.torch_feedback import DEVICE_VERDICT_ENV
 from tests.nonfinite_cases import (assert_same_state, check_discarded_steps, check_steps_right_after_a_discarded_one,
                                    check_training_through_overflows, make_compressor, residuals)
 
@@ -39,11 +40,13 @@ def test_nonfinite_steps_are_discarded_on_three_ranks(hvd_torch):
     _check_discarded_steps(hvd_torch)
 
 
-@pytest.mark.ranks(3, timeout=300, env={"HOROVOD_QSGD_DEVICE_VERDICT": "1"})
-def test_nonfinite_steps_are_discarded_when_the_verdict_is_stamped_as_on_a_gpu(hvd_torch):
+@pytest.mark.ranks(3, timeout=300)
+def test_nonfinite_steps_are_discarded_when_the_verdict_is_stamped_as_on_a_gpu(hvd_torch, monkeypatch):
     """The GPU's settling (the verdict stamped by the finishing pass, read by the next step's first pass, two
     buffers whose roles never swap on the host) run on CPU tensors through whole Horovod steps: allgather and
-    two stages, every compressor, the same state and results as deciding on the host."""
+    two stages, every compressor, the same state and results as deciding on the host. (The variable is read
+    where a tensor's stamps are made, so setting it here, in the shared 3-rank launch, is enough.)"""
+    monkeypatch.setenv(DEVICE_VERDICT_ENV, "1")
     _check_discarded_steps(hvd_torch)
 
 
