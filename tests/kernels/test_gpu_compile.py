@@ -79,4 +79,4 @@ def test_gate_fails_on_a_kernel_the_simulator_never_launched(gate_run, tmp_path)
                             "--cc", "9.0")
     assert code == 1, output
     assert "FAIL horovod_qsgd.kernels.bytes.gather_kernel: never launched by the simulator checks" in output
-    assert "FAIL horovod_qsgd.kernels.select_device.tile_scan_kernel" not in output  # the one launched compiles
+    assert "1 of 1 compiles" in output  # the one kernel launched compiles
