@@ -166,7 +166,8 @@ class TopKCodec(Codec):
                                       error_feedback=self.error_feedback, half=self.value_dtype == "float16",
                                       version=WIRE_VERSION, codec_id=self.codec_id, digest=self.digest,
                                       sampling=(self.seed, step, list(keys),
-                                                [self.sample_size(x.size) for x in converted])):
+                                                [self.sample_size(x.size) for x in converted])
+                                      if self.selector == "sample" else None):
                     return [self.max_payload_nbytes(x.size) for x in converted]
         return super().encode_many(xs, outs, step=step, keys=keys, residuals=residuals)
 
