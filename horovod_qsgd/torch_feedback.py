@@ -1,4 +1,9 @@
-"""Error-feedback residuals kept across steps in torch tensors, for the Horovod adapter and the DDP hooks.
+"""Error-feedback state kept across steps in torch tensors, for the Horovod adapter, the DDP hooks and FSDP2.
+
+:class:`TensorFeedback` is the common store (:class:`~horovod_qsgd.common.feedback.FeedbackStore`) in torch
+tensors, by name: each name's :class:`TensorState` holds its step counter, residual and owner residual (each
+a :class:`KeptResidual`) with the owner residual's layout. Horovod's PyTorch compressors keep one entry per
+tensor, FSDP2's one per module; the DDP hooks keep theirs per parameter (``ddp/feedback.py``).
 
 A step whose result holds inf or NaN (a loss-scale overflow) must leave every residual as it was. Copying
 each residual before each step cost a pass over it, and checking the result another (Top-k's step 1.29x
@@ -25,6 +30,7 @@ import threading
 import numpy as np
 import torch
 
+from horovod_qsgd.common.feedback import FeedbackStore
 from horovod_qsgd.kernels import CarriedResidual, committed, finish_sum
 from horovod_qsgd.torch_arrays import as_array
 
@@ -124,3 +130,140 @@ class KeptResidual:
         if self.kept.device != device:
             self.kept, self._spare = self.kept.to(device), None
         return self
+
+
+class TensorState:
+    """What training depends on per tensor: the RNG step counter and the error-feedback residuals.
+
+    ``residual`` and ``owner_residual`` are :class:`~horovod_qsgd.torch_feedback.KeptResidual`; ``owner_layout``
+    the layout the owner residual belongs to. ``stamps``: on a GPU, whether the last step counted, as the
+    device knows it (:mod:`horovod_qsgd.torch_feedback`).
+    """
+
+    __slots__ = ("step", "residual", "owner_residual", "owner_layout", "stamps")
+
+    def __init__(self):
+        self.stamps = None
+        self.clear()
+
+    def clear(self):
+        """Step 0, no residual kept (its stamps, settled, stay)."""
+        self.step = 0
+        self.residual = self.owner_residual = self.owner_layout = None
+
+    def residuals(self):
+        return [r for r in (self.residual, self.owner_residual) if r is not None]
+
+    def stamps_on(self, device):
+        """The stamps of this tensor on ``device`` (None on the CPU); the residuals settled on the host first if
+        they were on another device."""
+        if self.stamps is None or self.stamps.device != device:
+            self.settle_on_host()
+            self.stamps = step_stamps(device)
+        return self.stamps
+
+    def settle_on_host(self):
+        """``kept`` is each residual and the stamps say nothing, after one host read: before a residual is
+        changed, saved or moved outside a step, or the step counter is set."""
+        if self.stamps is not None:
+            read = self.stamps.cpu()
+            for residual in self.residuals():
+                residual.settle_on_host(read)
+            self.stamps.zero_()
+
+
+class TensorFeedback(FeedbackStore):
+    """Every tensor's :class:`TensorState`, by name."""
+
+    def __init__(self):
+        self._states = {}
+        self._lock = threading.Lock()
+
+    def state(self, name, numel, device, needs_residual, owner_layout, codec):
+        """Tensor ``name``'s state for a step on ``device`` (created at its first step), its residual of ``numel``
+        elements on ``device`` where ``needs_residual`` (checked), and an owner residual kept for a layout other
+        than ``owner_layout`` spilled into it."""
+        state = self.entry(name)
+        state.stamps_on(device)
+        if needs_residual:
+            self.checked_residual(name, numel, device).to(device)
+        if state.owner_residual is not None:
+            self.spill_moved_owner_residual(name, owner_layout, codec)
+        return state
+
+    def entry(self, name):
+        """Tensor ``name``'s state, created empty where it has none."""
+        with self._lock:
+            state = self._states.get(name)
+            if state is None:
+                state = self._states[name] = TensorState()
+            return state
+
+    def owner_residual_for_step(self, name, plan, device, step):
+        """What ``plan``'s step ``step`` reads and writes tensor ``name``'s owner residual through."""
+        state = self._states[name]
+        return self.owner_residual_for(name, plan, device).for_step(state.stamps, step)
+
+    def __getitem__(self, name):
+        return self._states[name]
+
+    # -- the arrays the common rules move ---------------------------------------------------
+    def _names(self):
+        with self._lock:
+            return list(self._states)
+
+    def _step(self, name):
+        return self._states[name].step
+
+    def _set_step(self, name, step):
+        self.entry(name).step = step
+
+    def _residual(self, name):
+        return self._states[name].residual
+
+    def _new_residual(self, name, numel, device):
+        state = self._states[name]
+        state.residual = KeptResidual.zeros(numel, device)
+        return state.residual
+
+    def _load_residual(self, name, value):
+        self._states[name].residual = None if value is None else KeptResidual(value.clone().float())
+
+    def _owner_residual(self, name):
+        return self._states[name].owner_residual
+
+    def _owner_layout(self, name):
+        return self._states[name].owner_layout
+
+    def _new_owner(self, name, numel, layout, device):
+        state = self._states[name]
+        state.owner_residual, state.owner_layout = KeptResidual.zeros(numel, device), list(layout)
+        return state.owner_residual
+
+    def _load_owner(self, name, value, layout):
+        state = self._states[name]
+        state.owner_residual = None if value is None else KeptResidual(value.clone().float())
+        state.owner_layout = layout
+
+    def _drop_owner(self, name):
+        state = self._states[name]
+        state.owner_residual = state.owner_layout = None
+
+    def _reset(self, name):
+        self._states[name].clear()
+
+    def _settle(self, name):
+        self._states[name].settle_on_host()
+
+    def _numel(self, array):
+        return array.numel()
+
+    def _saved(self, array):
+        return array.kept.clone()
+
+    def _scale(self, array, factor):
+        array.scale(factor)
+
+    def _add_chunk(self, residual, begin, end, owner_residual):
+        target = residual.kept
+        target[begin:end].add_(owner_residual.kept[:end - begin].to(target.device))

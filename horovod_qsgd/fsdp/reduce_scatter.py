@@ -81,7 +81,7 @@ from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import qsgd_codecs
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch_distributed import DistributedNodes, DistributedTransport, check_payload_settings
-from horovod_qsgd.torch_feedback import KeptResidual, scaled_and_finite
+from horovod_qsgd.torch_feedback import TensorFeedback, scaled_and_finite
 
 
 EXCHANGES = ("auto", REDUCE_SCATTER, NODE_AWARE)
@@ -102,15 +102,21 @@ def reduction_scale(op, num_ranks):
 
 
 class ModuleReduceScatter(ReduceScatter):
-    """One ``fully_shard`` module's compressed gradient reduce-scatter and its state: the step counter of the
-    codec's RNG and, with error feedback, this rank's residual of every row it sends."""
+    """One ``fully_shard`` module's compressed gradient reduce-scatter. Its state, kept under its name in the
+    compressor's store: the step counter of the codec's RNG and, with error feedback, this rank's residual of
+    every row it sends (the staged input, N rows)."""
 
     def __init__(self, compressor, name, module):
         self.compressor, self.name, self.module = compressor, name, module
-        self.step = 0
-        self.residual = None   # KeptResidual of the staged input, N rows (error feedback)
+        compressor._feedback.entry(name)  # every module is in the state from the start
         self._verified = None  # the row layout every rank agreed on at the first call
-        self._verdict = None   # (work, flag, written): the last step's residual, until every rank's verdict is in
+        # (work, flag, kept, written): the last step's residual, until every rank's verdict is in
+        self._verdict = None
+
+    @property
+    def state(self):
+        """The module's :class:`~horovod_qsgd.torch_feedback.TensorState` in the compressor's store."""
+        return self.compressor._feedback.entry(self.name)
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -137,10 +143,14 @@ class ModuleReduceScatter(ReduceScatter):
         plan = ReduceScatterPlan(compressor.codec, name, layout.staged_numel, cross.size(), cross.rank(), stats,
                                  (num_ranks - 1) * rows.shape[1] * input_tensor.element_size())
         stats.note_exchange(self.name, exchange)
-        written = self._residual_for_step(staged) if compressor.error_feedback else None
+        state, kept, written = self.state, None, None
+        if compressor.error_feedback:  # the staged rows change size where parameters got no gradient
+            kept = compressor._feedback.checked_residual(self.name, staged.numel(), staged.device,
+                                                         resized="the module's staged rows").to(staged.device)
+            written = kept.for_step()
         transport = DistributedTransport(cross, cross.rank(), staged.device)
         with kernel_stream(staged.device):
-            total, refusal = drive(plan.conduct(transport, staged, self.step, as_array(written)), transport.run)
+            total, refusal = drive(plan.conduct(transport, staged, state.step, as_array(written)), transport.run)
         stats.add(collectives_started=transport.started)
         if refusal is not None:
             raise refusal
@@ -150,8 +160,8 @@ class ModuleReduceScatter(ReduceScatter):
         _unstage(total, layout, output_tensor)
         if written is not None:
             flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=staged.device)
-            self._verdict = (dist.all_reduce(flag, op=ReduceOp.MAX, group=group, async_op=True), flag, written)
-        self.step += 1
+            self._verdict = (dist.all_reduce(flag, op=ReduceOp.MAX, group=group, async_op=True), flag, kept, written)
+        state.step += 1
         return None
 
     # -- the parts of a call ----------------------------------------------------------------
@@ -192,51 +202,22 @@ class ModuleReduceScatter(ReduceScatter):
         nbytes = (rows.shape[0] - 1) * rows.shape[1] * rows.element_size()
         self.compressor._stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
 
-    def _residual_for_step(self, staged):
-        """What this step reads the residual through and writes the new one into (zeros at first, or where the
-        staged input changed size: then warned, its mass lost once)."""
-        if self.residual is not None and self.residual.numel() != staged.numel():
-            warnings.warn(f"horovod_qsgd: FSDP2 module {self.name!r}: the residual has {self.residual.numel()} "
-                          f"elements, the staged rows {staged.numel()}; it is reset to zeros (its unsent mass is "
-                          "lost once).")
-            self.residual = None
-        if self.residual is None:
-            self.residual = KeptResidual.zeros(staged.numel(), staged.device)
-        return self.residual.to(staged.device).for_step()
-
     def settle(self):
         """Keeps the last step's residual if its sum was finite on every rank (waits for their verdicts)."""
         verdict, self._verdict = self._verdict, None
         if verdict is None:
             return
-        work, flag, written = verdict
+        work, flag, kept, written = verdict
         work.wait()
         if int(flag.item()) == 0:
-            self.residual.keep(written)
-
-    # -- checkpoints ------------------------------------------------------------------------
-    def state(self):
-        self.settle()
-        return {"step": self.step, "residual": None if self.residual is None else self.residual.kept.clone()}
-
-    def load(self, saved):
-        self._verdict = None
-        self.step = int(saved["step"])
-        residual = saved["residual"]
-        self.residual = None if residual is None else KeptResidual(residual.clone().float())
-
-    def rescale(self, factor):
-        """Multiplies the residual by ``factor``, once the last step's verdict is in."""
-        self.settle()
-        if self.residual is not None:
-            self.residual.scale(factor)
+            kept.keep(written)
 
     def residual_to_save(self):
         """This rank's residual for a distributed checkpoint: the one kept, or zeros of the size its steps will
         keep (a module not run yet, as in a job about to load one); None for a module that passes through."""
         self.settle()
-        if self.residual is not None:
-            return self.residual.kept
+        if self.state.residual is not None:
+            return self.state.residual.kept
         group = _param_group(self.module)
         pieces = [p.padded_sharded_param_size.numel() for p in group.fsdp_params]
         if group.mesh_info.shard_mesh_size * sum(pieces) < self.compressor.min_numel:
@@ -298,6 +279,7 @@ class _ReduceScatterCompressor(CodecSettings):
                              "values: " + ", ".join(repr(e) for e in EXCHANGES))
         self.codec, self.min_numel, self.exchange = codec, int(min_numel), exchange
         self._stats = CompressionStats()
+        self._feedback = TensorFeedback()  # by module name: its step and residual
         self._modules = {}  # name -> ModuleReduceScatter
         self._nodes = ()    # not looked for yet; then None (flat) or DistributedNodes
 
@@ -330,14 +312,14 @@ class _ReduceScatterCompressor(CodecSettings):
         own ``ShardedGradScaler``), so residuals are kept in the scale of their step: call this with new / old
         scale after the scaler's ``update()`` changed it, or the unsent mass counts once at the wrong scale.
         """
-        for module in list(self._modules.values()):
-            module.rescale(factor)
+        self._settle()
+        self._feedback.rescale_feedback(factor)
 
     def state_dict(self):
         """Every module's step and residual, plus the settings they belong to; every rank saves its own (or use
         :meth:`checkpointable` with ``torch.distributed.checkpoint``)."""
-        return dict(state_header(type(self).__name__, self.settings()),
-                    modules={name: module.state() for name, module in self._modules.items()})
+        self._settle()
+        return dict(state_header(type(self).__name__, self.settings()), modules=self._feedback.feedback_entries())
 
     def checkpointable(self):
         """The state for ``torch.distributed.checkpoint``, on every rank: ``dcp.save({"model": ..., "compressor":
@@ -354,8 +336,17 @@ class _ReduceScatterCompressor(CodecSettings):
             raise ValueError(f"horovod_qsgd: the state holds FSDP2 modules {unknown} that this model has not; "
                              f"it has {sorted(self._modules)}. Call compress_reduce_scatter(model, compressor) "
                              "on the same model before loading.")
-        for name, saved in state["modules"].items():
-            self._modules[name].load(saved)
+        self._load_modules(state["modules"])
+
+    def _settle(self):
+        for module in list(self._modules.values()):
+            module.settle()
+
+    def _load_modules(self, entries):
+        """Every module's state from ``entries`` (by module name); a step's verdict still out is dropped."""
+        for module in self._modules.values():
+            module._verdict = None
+        self._feedback.load_feedback_entries(entries)
 
 
 class _Checkpointable(Stateful):
@@ -368,7 +359,7 @@ class _Checkpointable(Stateful):
     def state_dict(self):
         compressor, modules, meshes = self.compressor, {}, {}
         for name, module in compressor._modules.items():
-            modules[name] = {"step": torch.tensor(module.step, dtype=torch.int64)}
+            modules[name] = {"step": torch.tensor(module.state.step, dtype=torch.int64)}
             local = module.residual_to_save() if compressor.error_feedback else None
             if local is not None:
                 kind = local.device.type
@@ -380,10 +371,12 @@ class _Checkpointable(Stateful):
     def load_state_dict(self, state):
         compressor = self.compressor
         check_loadable(json.loads(state["header"]), type(compressor).__name__, compressor.settings())
+        entries = {}
         for name, saved in state["modules"].items():
             residual = saved.get("residual")
-            compressor._modules[name].load({"step": int(saved["step"]),
-                                            "residual": None if residual is None else residual.to_local()[0]})
+            entries[name] = {"step": int(saved["step"]),
+                             "residual": None if residual is None else residual.to_local()[0]}
+        compressor._load_modules(entries)
 
 
 class QSGD(_ReduceScatterCompressor):

@@ -143,8 +143,9 @@ class PayloadCompressor(CompressorBase):
         num_ranks = process_set.size()
         plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
                                  placeholder_dtype.size)
-        residual_var = (self._residual_variable(step.name, step.numel, [num_ranks, rank]) if self.error_feedback
-                        else None)
+        feedback = self._feedback
+        residual_var = feedback.residual_variable(step.name, step.numel, [num_ranks, rank]) if self.error_feedback \
+            else None
         ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, step=step.value,
                               step_variable=step.variable, plan=plan, process_set=process_set)
         ctx.conduct = GraphConduct(plan.collectives(), process_set, stats)
@@ -171,7 +172,7 @@ class PayloadCompressor(CompressorBase):
     def _run_collectives(self, ctx):
         """The collectives of ctx's exchange alone, under its tensor's names; its owner residual's new value
         joins ``ctx.pending``."""
-        owner_var = self._owner_residual_variable(ctx.plan) if self._keeps_owner_residual(ctx.plan) else None
+        owner_var = self._feedback.owner_residual_variable(ctx.plan) if self._keeps_owner_residual(ctx.plan) else None
         new_owner = ctx.conduct.run_collectives([] if owner_var is None else [owner_var.read_value()])
         if owner_var is not None:
             ctx.pending.append((owner_var, new_owner[0]))
@@ -191,7 +192,8 @@ class PayloadCompressor(CompressorBase):
             self._run_collectives(ctx)
             return
         names = _distinct_names(members)
-        owner_variables = [self._owner_residual_variable(m.plan) if self.error_feedback else None for m in members]
+        owner_variables = [self._feedback.owner_residual_variable(m.plan) if self.error_feedback else None
+                           for m in members]
         fused = FusedRound(group_name(self._fusion_namespace, ctx.process_set.process_set_id, names), members,
                            placeholder, self._runtime, self._finite_flag, owner_variables)
         for index, member in enumerate(members):
@@ -206,7 +208,7 @@ class PayloadCompressor(CompressorBase):
                               step_variable=step.variable, plan=plan, process_set=step.site.process_set)
         ctx.node_input = [step.flat]
         if self.error_feedback:
-            ctx.residual_variable = self._residual_variable(step.name, step.numel, plan.layout.as_list())
+            ctx.residual_variable = self._feedback.residual_variable(step.name, step.numel, plan.layout.as_list())
             ctx.node_input.append(ctx.residual_variable.read_value())
         if self.fusion_threshold == 0:
             self._start_node_aware([ctx], None)
@@ -247,7 +249,7 @@ class PayloadCompressor(CompressorBase):
         """Steps 3-4 of the members' exchange: each member's (total, finite flag) and state updates."""
         owner_vars = None
         if self.error_feedback and node_ops.group.owns_chunks:
-            owner_vars = [self._owner_residual_variable(m.plan) for m in members]
+            owner_vars = [self._feedback.owner_residual_variable(m.plan) for m in members]
         results = node_ops.results(placeholder, [m.step for m in members],
                                    None if owner_vars is None else [var.read_value() for var in owner_vars])
         for index, (member, (total, finite, residual)) in enumerate(zip(members, results)):
@@ -288,8 +290,8 @@ class PayloadCompressor(CompressorBase):
         residual_var = owner_var = layout_var = None
         inputs, out_dtypes = [step.flat, step.value], [tf.float32, tf.uint8, tf.int32, tf.float32]
         if self.error_feedback:
-            residual_var = self._residual_variable(step.name, step.numel)
-            owner_var, layout_var = self._elastic_owner_variables(step.name)
+            residual_var = self._feedback.residual_variable(step.name, step.numel)
+            owner_var, layout_var = self._feedback.elastic_owner_variables(step.name)
             inputs += [residual_var.read_value(), owner_var.read_value(), layout_var.read_value()]
             out_dtypes += [tf.float32, tf.float32, tf.int64]
 

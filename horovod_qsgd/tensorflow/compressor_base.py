@@ -1,7 +1,7 @@
 """What every TensorFlow compressor shares: settings handshake, state variables, checkpoints, statistics.
 
 The per-gradient state (step counters, residuals: ``tf.Variable`` objects saved by ``tf.train.Checkpoint``)
-is kept by :class:`horovod_qsgd.tensorflow.feedback.FeedbackVariables`.
+is kept by the compressor's :class:`horovod_qsgd.tensorflow.feedback.FeedbackVariables` store.
 :mod:`horovod_qsgd.tensorflow.compression` builds the public compressors on it.
 """
 import json
@@ -21,7 +21,7 @@ from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
 from horovod_qsgd.common.settings import CodecSettings
-from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT
+from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT, check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
 from horovod_qsgd.kernels import finish_sum
@@ -134,7 +134,7 @@ class ExchangeContext:
         self.graph = self.fused = self.index = None
 
 
-class CompressorBase(CodecSettings, FeedbackVariables, tf.Module):
+class CompressorBase(CodecSettings, tf.Module):
     """Settings handshake, per-gradient state variables (:class:`FeedbackVariables`), checkpoints and statistics."""
 
     def __init__(self, codec, min_numel):
@@ -143,7 +143,7 @@ class CompressorBase(CodecSettings, FeedbackVariables, tf.Module):
             raise ValueError(f"horovod_qsgd: min_numel must be >= 0, got {min_numel}")
         self.codec = codec
         self.min_numel = int(min_numel)
-        self._init_feedback()
+        self._feedback = FeedbackVariables(self)
         self._settings = new_variable(self._settings_json(), "horovod_qsgd_settings", tf.string)
         self._runtime = _Runtime()
         # In a Horovod Elastic job (horovodrun sets HOROVOD_ELASTIC=1 in its workers) a function is traced once
@@ -229,13 +229,42 @@ class CompressorBase(CodecSettings, FeedbackVariables, tf.Module):
                 runtime.keep_alive.append(site.variable)
             return name
 
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self):
+        """Step counters and residuals by tensor name (numpy), plus the settings they belong to.
+
+        ``tf.train.Checkpoint(compressor=c)`` saves and restores the same
+        variables; this is for code that checkpoints with numpy/pickle.
+        Residuals differ between ranks: save each rank's state. In a
+        ``tf.compat.v1`` graph the state lives in graph variables: save it
+        with ``tf.compat.v1.train.Saver`` there.
+        """
+        if self._feedback.in_graph():
+            raise RuntimeError("horovod_qsgd: this compressor's state lives in a tf.compat.v1 graph; save and "
+                               "restore it with tf.compat.v1.train.Saver (its variables are global variables).")
+        return dict(state_header(type(self).__name__, self.settings()), tensors=self._feedback.feedback_entries())
+
+    def load_state_dict(self, state):
+        check_loadable(state, type(self).__name__, self.settings())
+        self._feedback.load_feedback_entries(state["tensors"])
+
+    def rescale_residuals(self, factor):
+        """Multiplies every error-feedback residual by ``factor`` (a float or a scalar tensor; works in
+        ``tf.function``): call it with new / old loss scale when a loss scaler changes its scale (see
+        ``horovod_qsgd.torch``'s twin), so that residual and gradient stay in the same units."""
+        self._feedback.rescale_feedback(tf.cast(factor, tf.float32))
+
     # -- Horovod Elastic (horovod_qsgd.tensorflow.elastic) -------------------------------------
     def start_new_world(self, steps):
         """After an elastic reset, on every rank: the settings are checked again and the step counters become
         ``steps`` (rank 0's, by tensor name), so that a rank that joined draws the same random streams."""
         self._runtime.verified_process_sets = set()
         self._runtime.refusals.clear()
-        self._set_step_counters(steps)
+        self._feedback.set_step_counters(steps)
+
+    def step_counters(self):
+        """{tensor name: steps taken}: what :meth:`start_new_world` gets from rank 0."""
+        return self._feedback.step_counters()
 
     def verify_settings(self):
         """Checks the settings among the ranks of the global process set now (eagerly, on every rank)."""
@@ -312,7 +341,7 @@ class CompressorBase(CodecSettings, FeedbackVariables, tf.Module):
                 f"horovod_qsgd: tensor {name!r} is compressed inside an XLA-compiled function "
                 "(jit_compile=True), which cannot run the codecs' host ops. Compile without XLA: "
                 "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) in Keras.")
-        step_var = self._step_variable(name)
+        step_var = self._feedback.step_variable(name)
         return _Step(site, name, tensor.shape.num_elements(), step_var, step_var.read_value(),
                      flat_fp32(tensor)), tensor
 
@@ -322,7 +351,7 @@ class CompressorBase(CodecSettings, FeedbackVariables, tf.Module):
         Returns (out, pending): the residual variable and its updated value,
         for :meth:`_settle` to assign once the result is known.
         """
-        residual_var = self._residual_variable(step.name, step.numel) if self.error_feedback else None
+        residual_var = self._feedback.residual_variable(step.name, step.numel) if self.error_feedback else None
         out, new_residual = host_op(fn, step.flat, step.value,
                                     None if residual_var is None else residual_var.read_value(),
                                     out_dtype, op_name)

@@ -66,7 +66,9 @@ def _from_mpi_ops(code_name, local_vars, element):
 
 
 def find_call_site(tensor):
-    """Returns the CallSite of the collective that is compressing ``tensor``."""
+    """Returns the CallSite of the collective that is compressing ``tensor``; raises UnsupportedCollectiveError
+    for an Adasum reduction, whatever the tensor: on every rank at its first tensor, before any collective, so
+    that no rank waits for another."""
     frame = sys._getframe(2)
     element = None  # the parameter or list element a comprehension is compressing
     while frame is not None:
@@ -79,10 +81,10 @@ def find_call_site(tensor):
         if owner is not None and isinstance(getattr(owner, "_parameter_names", None), dict):
             site = _from_optimizer(owner, element)
             if site is not None:
-                return site
+                return _refuse_adasum(site)
         if frame.f_globals.get("__name__") == _MPI_OPS:
             if code_name in ("allreduce", "grouped_allreduce"):
-                return _from_mpi_ops(code_name, local_vars, element if element is not None else tensor)
+                return _refuse_adasum(_from_mpi_ops(code_name, local_vars, element if element is not None else tensor))
             if code_name in ("reducescatter", "grouped_reducescatter"):
                 raise UnsupportedCollectiveError(
                     f"horovod_qsgd: hvd.{code_name} cannot carry compressed payloads: a reduce-scatter "
@@ -99,7 +101,7 @@ def check_site(site):
     check_compressible(site.name, site.op == hvd.Adasum)
 
 
-def refuse_adasum(site):
-    """Raises UnsupportedCollectiveError for an Adasum reduction, whatever the tensor, before any collective."""
+def _refuse_adasum(site):
     if site.op == hvd.Adasum:
         check_compressible(site.name or "(unnamed)", True)
+    return site

@@ -57,9 +57,8 @@ from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts
-from horovod_qsgd.torch.feedback import TensorFeedback
-from horovod_qsgd.torch.call_site import check_site, find_call_site, refuse_adasum
+from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, TensorFeedback
+from horovod_qsgd.torch.call_site import check_site, find_call_site
 from horovod_qsgd.torch.exchanges import PayloadExchanges
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch.join import note_allreduce, refuse_if_a_rank_joined, take_over_hvd_join
@@ -152,11 +151,11 @@ class _CompressorBase(CodecSettings):
         (e.g. ``torch.save(c.state_dict(), f"compressor.{hvd.rank()}.pt")``)
         to resume bit-exactly.
         """
-        return dict(state_header(type(self).__name__, self.settings()), tensors=self._feedback.state_dict())
+        return dict(state_header(type(self).__name__, self.settings()), tensors=self._feedback.feedback_entries())
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
-        self._feedback.load_state_dict(state["tensors"])
+        self._feedback.load_feedback_entries(state["tensors"])
 
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a 0-d tensor).
@@ -167,7 +166,7 @@ class _CompressorBase(CodecSettings):
         after ``growth_interval`` good steps), call this with new / old scale;
         otherwise the mass a residual holds counts once at the wrong scale.
         """
-        self._feedback.rescale(factor)
+        self._feedback.rescale_feedback(factor)
 
     # -- Horovod Elastic (horovod_qsgd.torch.elastic) ----------------------------------------
     def start_new_world(self, steps):
@@ -211,9 +210,7 @@ class _CompressorBase(CodecSettings):
     def compress(self, tensor):
         if self._in_elastic_job and not self.elastic_state_attached:
             raise RuntimeError(elastic_state_missing(type(self).__name__))
-        site = find_call_site(tensor)
-        # On every rank at its first tensor, before the handshake's collective: no rank waits for another.
-        refuse_adasum(site)
+        site = find_call_site(tensor)  # refuses Adasum on every rank, before the handshake's collective
         self._handshake(site.process_set, tensor)
         if self._passes_through(tensor):
             sent, ctx = self._pass_through(tensor)

@@ -35,7 +35,7 @@ class PayloadExchanges:
     """Every payload exchange of one compressor in flight on this rank: the tensors' parts, the groups waiting
     for members or for their second stage, the node-aware flights.
 
-    ``feedback``: the compressor's :class:`~horovod_qsgd.torch.feedback.TensorFeedback` (owner residuals are
+    ``feedback``: the compressor's :class:`~horovod_qsgd.torch_feedback.TensorFeedback` (owner residuals are
     taken when a group starts); ``namespace``: the prefix of this compressor's group names.
     """
 
@@ -107,8 +107,8 @@ class PayloadExchanges:
             move_into_own_chunk(as_array(flat), as_array(residual), as_array(padded[:flat.numel()]))
             shard_residual = torch.zeros(plan.shard, dtype=torch.float32, device=flat.device)
             if plan.cross.owned is not None:  # this rank owns a chunk of its shard between nodes
-                state = self.feedback[site.name]  # one of another layout was spilled by TensorFeedback.state()
-                owner_residual = state.owner_residual_for_step(plan, plan.own_numel(), flat.device, step)
+                # one of another layout was spilled by TensorFeedback.state()
+                owner_residual = self.feedback.owner_residual_for_step(site.name, plan, flat.device, step)
         else:
             padded[:flat.numel()] = flat
         return _NodeAware(NodeAwareMember(plan, step, padded, shard_residual, owner_residual), self.round)
@@ -123,8 +123,7 @@ class PayloadExchanges:
         steps = [member.step for member in members]
 
         def owner_residuals():
-            return [as_array(self._owner_residual(member, part.plan.own_numel(), transport.device))
-                    for member, part in zip(members, parts)]
+            return [as_array(self._owner_residual(member, transport.device)) for member in members]
         conduct = fused.conduct_members(transport, name, [part.flat for part in parts], steps,
                                         [part.residual for part in parts], owner_residuals)
         with kernel_stream(device):
@@ -150,12 +149,12 @@ class PayloadExchanges:
             fuser = self.allgather_fusers[kind] = Fuser(threshold, f"{self.namespace}allgather.{kind}.")
         return fuser
 
-    def _owner_residual(self, ctx, numel, device):
-        """What this step reads and writes the owner-side residual of ctx's tensor (``numel`` elements on this
-        rank) through (error feedback only), reset if the ranks changed."""
+    def _owner_residual(self, ctx, device):
+        """What this step reads and writes the owner-side residual of ctx's tensor through (error feedback
+        only), reset if the ranks changed."""
         if not self.error_feedback:
             return None
-        ctx.owner_residual = ctx.state.owner_residual_for_step(ctx.handle.plan, numel, device, ctx.step)
+        ctx.owner_residual = self.feedback.owner_residual_for_step(ctx.name, ctx.handle.plan, device, ctx.step)
         return ctx.owner_residual
 
     def _end_round(self, round_):

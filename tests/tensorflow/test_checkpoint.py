@@ -84,6 +84,14 @@ def test_state_dict_round_trip_and_settings_check(hvd_tf, tmp_path_factory):
     copy.load_state_dict(state)
     assert copy.state_dict()["tensors"]["w"]["step"] == 2
     assert np.array_equal(copy.state_dict()["tensors"]["w"]["residual"], state["tensors"]["w"]["residual"])
+    # Loading replaces the state: a tensor the state lacks starts afresh, as in a new compressor.
+    x = tf.constant(rng.standard_normal(20000).astype(np.float32))
+    copy.load_state_dict(dict(state, tensors={}))
+    fresh = TopK(ratio=0.01)
+    for c in (copy, fresh):
+        hvd.allreduce(x, name="w", compression=c)
+    restarted, new = copy.state_dict()["tensors"]["w"], fresh.state_dict()["tensors"]["w"]
+    assert restarted["step"] == new["step"] == 1 and np.array_equal(restarted["residual"], new["residual"])
     with pytest.raises(ValueError, match="settings"):
         TopK(ratio=0.02).load_state_dict(state)
     with pytest.raises(ValueError, match="TopK"):

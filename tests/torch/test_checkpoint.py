@@ -59,7 +59,7 @@ def test_state_from_other_settings_is_refused():
 
 
 @pytest.mark.ranks(2)
-def test_a_residual_of_another_length_is_refused_on_every_rank_naming_the_tensor(hvd_torch):
+def test_loading_replaces_the_state_and_a_residual_of_another_length_is_refused_on_every_rank(hvd_torch):
     import torch
     from horovod_qsgd.common.errors import CompressionMismatchError
     from horovod_qsgd.torch import TopK
@@ -67,6 +67,14 @@ def test_a_residual_of_another_length_is_refused_on_every_rank_naming_the_tensor
     compressor = TopK(ratio=0.01, min_numel=0)
     hvd.allreduce(torch.ones(1000), name="w", compression=compressor)
     state = compressor.state_dict()
+    # Loading replaces the state: a tensor the state lacks starts afresh, as in a new compressor.
+    compressor.load_state_dict(dict(state, tensors={}))
+    fresh = TopK(ratio=0.01, min_numel=0)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(hvd.rank()))
+    for c in (compressor, fresh):
+        hvd.allreduce(x, name="w", compression=c)
+    restarted, new = compressor.state_dict()["tensors"]["w"], fresh.state_dict()["tensors"]["w"]
+    assert restarted["step"] == new["step"] == 1 and torch.equal(restarted["residual"], new["residual"])
     state["tensors"]["w"]["residual"] = torch.zeros(999)  # another model's
     compressor.load_state_dict(state)
     with pytest.raises(CompressionMismatchError,

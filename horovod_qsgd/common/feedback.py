@@ -1,0 +1,204 @@
+"""The error-feedback store: what training depends on per tensor, and the rules that move it, written once.
+
+Per tensor name the store keeps:
+
+* the **step** counter: steps the tensor took, which the counter-based RNG draws its streams from;
+* the **residual** (error feedback): what its steps did not send, as long as the tensor;
+* the **owner residual** and the **layout** it was kept for: where this rank owns a chunk of the sum (the two
+  stages, or two stages between 3 or more nodes), what that chunk's second encode did not send; the layout
+  is [ranks, rank] or a node layout [nodes, ranks per node, node, local rank].
+
+The rules, the same in every adapter:
+
+* a residual of another length than its tensor is an error that names both
+  (:func:`~horovod_qsgd.common.errors.residual_length_mismatch`);
+* an owner residual kept for another layout than this rank's (an elastic reset, a checkpoint of another job
+  size or node layout) is added into the residual at its old chunk before the residual is next read: this
+  rank sends that mass in its next steps. Where it cannot be this tensor's chunk it is dropped with a warning;
+* a plan that cannot keep the owner residual it finds starts from zeros, with a warning;
+* a checkpoint holds, by name, ``{step, residual, owner_residual, owner_layout}`` (None where nothing is
+  kept; an empty owner residual is none); loading one replaces the state: names it lacks start afresh;
+* a loss scaler's rescale multiplies every residual; an elastic world's step counters are set from rank 0's.
+
+A step whose result is not finite keeps no residual it wrote: that rule lives with the arrays a step writes
+through (``torch_feedback.KeptResidual``; a ``tf.cond`` on the verdict in TensorFlow).
+
+:class:`FeedbackStore` holds the rules; each adapter subclasses it with the arrays its framework keeps them in:
+``torch_feedback.TensorFeedback`` (torch tensors by name: Horovod's PyTorch compressors per tensor, FSDP2 per
+module) and ``tensorflow/feedback.py`` (``tf.Variable`` objects, which a traced function reads and
+``tf.train.Checkpoint`` tracks). The DDP hooks' residuals are not kept by name: per parameter, so that DDP may
+rebuild its buckets, and staged per bucket (``ddp/feedback.py``), with the same rules for a changed bucket.
+"""
+import warnings
+
+from horovod_qsgd.common.chunks import chunk_unit
+from horovod_qsgd.common.errors import residual_length_mismatch
+from horovod_qsgd.common.two_stage import moved_owner_chunk
+
+
+class FeedbackStore:
+    """The rules of error-feedback state by tensor name, over the arrays a subclass keeps.
+
+    A subclass implements the ``_`` methods below the rules: where each name's step, residual and owner
+    residual are, and the four array operations the rules need (length, copy for a checkpoint, scale, add a
+    chunk).
+    """
+
+    # -- the rules ------------------------------------------------------------------------------
+    def checked_residual(self, name, numel, device=None, resized=None):
+        """Tensor ``name``'s residual (created as zeros at its first step). One kept with another length than
+        ``numel`` is an error; where ``resized`` says why the length may change between steps, it is reset to
+        zeros with a warning instead (its unsent mass is lost once)."""
+        residual = self._residual(name)
+        if residual is not None and self._numel(residual) != numel:
+            if resized is None:
+                raise residual_length_mismatch(f"tensor {name!r}", numel, self._numel(residual))
+            warnings.warn(f"horovod_qsgd: {name!r}: the residual has {self._numel(residual)} elements, {resized} "
+                          f"{numel}; it is reset to zeros (its unsent mass is lost once).")
+            residual = None
+        return self._new_residual(name, numel, device) if residual is None else residual
+
+    def spill_moved_owner_residual(self, name, layout, codec):
+        """Where tensor ``name``'s owner residual was kept for a layout other than ``layout`` (this rank's now),
+        adds it into the residual at its old chunk (aligned as ``codec``'s chunks are; dropped with a warning
+        where it cannot be this tensor's) and drops it. Call it before the residual is read."""
+        if self._owner_residual(name) is None:
+            return
+        saved = self._owner_layout(name)
+        if saved is None or saved == list(layout):
+            return
+        self._settle(name)
+        owner_residual, residual = self._owner_residual(name), self._residual(name)  # settled: read them now
+        if residual is not None:
+            chunk = moved_owner_chunk(name, self._numel(residual), chunk_unit(codec), saved,
+                                      self._numel(owner_residual), list(layout))
+            if chunk is not None:
+                self._add_chunk(residual, *chunk, owner_residual)
+        self._drop_owner(name)
+
+    def owner_residual_for(self, name, plan, device=None):
+        """The owner residual ``plan``'s step reads and writes: the one kept where the plan keeps it
+        (:meth:`~horovod_qsgd.common.two_stage.TwoStage.keeps_owner_residual`, which warns where not), else
+        new zeros for the plan's layout. A layout of None is one only this process made (a ``tf.compat.v1``
+        graph's variable before its Session runs): it is this rank's."""
+        owner_residual = self._owner_residual(name)
+        if owner_residual is not None:
+            saved = self._owner_layout(name)
+            if saved is None or plan.keeps_owner_residual(saved, self._numel(owner_residual)):
+                return owner_residual
+        return self._new_owner(name, plan.own_numel(), plan.owner_layout(), device)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def feedback_entries(self):
+        """{tensor name: {step, residual, owner_residual, owner_layout}}: copies, None where nothing is kept."""
+        entries = {}
+        for name in self._names():
+            self._settle(name)
+            residual, owner = self._residual(name), self._owner_residual(name)
+            owner_residual = None if owner is None else self._saved(owner)
+            if owner_residual is not None and len(owner_residual) == 0:
+                owner_residual = None  # an elastic job's, where this rank owns no chunk
+            entries[name] = {"step": self._step(name),
+                             "residual": None if residual is None else self._saved(residual),
+                             "owner_residual": owner_residual,
+                             "owner_layout": None if owner_residual is None else list(self._owner_layout(name))}
+        return entries
+
+    def load_feedback_entries(self, entries):
+        """Replaces the state by ``entries`` (:meth:`feedback_entries`' form; ``owner_residual`` and
+        ``owner_layout`` may be missing): a name they lack starts afresh."""
+        for name in list(self._names()):
+            self._settle(name)
+            if name not in entries:
+                self._reset(name)
+        for name, entry in entries.items():
+            self._set_step(name, int(entry["step"]))
+            self._load_residual(name, entry.get("residual"))
+            owner_residual = entry.get("owner_residual")
+            self._load_owner(name, owner_residual, None if owner_residual is None else
+                             [int(v) for v in entry["owner_layout"]])
+
+    def rescale_feedback(self, factor):
+        """Multiplies every residual and owner residual by ``factor`` (a loss scaler's new / old scale)."""
+        for name in list(self._names()):
+            for array in (self._residual(name), self._owner_residual(name)):
+                if array is not None:
+                    self._scale(array, factor)
+
+    # -- Horovod Elastic --------------------------------------------------------------------
+    def step_counters(self):
+        """{tensor name: steps taken}: what a new elastic world gets from rank 0."""
+        return {name: self._step(name) for name in list(self._names())}
+
+    def set_step_counters(self, steps):
+        """The step counters become ``steps`` (by tensor name)."""
+        for name in list(self._names()):
+            self._settle(name)
+        for name, step in steps.items():
+            self._set_step(name, int(step))
+
+    # -- what a subclass keeps --------------------------------------------------------------
+    def _names(self):
+        """Every tensor name with any state."""
+        raise NotImplementedError
+
+    def _step(self, name):
+        """Tensor ``name``'s step counter (an int)."""
+        raise NotImplementedError
+
+    def _set_step(self, name, step):
+        raise NotImplementedError
+
+    def _residual(self, name):
+        """Tensor ``name``'s residual, or None."""
+        raise NotImplementedError
+
+    def _new_residual(self, name, numel, device):
+        """A residual of ``numel`` zeros for tensor ``name``, kept and returned."""
+        raise NotImplementedError
+
+    def _load_residual(self, name, value):
+        """Tensor ``name``'s residual becomes a copy of ``value`` (None: none is kept)."""
+        raise NotImplementedError
+
+    def _owner_residual(self, name):
+        """Tensor ``name``'s owner residual, or None."""
+        raise NotImplementedError
+
+    def _owner_layout(self, name):
+        """The layout (a list of ints) tensor ``name``'s owner residual was kept for; None where only this
+        process knows it."""
+        raise NotImplementedError
+
+    def _new_owner(self, name, numel, layout, device):
+        """An owner residual of ``numel`` zeros kept for ``layout``, kept and returned."""
+        raise NotImplementedError
+
+    def _load_owner(self, name, value, layout):
+        """Tensor ``name``'s owner residual becomes a copy of ``value``, kept for ``layout`` (None: none is)."""
+        raise NotImplementedError
+
+    def _drop_owner(self, name):
+        raise NotImplementedError
+
+    def _reset(self, name):
+        """Tensor ``name`` starts afresh: step 0, no residual kept."""
+        raise NotImplementedError
+
+    def _settle(self, name):
+        """Makes tensor ``name``'s arrays what the host reads, before anything but a step reads or changes
+        them (a GPU's verdicts; nothing by default)."""
+
+    def _numel(self, array):
+        raise NotImplementedError
+
+    def _saved(self, array):
+        """A copy of ``array`` for a checkpoint."""
+        raise NotImplementedError
+
+    def _scale(self, array, factor):
+        raise NotImplementedError
+
+    def _add_chunk(self, residual, begin, end, owner_residual):
+        """``residual[begin:end] += owner_residual[:end - begin]``."""
+        raise NotImplementedError
