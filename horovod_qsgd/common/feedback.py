@@ -33,6 +33,7 @@ import warnings
 
 from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.errors import residual_length_mismatch
+from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 
 
@@ -89,6 +90,18 @@ class FeedbackStore:
         return self._new_owner(name, plan.own_numel(), plan.owner_layout(), device)
 
     # -- checkpoints ------------------------------------------------------------------------
+    def checkpoint(self, compressor, settings, key="tensors"):
+        """What a compressor's ``state_dict()`` returns: the header that says what wrote it (its class name
+        ``compressor`` and its ``settings``; :mod:`horovod_qsgd.common.state`) and :meth:`feedback_entries`
+        under ``key``."""
+        return dict(state_header(compressor, settings), **{key: self.feedback_entries()})
+
+    def load_checkpoint(self, state, compressor, settings):
+        """Loads a :meth:`checkpoint`; raises ValueError, naming the difference and the fix, unless such a
+        compressor wrote it."""
+        check_loadable(state, compressor, settings)
+        self.load_feedback_entries(state["tensors"])
+
     def feedback_entries(self):
         """{tensor name: {step, residual, owner_residual, owner_layout}}: copies, None where nothing is kept."""
         entries = {}

@@ -319,7 +319,7 @@ class _ReduceScatterCompressor(CodecSettings):
         """Every module's step and residual, plus the settings they belong to; every rank saves its own (or use
         :meth:`checkpointable` with ``torch.distributed.checkpoint``)."""
         self._settle()
-        return dict(state_header(type(self).__name__, self.settings()), modules=self._feedback.feedback_entries())
+        return self._feedback.checkpoint(type(self).__name__, self.settings(), key="modules")
 
     def checkpointable(self):
         """The state for ``torch.distributed.checkpoint``, on every rank: ``dcp.save({"model": ..., "compressor":

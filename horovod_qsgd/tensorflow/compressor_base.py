@@ -21,7 +21,7 @@ from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
 from horovod_qsgd.common.settings import CodecSettings
-from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT, check_loadable, state_header
+from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.threads import available_cores, share_cores, warn_if_oversubscribed
 from horovod_qsgd.kernels import finish_sum
@@ -242,11 +242,10 @@ class CompressorBase(CodecSettings, tf.Module):
         if self._feedback.in_graph():
             raise RuntimeError("horovod_qsgd: this compressor's state lives in a tf.compat.v1 graph; save and "
                                "restore it with tf.compat.v1.train.Saver (its variables are global variables).")
-        return dict(state_header(type(self).__name__, self.settings()), tensors=self._feedback.feedback_entries())
+        return self._feedback.checkpoint(type(self).__name__, self.settings())
 
     def load_state_dict(self, state):
-        check_loadable(state, type(self).__name__, self.settings())
-        self._feedback.load_feedback_entries(state["tensors"])
+        self._feedback.load_checkpoint(state, type(self).__name__, self.settings())
 
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a scalar tensor; works in

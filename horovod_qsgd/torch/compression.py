@@ -53,7 +53,6 @@ from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes, looks_for_node
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, tensor_key
 from horovod_qsgd.common.settings import CodecSettings
-from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
@@ -151,11 +150,10 @@ class _CompressorBase(CodecSettings):
         (e.g. ``torch.save(c.state_dict(), f"compressor.{hvd.rank()}.pt")``)
         to resume bit-exactly.
         """
-        return dict(state_header(type(self).__name__, self.settings()), tensors=self._feedback.feedback_entries())
+        return self._feedback.checkpoint(type(self).__name__, self.settings())
 
     def load_state_dict(self, state):
-        check_loadable(state, type(self).__name__, self.settings())
-        self._feedback.load_feedback_entries(state["tensors"])
+        self._feedback.load_checkpoint(state, type(self).__name__, self.settings())
 
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a 0-d tensor).
