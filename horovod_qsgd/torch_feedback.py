@@ -204,9 +204,6 @@ class TensorFeedback(FeedbackStore):
         state = self._states[name]
         return self.owner_residual_for(name, plan, device).for_step(state.stamps, step)
 
-    def __getitem__(self, name):
-        return self._states[name]
-
     # -- the arrays the common rules move ---------------------------------------------------
     def _names(self):
         with self._lock:
