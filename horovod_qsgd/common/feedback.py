@@ -11,7 +11,8 @@ Per tensor name the store keeps:
 The rules, the same in every adapter:
 
 * a residual of another length than its tensor is an error that names both
-  (:func:`~horovod_qsgd.common.errors.residual_length_mismatch`);
+  (:func:`~horovod_qsgd.common.errors.residual_length_mismatch`), or, where the adapter says why the length
+  may change between steps (FSDP2's rows, when a parameter got no gradient), reset to zeros with a warning;
 * an owner residual kept for another layout than this rank's (an elastic reset, a checkpoint of another job
   size or node layout) is added into the residual at its old chunk before the residual is next read: this
   rank sends that mass in its next steps. Where it cannot be this tensor's chunk it is dropped with a warning;

@@ -143,9 +143,9 @@ class PayloadCompressor(CompressorBase):
         num_ranks = process_set.size()
         plan = self._engine.plan(step.name, step.numel, num_ranks, rank, step.numel * tensor.dtype.size,
                                  placeholder_dtype.size)
-        feedback = self._feedback
-        residual_var = feedback.residual_variable(step.name, step.numel, [num_ranks, rank]) if self.error_feedback \
-            else None
+        residual_var = None
+        if self.error_feedback:
+            residual_var = self._feedback.residual_variable(step.name, step.numel, [num_ranks, rank])
         ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, step=step.value,
                               step_variable=step.variable, plan=plan, process_set=process_set)
         ctx.conduct = GraphConduct(plan.collectives(), process_set, stats)
