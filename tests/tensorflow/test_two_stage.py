@@ -150,6 +150,15 @@ def test_owner_residual_from_another_rank_count_is_sent_by_its_rank_or_reset_wit
         hvd.allreduce(tf.zeros(numel), name="t", compression=resumed)
     assert resumed.state_dict()["tensors"]["t"]["owner_layout"] == [3, me]
 
+    # A state without an owner residual, loaded, leaves none: the variable a traced function holds is zeroed.
+    traced = tf.function(lambda x: hvd.allreduce(x, name="t", op=hvd.Sum, compression=resumed))
+    traced(tf.constant(gradient(me, numel, 5)))
+    held = resumed.state_dict()["tensors"]["t"]
+    assert np.any(held["owner_residual"] != 0)
+    resumed.load_state_dict(dict(state, tensors={"t": dict(held, owner_residual=None, owner_layout=None)}))
+    assert not np.any(resumed.state_dict()["tensors"]["t"]["owner_residual"])
+    traced(tf.constant(gradient(me, numel, 6)))
+
 
 FUSED_SIZES = (100_003, 70_001, 1_000, 512 * 40)  # no multiple of the ranks or the bucket; fewer buckets than ranks
 # Each case ~45 s: the rank counts and codecs in two (PyTorch's tests/torch/test_fusion.py runs all four)
