@@ -64,13 +64,14 @@ class FeedbackStore:
         """Where tensor ``name``'s owner residual was kept for a layout other than ``layout`` (this rank's now),
         adds it into the residual at its old chunk (aligned as ``codec``'s chunks are; dropped with a warning
         where it cannot be this tensor's) and drops it. Call it before the residual is read."""
-        if self._owner_residual(name) is None:
+        owner_residual = self._owner_residual(name)
+        if owner_residual is None:
             return
         saved = self._owner_layout(name)
         if saved is None or saved == list(layout):
             return
-        self._settle(name)
-        owner_residual, residual = self._owner_residual(name), self._residual(name)  # settled: read them now
+        self._settle(name)  # the arrays' values, not which arrays they are
+        residual = self._residual(name)
         if residual is not None:
             chunk = moved_owner_chunk(name, self._numel(residual), chunk_unit(codec), saved,
                                       self._numel(owner_residual), list(layout))
