@@ -217,3 +217,15 @@ class FeedbackStore:
     def _add_chunk(self, residual, begin, end, owner_residual):
         """``residual[begin:end] += owner_residual[:end - begin]``."""
         raise NotImplementedError
+
+
+class KeepsFeedback:
+    """What a Horovod compressor (PyTorch's or TensorFlow's) with a :class:`FeedbackStore` as ``_feedback`` and
+    ``settings()`` says of its state, the same in both frameworks."""
+
+    def load_state_dict(self, state):
+        self._feedback.load_checkpoint(state, type(self).__name__, self.settings())
+
+    def step_counters(self):
+        """{tensor name: steps taken}: what ``start_new_world`` gets from rank 0."""
+        return self._feedback.step_counters()

@@ -20,6 +20,7 @@ from horovod_qsgd.common.errors import RankInJoinError, elastic_process_set_unsu
 from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
+from horovod_qsgd.common.feedback import KeepsFeedback
 from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT
 from horovod_qsgd.common.stats import CompressionStats
@@ -134,7 +135,7 @@ class ExchangeContext:
         self.graph = self.fused = self.index = None
 
 
-class CompressorBase(CodecSettings, tf.Module):
+class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
     """Settings handshake, per-gradient state variables (:class:`FeedbackVariables`), checkpoints and statistics."""
 
     def __init__(self, codec, min_numel):
@@ -244,9 +245,6 @@ class CompressorBase(CodecSettings, tf.Module):
                                "restore it with tf.compat.v1.train.Saver (its variables are global variables).")
         return self._feedback.checkpoint(type(self).__name__, self.settings())
 
-    def load_state_dict(self, state):
-        self._feedback.load_checkpoint(state, type(self).__name__, self.settings())
-
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a scalar tensor; works in
         ``tf.function``): call it with new / old loss scale when a loss scaler changes its scale (see
@@ -260,10 +258,6 @@ class CompressorBase(CodecSettings, tf.Module):
         self._runtime.verified_process_sets = set()
         self._runtime.refusals.clear()
         self._feedback.set_step_counters(steps)
-
-    def step_counters(self):
-        """{tensor name: steps taken}: what :meth:`start_new_world` gets from rank 0."""
-        return self._feedback.step_counters()
 
     def verify_settings(self):
         """Checks the settings among the ranks of the global process set now (eagerly, on every rank)."""

@@ -52,6 +52,7 @@ from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_th
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes, looks_for_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.naming import HANDSHAKE_NAME, tensor_key
+from horovod_qsgd.common.feedback import KeepsFeedback
 from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.kernels import finish_sum
@@ -101,7 +102,7 @@ class _InFlight:
         return torch.zeros(self.shape.numel(), dtype=torch.float32, device=device)
 
 
-class _CompressorBase(CodecSettings):
+class _CompressorBase(CodecSettings, KeepsFeedback):
     """Settings handshake, per-tensor state, checkpoints and statistics shared by all compressors."""
 
     # What hvd.join() sends in place of this compressor's tensor (horovod_qsgd.torch.join): zeros, as
@@ -152,9 +153,6 @@ class _CompressorBase(CodecSettings):
         """
         return self._feedback.checkpoint(type(self).__name__, self.settings())
 
-    def load_state_dict(self, state):
-        self._feedback.load_checkpoint(state, type(self).__name__, self.settings())
-
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a 0-d tensor).
 
@@ -174,10 +172,6 @@ class _CompressorBase(CodecSettings):
         self._verified_process_sets = set()
         self._forget_exchanges()
         self._feedback.set_step_counters(steps)
-
-    def step_counters(self):
-        """{tensor name: steps taken}: what :meth:`start_new_world` gets from rank 0."""
-        return self._feedback.step_counters()
 
     def _forget_exchanges(self):
         """Drops what a failed step left in flight."""
