@@ -331,9 +331,12 @@ class NodeAwareGroup:
 
         ``names``: the collectives' names (:func:`collective_names`, or a fused group's); ``rows``: step 1's
         flat float32 send (the adapter's tensor): for each rank of the node, the tag and every member's shard
-        for it; ``steps``, ``residuals``, ``owner_residuals``: each member's RNG step and, with error feedback,
-        its shard residual and owner residual as the codec takes them (else None). Returns (each member's L
-        decoded shards, float32, or None; None, or the error every rank of the node raises).
+        for it; ``steps``, ``residuals``: each member's RNG step and, with error feedback, its shard residual as
+        the codec takes it (else None); ``owner_residuals``: a function, called where the owners' sums are
+        encoded (two stages between nodes), that returns each member's owner residual as the codec takes it,
+        or None. Returns (each member's L decoded shards, float32, or None; None, or the error every rank of
+        the node raises). It never raises what the ranks sent: the error comes at its end, once this rank has
+        told its node in step 3.
         """
         received, received_splits = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[0], rows,
                                                      splits=self.in_node_splits())
@@ -358,7 +361,7 @@ class NodeAwareGroup:
             else:
                 outs = [transport.zeros(plan.cross.owned_capacity(), "uint8") for plan in self.plans]
                 pieces, counts, error = self.sum_between_nodes(arrays(received), [arrays(o) for o in owns],
-                                                               [arrays(o) for o in outs], steps, owner_residuals)
+                                                               [arrays(o) for o in outs], steps, owner_residuals())
             del owns
             received, _ = yield Collective(ALLTOALL, PAYLOAD_PREFIX + names[2], transport.concatenate(pieces, outs),
                                            splits=self.cross_splits(counts))
@@ -371,6 +374,11 @@ class NodeAwareGroup:
         sums = [transport.zeros(self.layout.local_size * plan.shard, "float32") for plan in self.plans]
         error = self.decode_node(arrays(gathered), gathered_splits, [arrays(s) for s in sums])
         return (None, error) if error is not None else (sums, None)
+
+    def collectives(self, names):
+        """[(kind, name)] of the collectives that :meth:`conduct` asks for, in order, named by ``names``."""
+        steps = range(len(STEPS)) if self.owns_chunks else (0, 1, 3)
+        return [(ALLTOALL, PAYLOAD_PREFIX + names[step]) for step in steps]
 
     def in_node_width(self):
         """Floats of step 1's row to each rank of the node (the tag, then every member's shard)."""

@@ -72,7 +72,7 @@ from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_D
                                                      ExchangeContext, adapter_method, decode_scaled)
 from horovod_qsgd.tensorflow.feedback import op_name
 from horovod_qsgd.tensorflow import hvd_join
-from horovod_qsgd.tensorflow.conduct import GraphConduct
+from horovod_qsgd.tensorflow.conduct import GraphConduct, zeroed
 from horovod_qsgd.tensorflow.fusion import FusedRound, group_name
 from horovod_qsgd.tensorflow.host_ops import values_gatherer
 from horovod_qsgd.tensorflow.node_aware import NodeAwareOps
@@ -219,14 +219,21 @@ class PayloadCompressor(CompressorBase):
         return ctx
 
     def _start_node_aware(self, members, name):
-        """Steps 1 and 2 of the members' exchange, alone (``name`` None: one tensor) or fused as ``name``."""
-        node_ops = NodeAwareOps([m.plan for m in members], name, self._runtime.stats, self._runtime.refusals,
-                                self._finite_flag, self.error_feedback)
-        residuals = [m.node_input[1] for m in members] if self.error_feedback else None
-        node_ops.start([m.node_input[0] for m in members], [m.step for m in members], residuals)
-        hvd_join.note_unanswerable_collective()  # hvd.join() cannot answer a node's alltoalls by name
+        """The collectives of the members' exchange, alone (``name`` None: one tensor) or fused as ``name``;
+        the owner residuals' new values join the members' ``pending``."""
+        node_ops = NodeAwareOps([m.plan for m in members], name, self._runtime.stats, self._finite_flag,
+                                self.error_feedback)
+        residuals = owner_vars = None
+        if self.error_feedback:
+            residuals = [m.node_input[1] for m in members]
+            if node_ops.group.owns_chunks:
+                owner_vars = [self._feedback.owner_residual_variable(m.plan) for m in members]
+        new_owners = node_ops.start([m.node_input[0] for m in members], [m.step for m in members], residuals,
+                                    None if owner_vars is None else [var.read_value() for var in owner_vars])
         for member in members:
             member.node_ops, member.node_input = node_ops, None
+        for member, owner_var, new_owner in zip(members, owner_vars or (), new_owners):
+            member.pending.append((owner_var, new_owner))
         return node_ops
 
     def _end_node_round(self, ctx, placeholder):
@@ -246,18 +253,11 @@ class PayloadCompressor(CompressorBase):
             self._node_aware_results(self._start_node_aware(group, name), group, placeholder)
 
     def _node_aware_results(self, node_ops, members, placeholder):
-        """Steps 3-4 of the members' exchange: each member's (total, finite flag) and state updates."""
-        owner_vars = None
-        if self.error_feedback and node_ops.group.owns_chunks:
-            owner_vars = [self._feedback.owner_residual_variable(m.plan) for m in members]
-        results = node_ops.results(placeholder, [m.step for m in members],
-                                   None if owner_vars is None else [var.read_value() for var in owner_vars])
-        for index, (member, (total, finite, residual)) in enumerate(zip(members, results)):
+        """The members' decoded results, each a (total, finite flag), and their residuals' new values."""
+        for member, (total, finite, residual) in zip(members, node_ops.results(placeholder)):
             member.result = (total, finite)
             if residual is not None:
                 member.pending.append((member.residual_variable, residual))
-            if owner_vars is not None:
-                member.pending.append((owner_vars[index], node_ops.new_owner_residuals[index]))
 
     # -- Horovod Elastic: one traced function, worlds of any size ------------------------------
     # Horovod Elastic resets the ranks under a tf.function traced once, so the graph cannot hold a plan: every
@@ -359,8 +359,7 @@ class PayloadCompressor(CompressorBase):
                 ctx.fused = None
                 return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
         plan = ctx.plan
-        [result] = ctx.conduct.finish(lambda gathered, totals: plan.decode(gathered, totals[0]), tensor, [plan.numel],
-                                      plan.num_ranks, self._finite_flag)
+        [result] = ctx.conduct.finish(_decode_alone(plan), tensor, [plan.numel], plan.num_ranks, self._finite_flag)
         result = tf.reshape(self._settle(ctx, result), ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
 
@@ -404,9 +403,8 @@ class PayloadCompressor(CompressorBase):
         def decode(gathered, placeholder):
             plan = ctx.live_plan(ctx)
             start = time.perf_counter()
-            total = np.zeros(plan.numel, dtype=np.float32)
-            [finite] = decode_scaled(lambda: plan.decode(gathered, total), [total], refusals.pop(plan.name, None),
-                                     placeholder, plan.num_ranks)
+            [total], [finite] = decode_scaled(functools.partial(_decode_alone(plan), gathered), [plan.numel],
+                                              refusals.pop(plan.name, None), placeholder, plan.num_ranks)
             stats.add(decode_seconds=time.perf_counter() - start)
             return total, self._finite_flag(finite)
 
@@ -414,6 +412,11 @@ class PayloadCompressor(CompressorBase):
                                                    stateful=False, name="horovod_qsgd_decode"))
         result = tf.reshape(total, ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
+
+
+def _decode_alone(plan):
+    """A tensor's decode of what its exchange gathered, alone (a :meth:`GraphConduct.finish` ``decode``)."""
+    return zeroed(lambda gathered, totals: plan.decode(gathered, totals[0]), [plan.numel])
 
 
 def _begin(plan, run, x, step_value, residual=None):

@@ -46,10 +46,10 @@ def _meaning(settings_json):
     return record
 
 
-def decode_scaled(decode, totals, refusal, placeholder, num_ranks):
-    """A decode host op's work: ``decode()`` adds the received payloads to ``totals`` (zeroed float32 arrays),
-    which are then scaled as the allreduced ``placeholder`` says (sum or average); returns whether each total
-    is finite, found by the pass that scales it.
+def decode_scaled(decode, numels, refusal, placeholder, num_ranks):
+    """A decode host op's work: ``decode()`` returns the totals (float32 arrays of ``numels``), which are then
+    scaled as the allreduced ``placeholder`` says (sum or average). Returns (the totals, whether each is
+    finite, found by the pass that scales it).
 
     ``refusal``: the mismatch this rank found in the step's first stage, raised instead. hvd.join()'s
     notices make the totals NaN: the step finishes (see hvd_join) and is discarded as non-finite.
@@ -57,14 +57,12 @@ def decode_scaled(decode, totals, refusal, placeholder, num_ranks):
     try:
         if refusal is not None:
             raise refusal
-        decode()
+        totals = decode()
     except RankInJoinError as exc:
         hvd_join.note_refused(exc.joined)
-        for total in totals:
-            total[:] = np.nan
+        totals = [np.full(numel, np.nan, np.float32) for numel in numels]
     scale = reduction_scale(float(placeholder.reshape(-1)[0]), num_ranks)
-    return [finish_sum(total, scale) for total in totals]
-
+    return totals, [finish_sum(total, scale) for total in totals]
 
 
 def in_legacy_graph():

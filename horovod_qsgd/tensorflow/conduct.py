@@ -13,8 +13,9 @@ order), and :class:`GraphConduct` builds:
 Between its host ops a conduct waits in a table, under a token that each op hands to the next: two
 runs of one graph never meet, and a step abandoned halfway (an error in another op) leaves one conduct
 behind, dropped when the table grows past a few. Which exchange it is never enters here: the adapter
-says how to start it, what its first resumed step reads and writes besides what arrived (owner-side
-residuals) and how its result is decoded.
+says how to start it, which resumed step reads and writes what besides what arrived (owner-side
+residuals), and how its result is decoded. The flat exchanges, a fused group's and the node-aware
+exchange (:mod:`horovod_qsgd.tensorflow.node_aware`) all run here.
 """
 import itertools
 import threading
@@ -34,12 +35,14 @@ _LIVE_LIMIT = 8  # conducts kept waiting per site: more means steps were abandon
 
 
 class ConductRun:
-    """One run of a site's exchange, between its host ops: the conduct and the residuals its resumed step
-    carries (what a ``begin`` hands the conduct as its owner-side residuals)."""
-    __slots__ = ("conduct", "carried")
+    """One run of a site's exchange, between its host ops: the conduct, the residuals its resumed step
+    carries (what a ``begin`` hands the conduct as its owner-side residuals), and what the ``begin`` kept for
+    the finish."""
+    __slots__ = ("conduct", "carried", "kept")
 
     def __init__(self):
         self.conduct, self.carried = None, None
+        self.kept = None
 
     def carried_residuals(self):
         """[CarriedResidual]: the carried values of the step running now, each read as it is and written anew."""
@@ -56,13 +59,17 @@ class GraphConduct:
     ``collectives``: [(kind, name)] in order, as the exchange states them; ``first_payload``: the first
     collective carries the tensor's first payload of the step (hvd.join() refuses there, see
     :mod:`horovod_qsgd.tensorflow.hvd_join`); ``on_collective(index, collective)``: counts what the
-    statistics need besides what the exchange's own steps count.
+    statistics need besides what the exchange's own steps count; ``answerable``: hvd.join() can answer the
+    collectives by name (not the node-aware exchange's, whose splits are zero outside a step's peers);
+    ``first_dtype``: what the first collective sends (float32: the node-aware exchange's in-node step).
     """
 
-    def __init__(self, collectives, process_set, stats, first_payload=True, on_collective=None):
+    def __init__(self, collectives, process_set, stats, first_payload=True, on_collective=None, answerable=True,
+                 first_dtype=tf.uint8):
         self.collectives = [(kind, op_name(name)) for kind, name in collectives]
         self.process_set, self.stats = process_set, stats
         self.first_payload, self.on_collective = first_payload, on_collective
+        self.answerable, self.first_dtype = answerable, first_dtype
         self._lock = threading.Lock()
         self._waiting = {}
         self._tokens = itertools.count(1)
@@ -115,8 +122,9 @@ class GraphConduct:
             _, outputs = self._advance(run, 0, None, started)
             return outputs + list(extra)
 
-        outputs = tf.numpy_function(start_host, list(inputs), [tf.int64, tf.uint8, tf.int32] + list(extra_dtypes),
-                                    stateful=False, name=name)
+        outputs = tf.numpy_function(start_host, list(inputs),
+                                    [tf.int64, self.first_dtype, tf.int32] + list(extra_dtypes), stateful=False,
+                                    name=name)
         self._note_outputs(outputs[:3])
         return list(outputs[3:])
 
@@ -135,7 +143,10 @@ class GraphConduct:
         else:
             self.received = hvd.allgather(self.send, name=name, ignore_name_scope=True, process_set=self.process_set)
             self._received_splits = None
-        hvd_join.note_payload_collective(kind, name, self.process_set)
+        if self.answerable:
+            hvd_join.note_payload_collective(kind, name, self.process_set)
+        else:
+            hvd_join.note_unanswerable_collective()
 
     def _arrival(self):
         """The inputs that carry what the last collective built received, and how to hand it to a conduct."""
@@ -143,18 +154,19 @@ class GraphConduct:
             return [self.received], lambda received: received
         return [self.received, self._received_splits], lambda received, splits: (received, splits.tolist())
 
-    def run_collectives(self, carried=()):
+    def run_collectives(self, carried=(), carried_at=1):
         """Step 2: every collective, and between them the host ops that resume the conduct. ``carried``:
-        tensors (owner-side residuals) that the first resumed step reads, handed to the conduct as
-        :class:`CarriedResidual`\\ s through its run (``run.carried_residuals()``); returns their values after
-        the step: written anew, or as they were where nothing was encoded into them (a refusal)."""
+        tensors (owner-side residuals) that the resumed step before collective ``carried_at`` reads, handed to
+        the conduct as :class:`CarriedResidual`\\ s through its run (``run.carried_residuals()``); returns their
+        values after the step: written anew, or as they were where nothing was encoded into them (a refusal).
+        An exchange that fails before it writes them raises in its finish, and nothing is assigned."""
         carried = list(carried)
         new_values = []
         self._collective(0)
         for index in range(1, len(self.collectives)):
             arrival_inputs, arrival = self._arrival()
             count = len(arrival_inputs)
-            with_carried = carried if index == 1 else []
+            with_carried = carried if index == carried_at else []
 
             def resume_host(token, *arrays, index=index, with_carried=with_carried):
                 started = time.perf_counter()
@@ -178,28 +190,44 @@ class GraphConduct:
             self._collective(index)
         return new_values
 
-    def finish(self, decode, placeholder, numels, num_ranks, finite_flag, name="horovod_qsgd_decode"):
-        """Step 3: one host op that takes the conduct's result and, unless it refused, ``decode(gathered,
-        totals)`` into zeroed float32 ``totals`` of ``numels``; they are scaled as the allreduced
-        ``placeholder`` says. Returns [(total, finite flag)] per total."""
+    def finish(self, decode, placeholder, numels, num_ranks, finite_flag, name="horovod_qsgd_decode", kept=None):
+        """Step 3: one host op that takes the conduct's result and, unless it refused, ``decode(gathered)``,
+        which returns the float32 totals of ``numels``; they are scaled as the allreduced ``placeholder``
+        says. Returns [(total, finite flag)] per total and, with ``kept(run.kept)`` (float32 arrays of
+        ``numels``, e.g. the step's residuals), those as tensors."""
         arrival_inputs, arrival = self._arrival()
         count, stats = len(arrival_inputs), self.stats
+        more = [] if kept is None else [tf.float32] * len(numels)
 
         def finish_host(token, *arrays):
             run = self._take(token)
             gathered, refusal = conclude(run.conduct, arrival(*arrays[:count]))
             started = time.perf_counter()
-            totals = [np.zeros(numel, np.float32) for numel in numels]
-            finite = decode_scaled(lambda: decode(gathered, totals), totals, refusal, arrays[count], num_ranks)
+            totals, finite = decode_scaled(lambda: decode(gathered), numels, refusal, arrays[count], num_ranks)
             stats.add(decode_seconds=time.perf_counter() - started)
-            return totals + [finite_flag(flag) for flag in finite]
+            return totals + [finite_flag(flag) for flag in finite] + ([] if kept is None else kept(run.kept))
 
         outputs = tf.numpy_function(finish_host, [self.token] + arrival_inputs + [placeholder],
-                                    [tf.float32] * len(numels) + [tf.bool] * len(numels), stateful=False, name=name)
+                                    [tf.float32] * len(numels) + [tf.bool] * len(numels) + more, stateful=False,
+                                    name=name)
         if not isinstance(outputs, (list, tuple)):
             outputs = [outputs]
-        for total, numel in zip(outputs, numels):
+        totals, flags, more = outputs[:len(numels)], outputs[len(numels):2 * len(numels)], outputs[2 * len(numels):]
+        for total, numel in zip(totals, numels):
             total.set_shape([numel])
-        for finite in outputs[len(numels):]:
+        for finite in flags:
             finite.set_shape([])
-        return list(zip(outputs[:len(numels)], outputs[len(numels):]))
+        for array, numel in zip(more, numels):
+            array.set_shape([numel])
+        results = list(zip(totals, flags))
+        return results if kept is None else (results, list(more))
+
+
+def zeroed(decode, numels):
+    """A :meth:`GraphConduct.finish` ``decode`` from one that adds the gathered payloads into zeroed totals:
+    ``decode(gathered, totals)``."""
+    def decoded(gathered):
+        totals = [np.zeros(numel, np.float32) for numel in numels]
+        decode(gathered, totals)
+        return totals
+    return decoded

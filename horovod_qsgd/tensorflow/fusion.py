@@ -28,7 +28,7 @@ import numpy as np
 
 from horovod_qsgd.common.collectives import HostBuffers
 from horovod_qsgd.common.fusion import FusedTwoStage
-from horovod_qsgd.tensorflow.conduct import GraphConduct
+from horovod_qsgd.tensorflow.conduct import GraphConduct, zeroed
 
 
 def group_name(namespace, process_set_id, names):
@@ -83,7 +83,8 @@ class FusedRound:
         new_owners = conduct.run_collectives([owner_variables[i].read_value() for i in with_owner])
         for i, new_owner in zip(with_owner, new_owners):
             members[i].pending.append((owner_variables[i], new_owner))
-        self._results = conduct.finish(fused.decode, placeholder, [plan.numel for plan in plans], fused.num_ranks,
+        numels = [plan.numel for plan in plans]
+        self._results = conduct.finish(zeroed(fused.decode, numels), placeholder, numels, fused.num_ranks,
                                        finite_flag, name="horovod_qsgd_fused_decode")
 
     def result(self, index):

@@ -84,9 +84,9 @@ class NodeAwareExchanges:
         sent = torch.cat(rows, dim=1).reshape(-1)
         for member in members:
             member.padded = None
+        owner_residuals = [as_array(m.owner_residual) for m in members]
         flight.conduct = group.conduct(flight.transport, names, sent, [m.step for m in members],
-                                       [as_array(m.shard_residual) for m in members],
-                                       [as_array(m.owner_residual) for m in members])
+                                       [as_array(m.shard_residual) for m in members], lambda: owner_residuals)
         self._start(flight, next(flight.conduct))
         with self._lock:
             self._flights.append(flight)

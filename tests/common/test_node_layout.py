@@ -188,10 +188,12 @@ def _node_aware_results(codec, numels, grads, nodes, local_size, fused, spoil=No
             rows.append(padded.reshape(local_size, plan.shard))
         none = [None] * len(plans)
         conducts.append(group.conduct(HostBuffers, plans[0].collective_names, np.concatenate(rows, axis=1).reshape(-1),
-                                      [1] * len(plans), none, none))
+                                      [1] * len(plans), none, lambda none=none: none))
         groups.append(group)
     asked, returned = conduct_all(conducts, sized=False)
     assert [kind for kind, _, _ in asked] == [ALLTOALL] * (4 if groups[0].kind == "two_stage" else 3)
+    # what an adapter that builds its collectives in advance (TensorFlow's graph) is told to expect
+    assert [(kind, name) for kind, name, _ in asked] == groups[0].collectives(plans[0].collective_names)
     results = {}
     for rank, (group, (sums, error)) in enumerate(zip(groups, returned)):
         results[rank] = error if error is not None else [out[:plan.numel] for plan, out in zip(group.plans, sums)]
