@@ -126,11 +126,6 @@ class AllgatherPlan(_Counted):
         """0: this rank keeps no chunk of its own (see :meth:`TwoStagePlan.own_numel`)."""
         return 0
 
-    def encode_split(self, x, out, own, step, residual=None):
-        """:meth:`encode` in :meth:`TwoStagePlan.encode_split`'s form, for an adapter whose graph takes either
-        plan: (bytes used, no splits); ``own`` is empty."""
-        return self.encode(x, out, step, residual), []
-
     def encode(self, x, out, step, residual=None):
         """Step 1: encodes ``x`` (flat float32) into ``out``; returns the bytes used, to allgather.
 
@@ -214,11 +209,6 @@ class TwoStagePlan(TwoStage, KeepsOwnerResidual, _Counted):
         splits = self.encode_for_owners(x, out, step, residual)
         self._keep_own_chunk(x, own, residual, splits)
         return splits
-
-    def encode_split(self, x, out, own, step, residual=None):
-        """:meth:`encode`, returning (bytes used, the alltoall's splits)."""
-        splits = self.encode(x, out, own, step, residual)
-        return sum(splits), splits
 
     def _keep_own_chunk(self, x, own, residual, splits):
         begin, end = self.owned

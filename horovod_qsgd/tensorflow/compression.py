@@ -63,16 +63,14 @@ from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.collectives import HostBuffers
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_threshold
-from horovod_qsgd.common.naming import HANDSHAKE_NAME, PAYLOAD_PREFIX, SECOND_STAGE_PREFIX, tensor_key
+from horovod_qsgd.common.naming import HANDSHAKE_NAME, tensor_key
 from horovod_qsgd.common.node_aware import NODE_AWARE, job_nodes
 from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.kernels import CarriedResidual, finish_sum
 from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
-                                                     ExchangeContext, adapter_method, decode_scaled)
-from horovod_qsgd.tensorflow.feedback import op_name
-from horovod_qsgd.tensorflow import hvd_join
-from horovod_qsgd.tensorflow.conduct import GraphConduct, zeroed
+                                                     ExchangeContext, adapter_method)
+from horovod_qsgd.tensorflow.conduct import AnyWorldConduct, GraphConduct, zeroed
 from horovod_qsgd.tensorflow.fusion import FusedRound, group_name
 from horovod_qsgd.tensorflow.host_ops import values_gatherer
 from horovod_qsgd.tensorflow.node_aware import NodeAwareOps
@@ -135,7 +133,7 @@ class PayloadCompressor(CompressorBase):
         process_set = step.site.process_set
         placeholder_dtype = tensor.dtype if tensor.dtype in PLACEHOLDER_DTYPES else tf.float32
         if self._in_elastic_job:
-            return self._first_stage_in_any_world(step, tensor, placeholder_dtype)
+            return self._exchange_in_any_world(step, tensor, placeholder_dtype)
         placeholder = tf.ones([1], dtype=placeholder_dtype)
         if self._runtime.nodes is not None and process_set.process_set_id == hvd.global_process_set.process_set_id:
             return placeholder, self._node_aware_context(step, tensor)
@@ -261,9 +259,8 @@ class PayloadCompressor(CompressorBase):
 
     # -- Horovod Elastic: one traced function, worlds of any size ------------------------------
     # Horovod Elastic resets the ranks under a tf.function traced once, so the graph cannot hold a plan: every
-    # tensor takes "an alltoall if the plan has two stages, then an allgather", and the host ops make the plan
-    # of the world they run in (hvd.size(), hvd.rank()). An owner residual of another layout is spilled into
-    # the sender residual at its old chunk, as the PyTorch adapter does.
+    # tensor's ops are an AnyWorldConduct's, whose host ops make the plan of the world they run in (hvd.size(),
+    # hvd.rank()).
     def _live_plan(self, ctx):
         """The plan of ctx's tensor in the world the ops run in (made once per world)."""
         key = (ctx.name, hvd.size(), hvd.rank())
@@ -273,68 +270,52 @@ class PayloadCompressor(CompressorBase):
                                                                      ctx.uncompressed_nbytes, ctx.placeholder_nbytes)
         return plan
 
-    def _first_stage_in_any_world(self, step, tensor, placeholder_dtype):
-        """(the placeholder for Horovod's allreduce, the context); the alltoall runs where the plan has two stages.
+    def _exchange_in_any_world(self, step, tensor, placeholder_dtype):
+        """(the placeholder for Horovod's allreduce, the context): the exchange's collectives, whichever the
+        plan of the world the ops run in takes.
 
         The placeholder's 1 comes out of the host op: a constant would let
         grappler's constant folding run its allreduce once, when the graph is
         optimized, and a worker that joins later would wait there for ranks
         that optimized theirs long ago.
         """
-        stats, unit = self._runtime.stats, chunk_unit(self.codec)
         ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, None, step=step.value,
                               step_variable=step.variable, process_set=hvd.global_process_set,
                               live_plan=self._live_plan)
         ctx.numel, ctx.uncompressed_nbytes, ctx.placeholder_nbytes = (step.numel, step.numel * tensor.dtype.size,
                                                                       placeholder_dtype.size)
+        ctx.conduct = AnyWorldConduct(step.name, self._runtime.stats)
         residual_var = owner_var = layout_var = None
-        inputs, out_dtypes = [step.flat, step.value], [tf.float32, tf.uint8, tf.int32, tf.float32]
+        inputs, extra_dtypes = [step.flat, step.value], [tf.float32]
         if self.error_feedback:
             residual_var = self._feedback.residual_variable(step.name, step.numel)
             owner_var, layout_var = self._feedback.elastic_owner_variables(step.name)
             inputs += [residual_var.read_value(), owner_var.read_value(), layout_var.read_value()]
-            out_dtypes += [tf.float32, tf.float32, tf.int64]
+            extra_dtypes += [tf.float32, tf.float32, tf.int64]
+        unit = chunk_unit(self.codec)
 
-        def encode(x, step_value, residual=None, owner_residual=None, owner_layout=None):
-            start = time.perf_counter()
-            plan = self._live_plan(ctx)
-            layout = plan.owner_layout()
-            if residual is not None:
-                residual = residual.copy()
-                if owner_residual.size and list(owner_layout) != layout:
-                    chunk = moved_owner_chunk(ctx.name, x.size, unit, list(owner_layout), owner_residual.size,
-                                              [plan.num_ranks, plan.rank])
-                    if chunk is not None:
-                        residual[chunk[0]:chunk[1]] += owner_residual[:chunk[1] - chunk[0]]
-                    owner_residual = owner_residual[:0]
-            out = np.zeros(plan.capacity(), dtype=np.uint8)
-            own = np.empty(plan.own_numel(), dtype=np.float32)
-            used, splits = plan.encode_split(x, out, own, int(step_value), residual)
-            if owner_residual is not None and owner_residual.size != own.size:
-                owner_residual = np.zeros(own.size, np.float32)
-            stats.add(encode_seconds=time.perf_counter() - start, collectives_started=1)
-            outputs = (np.ones(1, np.float32), out[:used], np.asarray(splits, dtype=np.int32), own)
+        def begin(run, x, step_value, residual=None, owner_residual=None, owner_layout=None):
+            plan, one = self._live_plan(ctx), np.ones(1, np.float32)
             if residual is None:
-                return outputs
-            return outputs + (residual, owner_residual, np.asarray(layout, np.int64))
+                return plan.conduct(HostBuffers, x, int(step_value)), [one]
+            residual, owner_residual = _spill_moved_owner(ctx.name, plan, unit, residual, owner_residual,
+                                                          owner_layout)
+            new_residual = np.empty_like(residual)
+            conduct = plan.conduct(HostBuffers, x, int(step_value), CarriedResidual(new_residual, residual),
+                                   run.first_carried)
+            return conduct, [one, new_residual, owner_residual, np.asarray(plan.owner_layout(), np.int64)]
 
-        outputs = tf.numpy_function(encode, inputs, out_dtypes, stateful=False, name="horovod_qsgd_encode_any_world")
-        one, payload, splits, ctx.own = outputs[:4]
+        one, *extra = ctx.conduct.start(begin, inputs, extra_dtypes, name="horovod_qsgd_encode_any_world")
         one.set_shape([1])
-        for output in outputs[1:4]:
-            output.set_shape([None])
         if residual_var is not None:
-            new_residual, ctx.owner_residual, new_layout = outputs[4:]
+            new_residual, owner_residual, new_layout = extra
             new_residual.set_shape(step.flat.shape)
-            ctx.owner_residual.set_shape([None])
+            owner_residual.set_shape([None])
             new_layout.set_shape([2])
             ctx.pending += [(residual_var, new_residual), (layout_var, new_layout)]
-            ctx.owner_variable = owner_var
-        name = op_name(PAYLOAD_PREFIX + step.name)
-        hvd_join.note_unanswerable_collective()
-        # every rank takes the same branch: the plan's kind follows the world, the same on every rank
-        ctx.gathered = tf.cond(tf.size(splits) > 0,
-                               lambda: hvd.alltoall(payload, splits=splits, name=name)[0], lambda: payload)
+        for new_owner in ctx.conduct.run_collectives(extra[1:2]):
+            ctx.pending.append((owner_var, new_owner))
+        ctx.collectives_built = True
         return tf.cast(one, placeholder_dtype), ctx
 
     @adapter_method
@@ -349,8 +330,6 @@ class PayloadCompressor(CompressorBase):
             result = tf.reshape(self._settle(ctx, ctx.result), ctx.shape)
             ctx.result = None
             return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
-        if ctx.live_plan is not None:
-            return self._decompress_in_any_world(tensor, ctx)
         if ctx.conduct is not None and not ctx.collectives_built:
             if ctx.fused is None:
                 self._end_round(ctx, tensor)
@@ -358,60 +337,32 @@ class PayloadCompressor(CompressorBase):
                 result = tf.reshape(self._settle(ctx, ctx.fused.result(ctx.index)), ctx.shape)
                 ctx.fused = None
                 return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
-        plan = ctx.plan
-        [result] = ctx.conduct.finish(_decode_alone(plan), tensor, [plan.numel], plan.num_ranks, self._finite_flag)
+        if ctx.live_plan is None:
+            decode, numel, num_ranks = _decode_alone(ctx.plan), ctx.plan.numel, ctx.plan.num_ranks
+        else:  # an elastic job's: the plan of the world the ops run in
+            numel, num_ranks = ctx.numel, hvd.size
+
+            def decode(gathered):
+                return _decode_alone(ctx.live_plan(ctx))(gathered)
+        [result] = ctx.conduct.finish(decode, tensor, [numel], num_ranks, self._finite_flag)
         result = tf.reshape(self._settle(ctx, result), ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
 
-    def _decompress_in_any_world(self, tensor, ctx):
-        """The owner's re-encoded sum allgathered where the plan of the world the ops run in has two stages
-        (else the allgather's payloads pass as they are), and the result decoded."""
-        stats, refusals = self._runtime.stats, self._runtime.refusals
-        collective_name = op_name(SECOND_STAGE_PREFIX + ctx.name)
 
-        def sum_and_encode(received, own, step_value, owner_residual=None):
-            plan = ctx.live_plan(ctx)
-            if plan.owned is None:  # no rank owns a chunk: the allgather's payloads pass as they are
-                return received if owner_residual is None else (received, owner_residual)
-            hvd_join.sending(collective_name, first=False)  # never raises mid-step: see hvd_join
-            start = time.perf_counter()
-            total = np.array(own, dtype=np.float32)
-            new_owner = None if owner_residual is None else np.empty_like(owner_residual)
-            out = np.zeros(plan.owned_capacity(), dtype=np.uint8)
-            carried = None if new_owner is None else CarriedResidual(new_owner, owner_residual)
-            used, refusal = plan.sum_and_encode(received, total, out, int(step_value), carried)
-            if refusal is not None:
-                refusals[plan.name] = refusal  # raised by this tensor's decode, after the allgather
-                new_owner = owner_residual  # nothing was encoded
-            stats.add(collectives_started=1, encode_seconds=time.perf_counter() - start)
-            return out[:used] if owner_residual is None else (out[:used], new_owner)
-
-        inputs = [ctx.gathered, ctx.own, ctx.step]
-        if ctx.owner_variable is None:
-            payload = tf.numpy_function(sum_and_encode, inputs, tf.uint8, stateful=False,
-                                        name="horovod_qsgd_encode_sum")
-        else:
-            payload, new_owner = tf.numpy_function(sum_and_encode, inputs + [ctx.owner_residual],
-                                                   [tf.uint8, tf.float32], stateful=False,
-                                                   name="horovod_qsgd_encode_sum")
-            new_owner.set_shape(ctx.owner_variable.shape)
-            ctx.pending.append((ctx.owner_variable, new_owner))
-        payload.set_shape([None])
-        # not noted for hvd.join(): an elastic job's collectives follow the world
-        gathered = hvd.allgather(payload, name=collective_name, ignore_name_scope=True, process_set=ctx.process_set)
-
-        def decode(gathered, placeholder):
-            plan = ctx.live_plan(ctx)
-            start = time.perf_counter()
-            [total], [finite] = decode_scaled(functools.partial(_decode_alone(plan), gathered), [plan.numel],
-                                              refusals.pop(plan.name, None), placeholder, plan.num_ranks)
-            stats.add(decode_seconds=time.perf_counter() - start)
-            return total, self._finite_flag(finite)
-
-        total = self._settle(ctx, tf.numpy_function(decode, [gathered, tensor], [tf.float32, tf.bool],
-                                                   stateful=False, name="horovod_qsgd_decode"))
-        result = tf.reshape(total, ctx.shape)
-        return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
+def _spill_moved_owner(name, plan, unit, residual, owner_residual, owner_layout):
+    """(residual, owner residual) that ``plan``'s step reads: an owner residual kept for another layout goes into
+    a copy of the residual at its old chunk (the rule of :class:`~horovod_qsgd.common.feedback.FeedbackStore`),
+    and one that is not the plan's own chunk becomes zeros of it."""
+    if owner_residual.size and list(owner_layout) != plan.owner_layout():
+        chunk = moved_owner_chunk(name, residual.size, unit, list(owner_layout), owner_residual.size,
+                                  [plan.num_ranks, plan.rank])
+        if chunk is not None:
+            residual = residual.copy()
+            residual[chunk[0]:chunk[1]] += owner_residual[:chunk[1] - chunk[0]]
+        owner_residual = owner_residual[:0]
+    if owner_residual.size != plan.own_numel():
+        owner_residual = np.zeros(plan.own_numel(), np.float32)
+    return residual, owner_residual
 
 
 def _decode_alone(plan):

@@ -101,26 +101,24 @@ class _Step:
 
 class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
-    __slots__ = ("name", "shape", "dtype", "num_ranks", "gathered", "step", "step_variable", "plan", "own",
+    __slots__ = ("name", "shape", "dtype", "num_ranks", "step", "step_variable", "plan", "own",
                  "process_set", "pending", "live_plan", "numel", "uncompressed_nbytes", "placeholder_nbytes",
-                 "owner_residual", "owner_variable", "node_ops", "residual_variable", "conduct", "collectives_built",
+                 "node_ops", "residual_variable", "conduct", "collectives_built",
                  "graph", "fused", "index", "node_input", "result")
 
-    def __init__(self, name, shape, dtype, num_ranks, gathered=None, step=None, step_variable=None, plan=None,
+    def __init__(self, name, shape, dtype, num_ranks, step=None, step_variable=None, plan=None,
                  own=None, process_set=None, pending=(), live_plan=None):
         self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
-        self.gathered, self.step, self.step_variable = gathered, step, step_variable
+        self.step, self.step_variable = step, step_variable
         # [(state variable, its value after this step)], assigned by _settle() if the result is finite
         self.pending = list(pending)
         # the engine's plan (horovod_qsgd.common.engine); own: a two-stage tensor's own chunk until its fused
-        # group takes it (and, in an elastic job, gathered: what its first stage received)
+        # group takes it
         self.plan, self.own, self.process_set = plan, own, process_set
         # in an elastic job: plan is None and live_plan(ctx) makes the plan of the world the ops run in, for
-        # numel elements; owner_residual is the owner residual after the first stage's spill, owner_variable
-        # its variable
+        # numel elements
         self.live_plan, self.numel = live_plan, None
         self.uncompressed_nbytes = self.placeholder_nbytes = None
-        self.owner_residual = self.owner_variable = None
         # the node-aware exchange (horovod_qsgd.tensorflow.node_aware): its ops, and the residual they update
         self.node_ops = self.residual_variable = None
         # until it starts, its input (the flat gradient and, with error feedback, the residual read); once its
@@ -254,7 +252,6 @@ class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
         """After an elastic reset, on every rank: the settings are checked again and the step counters become
         ``steps`` (rank 0's, by tensor name), so that a rank that joined draws the same random streams."""
         self._runtime.verified_process_sets = set()
-        self._runtime.refusals.clear()
         self._feedback.set_step_counters(steps)
 
     def verify_settings(self):
@@ -404,7 +401,6 @@ class _Runtime:
         self.variable_of_name = {}
         self.keep_alive = []
         self.pass_through_counters = []
-        self.refusals = {}  # tensor name -> the mismatch this rank found in a first stage, raised when decoding
         self.live_plans = {}  # (tensor name, ranks, rank) -> its plan, in an elastic job
         self.fusion_round = []  # two-stage contexts compressed since the last decompress, alltoall not built
         self.node_round = []  # likewise, node-aware contexts whose exchange has not started

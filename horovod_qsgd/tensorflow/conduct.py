@@ -25,7 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from horovod_qsgd.common.collectives import ALLTOALL, conclude
+from horovod_qsgd.common.collectives import ALLGATHER, ALLTOALL, conclude
+from horovod_qsgd.common.naming import PAYLOAD_PREFIX, SECOND_STAGE_PREFIX
 from horovod_qsgd.kernels import CarriedResidual
 from horovod_qsgd.tensorflow import hvd_join
 from horovod_qsgd.tensorflow.compressor_base import decode_scaled
@@ -96,18 +97,29 @@ class GraphConduct:
             self._waiting.pop(int(token), None)
 
     def _advance(self, run, index, received, seconds_from):
-        """Runs ``run``'s conduct from collective ``index - 1``'s arrival to collective ``index``; parks it."""
+        """Runs ``run``'s conduct from collective ``index - 1``'s arrival to collective ``index``; parks it.
+        Returns (the collective, or None where the graph's collective ``index`` is skipped, [the token, what
+        it sends, its splits])."""
         if index > 0:
             hvd_join.sending(self.collectives[index][1], first=False)  # never raises mid-step: see hvd_join
-        collective = next(run.conduct) if index == 0 else run.conduct.send(received)
-        if (collective.kind, op_name(collective.name)) != self.collectives[index]:
-            raise RuntimeError(f"horovod_qsgd: an exchange asked for {collective.kind} {collective.name!r} where it "
-                               f"stated {self.collectives[index]}")
+        collective = self._next_collective(run, index, received)
+        if collective is None:
+            self.stats.add(encode_seconds=time.perf_counter() - seconds_from)
+            return None, [self._park(run), np.zeros(0, np.uint8), np.zeros(0, np.int32)]
         if self.on_collective is not None:
             self.on_collective(index, collective)
         self.stats.add(collectives_started=1, encode_seconds=time.perf_counter() - seconds_from)
         splits = collective.splits if collective.kind == ALLTOALL else []
         return collective, [self._park(run), np.asarray(collective.send), np.asarray(splits, np.int32)]
+
+    def _next_collective(self, run, index, received):
+        """The conduct's collective ``index``, sent what collective ``index - 1`` received; it must be the one
+        the graph holds."""
+        collective = next(run.conduct) if index == 0 else run.conduct.send(received)
+        if (collective.kind, op_name(collective.name)) != self.collectives[index]:
+            raise RuntimeError(f"horovod_qsgd: an exchange asked for {collective.kind} {collective.name!r} where it "
+                               f"stated {self.collectives[index]}")
+        return collective
 
     # -- the graph ------------------------------------------------------------------------------
     def start(self, begin, inputs, extra_dtypes=(), name="horovod_qsgd_encode"):
@@ -176,7 +188,7 @@ class GraphConduct:
                 run.carried = [CarriedResidual(new, old) for new, old in zip(news, olds)]
                 collective, outputs = self._advance(run, index, arrival(*arrays[:count]), started)
                 run.carried = None
-                if collective.refusal is not None:
+                if collective is not None and collective.refusal is not None:
                     news = list(olds)  # nothing was encoded
                 return outputs + news
 
@@ -193,8 +205,9 @@ class GraphConduct:
     def finish(self, decode, placeholder, numels, num_ranks, finite_flag, name="horovod_qsgd_decode", kept=None):
         """Step 3: one host op that takes the conduct's result and, unless it refused, ``decode(gathered)``,
         which returns the float32 totals of ``numels``; they are scaled as the allreduced ``placeholder``
-        says. Returns [(total, finite flag)] per total and, with ``kept(run.kept)`` (float32 arrays of
-        ``numels``, e.g. the step's residuals), those as tensors."""
+        says (over ``num_ranks``: an int, or a function that gives it as the op runs). Returns [(total, finite
+        flag)] per total and, with ``kept(run.kept)`` (float32 arrays of ``numels``, e.g. the step's
+        residuals), those as tensors."""
         arrival_inputs, arrival = self._arrival()
         count, stats = len(arrival_inputs), self.stats
         more = [] if kept is None else [tf.float32] * len(numels)
@@ -203,7 +216,8 @@ class GraphConduct:
             run = self._take(token)
             gathered, refusal = conclude(run.conduct, arrival(*arrays[:count]))
             started = time.perf_counter()
-            totals, finite = decode_scaled(lambda: decode(gathered), numels, refusal, arrays[count], num_ranks)
+            totals, finite = decode_scaled(lambda: decode(gathered), numels, refusal, arrays[count],
+                                           num_ranks() if callable(num_ranks) else num_ranks)
             stats.add(decode_seconds=time.perf_counter() - started)
             return totals + [finite_flag(flag) for flag in finite] + ([] if kept is None else kept(run.kept))
 
@@ -231,3 +245,45 @@ def zeroed(decode, numels):
         decode(gathered, totals)
         return totals
     return decoded
+
+
+class AnyWorldConduct(GraphConduct):
+    """The graph ops of one tensor's exchange in a Horovod Elastic job, where one traced function runs on worlds
+    of any size: the graph cannot hold a plan, and the ``begin`` makes the plan of the world the ops run in.
+
+    The graph holds an alltoall under the tensor's payload name, which runs only where the plan's conduct asks
+    for one (every rank takes the same branch: the plan follows the world), then an allgather under its
+    second stage's name, which carries the conduct's last collective: the owners' sums of the two stages, or
+    the payloads of a plan of one allgather. hvd.join() cannot answer them by name.
+    """
+
+    def __init__(self, name, stats):
+        super().__init__([(ALLTOALL, PAYLOAD_PREFIX + name), (ALLGATHER, SECOND_STAGE_PREFIX + name)],
+                         hvd.global_process_set, stats, answerable=False)
+
+    def _next_collective(self, run, index, received):
+        if index == 0:
+            collective = next(run.conduct)
+            if collective.kind == ALLGATHER:  # the plan's one collective: the graph's allgather carries it
+                run.kept = collective
+                return None
+            return collective
+        if run.kept is not None:
+            collective, run.kept = run.kept, None
+        else:
+            collective = run.conduct.send(received)
+        if collective.kind != self.collectives[index][0]:  # the names were fixed when the graph was traced
+            raise RuntimeError(f"horovod_qsgd: an exchange asked for {collective.kind} {collective.name!r} where "
+                               f"the graph holds {self.collectives[index]}")
+        return collective
+
+    def _collective(self, index):
+        if index > 0:
+            super()._collective(index)
+            return
+        name, send, splits = self.collectives[0][1], self.send, self.splits
+        self.received, self._received_splits = tf.cond(
+            tf.size(splits) > 0,
+            lambda: hvd.alltoall(send, splits=splits, name=name, ignore_name_scope=True),
+            lambda: (send, splits))
+        hvd_join.note_unanswerable_collective()

@@ -83,9 +83,9 @@ def test_state_checks_name_the_difference_and_accept_states_from_before_the_exch
 @pytest.mark.parametrize("num_ranks, exchange", [(2, "allgather"), (3, "two_stage")])
 def test_either_plan_answers_what_an_adapter_asks_without_naming_its_kind(num_ranks, exchange):
     """An adapter whose graph takes either plan (TensorFlow's elastic one) asks each plan alike: whether its
-    first collective is an alltoall (Horovod does not fuse those), its owner layout, its own chunk, and
-    ``encode_split``, which gives ``encode``'s bytes and residual."""
-    from horovod_qsgd.common.collectives import ALLTOALL
+    first collective is an alltoall (Horovod does not fuse those), its owner layout, its own chunk, and its
+    conduct."""
+    from horovod_qsgd.common.collectives import ALLTOALL, HostBuffers
     from horovod_qsgd.common.engine import NO_OWNER, PayloadEngine
     from horovod_qsgd.common.stats import CompressionStats
     codec = TopKCodec(ratio=0.01)
@@ -97,14 +97,7 @@ def test_either_plan_answers_what_an_adapter_asks_without_naming_its_kind(num_ra
     plan = plans[0]
     assert plan.starts_with_alltoall == (plan.collectives()[0][0] == ALLTOALL) == (exchange == "two_stage")
     assert plan.owner_layout() == ([num_ranks, rank] if exchange == "two_stage" else list(NO_OWNER))
-    split_out, plain_out = np.zeros(plan.capacity(), np.uint8), np.zeros(plan.capacity(), np.uint8)
-    split_residual, plain_residual = np.zeros(numel, np.float32), np.zeros(numel, np.float32)
-    split_own, plain_own = np.empty(plan.own_numel(), np.float32), np.empty(plan.own_numel(), np.float32)
-    used, splits = plans[0].encode_split(x, split_out, split_own, 5, split_residual)
-    if exchange == "two_stage":
-        plain_splits = plans[1].encode(x, plain_out, plain_own, 5, plain_residual)
-        assert splits == plain_splits and used == sum(plain_splits) > 0 and plan.own_numel() > 0
-        assert np.array_equal(split_own, plain_own)
-    else:
-        assert (used, splits, plan.own_numel()) == (plans[1].encode(x, plain_out, 5, plain_residual), [], 0)
-    assert np.array_equal(split_out, plain_out) and np.array_equal(split_residual, plain_residual)
+    assert plan.own_numel() == (plan.owned[1] - plan.owned[0] if exchange == "two_stage" else 0)
+    # its conduct asks first for what collectives() states
+    conduct = plan.conduct(HostBuffers, x, 5, np.zeros(numel, np.float32))
+    assert next(conduct).kind == plan.collectives()[0][0]

@@ -111,6 +111,42 @@ def test_top_k_two_stage_in_a_function_equals_the_reference_and_the_torch_adapte
 
 
 @pytest.mark.ranks(3, timeout=240)
+def test_an_elastic_jobs_exchange_on_a_world_that_does_not_change_is_the_plain_one_bit_for_bit(hvd_tf):
+    # A Horovod Elastic job's compressor makes its plans as the ops run (tensorflow/conduct.py AnyWorldConduct):
+    # two stages with top-k's residuals and owner residuals, and QSGD's one allgather, which the graph's
+    # alltoall skips. On 3 unchanging ranks every result and the state after 3 steps are the plain path's bits.
+    import os
+    import tensorflow as tf
+    import horovod_qsgd.tensorflow as tf_adapter
+    from horovod_qsgd.tensorflow import elastic
+    hvd = hvd_tf
+    numel, me = 100_003, hvd.rank()
+
+    def compressors():
+        return [tf_adapter.TopK(ratio=0.01, exchange="two_stage"), tf_adapter.QSGD(bits=4, exchange="allgather")]
+    os.environ["HOROVOD_ELASTIC"] = "1"  # what horovodrun sets in an elastic job's workers
+    try:
+        in_elastic_job = compressors()
+    finally:
+        del os.environ["HOROVOD_ELASTIC"]
+    for compressor in in_elastic_job:
+        elastic.TensorFlowState([tf.Variable(tf.zeros([1]))], compression=compressor)
+    for plain, any_world in zip(compressors(), in_elastic_job):
+        steps = [tf.function(lambda x, c=c: hvd.allreduce(x, name="t", op=hvd.Sum, compression=c))
+                 for c in (plain, any_world)]
+        for step in range(3):
+            x = tf.constant(gradient(me, numel, step))
+            want, got = (run(x).numpy() for run in steps)
+            assert np.array_equal(got, want), (type(plain).__name__, step)
+        want, got = plain.state_dict()["tensors"]["t"], any_world.state_dict()["tensors"]["t"]
+        assert got["step"] == want["step"] == 3
+        for key in ("residual", "owner_residual"):
+            assert (got[key] is None and want[key] is None) or np.array_equal(got[key], want[key]), key
+        assert got["owner_layout"] == want["owner_layout"]
+    assert in_elastic_job[0].state_dict()["tensors"]["t"]["owner_layout"] == [3, me]
+
+
+@pytest.mark.ranks(3, timeout=240)
 def test_owner_residual_from_another_rank_count_is_sent_by_its_rank_or_reset_with_a_warning(hvd_tf):
     # As the PyTorch adapter's test of the same name: a checkpoint of a 4-rank job loaded into 3 ranks. Rank r's
     # owner-side residual of its chunk of 4 joins its own residual there (eagerly, and in a function traced
