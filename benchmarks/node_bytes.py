@@ -82,14 +82,14 @@ def formula(model, name, nodes, per_node):
     return nodes * total
 
 
-def run(name, nodes, per_node, model, tmp, rate=None, iters=2, framework="pytorch"):
+def run(name, nodes, per_node, model, tmp, rate=None, iters=2, framework="pytorch", tree=ROOT):
     """One job of configuration ``name`` (``iters`` timed iterations of 2 steps); the nodelab's result.
     ``framework="tensorflow"``: TensorFlow's benchmark, its gradients in one grouped call (``groups=1``: what
-    TensorFlow fuses)."""
+    TensorFlow fuses). ``tree``: the checkout whose benchmark script (and so library) runs."""
     out = os.path.join(tmp, f"{nodes}x{per_node}-{name}.json")
     script, extra = ("pytorch_synthetic_benchmark.py", []) if framework == "pytorch" else \
         ("tensorflow_synthetic_benchmark.py", ["--groups", "1"])
-    argv = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--model", model,
+    argv = [sys.executable, os.path.join(tree, "benchmarks", script), "--model", model,
             "--batch-size", "8", "--num-warmup-batches", "2", "--num-iters", str(iters), "--num-batches-per-iter", "2",
             "--json-out", out, *_flags(name), *extra]
     return nodelab.run_benchmark(nodes, per_node, argv, out, name, rate=rate, timeout=1200)

@@ -18,7 +18,9 @@ Horovod's own fusion is off (``HOROVOD_FUSION_THRESHOLD=0``, see ``_launch``).
 
 The node-aware settings run 4 ranks as two "nodes" of two (``3nodes``: 6 ranks, three nodes, where the
 exchange between nodes takes two stages): the DDP hooks' set ``GROUP_RANK`` to ``rank // 2`` before the
-first bucket, TensorFlow's have Horovod report that layout (``hvd.local_rank()`` and the like).
+first bucket, TensorFlow's have Horovod report that layout (``hvd.local_rank()`` and the like). The
+``elastic`` settings take a Horovod Elastic job's TensorFlow path in a plain job (``HOROVOD_ELASTIC=1`` in
+the worker, the compressor in an elastic state), on a world that does not change.
 Prints the JSON record; ``--out`` writes it too. Run it at two revisions
 (a ``git worktree`` of the older one) and compare the files.
 """
@@ -55,6 +57,9 @@ TENSORFLOW_SETTINGS = {
                                              fusion_threshold=0, min_numel=1000), 0),
     "topk-node_aware-grouped-3nodes": ("TopK", dict(ratio=0.05, exchange="node_aware", error_feedback=True,
                                                     min_numel=1000), 1),
+    # a Horovod Elastic job's path (its plans made as the ops run), taken in a plain job: the world never changes
+    "qsgd4-auto-elastic": ("QSGD", dict(bits=4, bucket_size=128, exchange="auto", min_numel=1000), 0),
+    "topk-two_stage-elastic": ("TopK", dict(ratio=0.05, exchange="two_stage", min_numel=1000), 0),
 }
 HOROVOD_SETTINGS = {
     "qsgd4-auto": ("QSGD", dict(bits=4, bucket_size=128, exchange="auto", min_numel=1000)),
@@ -181,6 +186,8 @@ def _tensorflow_worker(setting, steps, out):
     import horovod.tensorflow as hvd
     import horovod_qsgd.tensorflow as qtf
     hvd.init()
+    if setting.endswith("elastic"):  # what horovodrun sets in an elastic job's workers, read by the compressors
+        os.environ["HOROVOD_ELASTIC"] = "1"
     if "node_aware" in setting:  # two ranks per "node", numbered node by node
         size, rank = hvd.size(), hvd.rank()
         hvd.local_rank, hvd.local_size = (lambda: rank % 2), (lambda: 2)
@@ -212,6 +219,9 @@ def _tensorflow_worker(setting, steps, out):
     weights = [tf.Variable(rng.standard_normal(shape).astype(np.float32) * 0.05, name=f"w{i}")
                for i, shape in enumerate(shapes)]
     compression = getattr(qtf, cls)(**kwargs)
+    if setting.endswith("elastic"):
+        from horovod_qsgd.tensorflow import elastic
+        elastic.TensorFlowState(weights, compression=compression)  # the state an elastic job's compressor is in
 
     @tf.function
     def train_step(x, y):
