@@ -276,9 +276,10 @@ def run(nodes_count, per_node, argv, launcher="horovodrun", rate=None, timeout=1
 
 
 def run_benchmark(nodes_count, per_node, argv, json_out, what, **run_kwargs):
-    """:func:`run` for a benchmark whose rank 0 writes ``json_out``: one framework and kernel thread per rank;
-    returns the JSON, or raises naming ``what`` and the exit code."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    """:func:`run` for a benchmark whose rank 0 writes ``json_out``: one framework and kernel thread per rank
+    (TensorFlow's too); returns the JSON, or raises naming ``what`` and the exit code."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
+               TF_NUM_INTEROP_THREADS="1")
     code, _ = run(nodes_count, per_node, argv, env=env, **run_kwargs)
     if code != 0:
         raise RuntimeError(f"{nodes_count}x{per_node} {what} failed (exit {code})")
