@@ -162,10 +162,15 @@ class PayloadCompressor(CompressorBase):
             return placeholder, ctx
         ctx.own = extra[0]
         ctx.own.set_shape([plan.own_numel()])
-        ctx.graph = ops.get_default_graph()
-        with self._runtime.lock:
-            self._runtime.fusion_round.append(ctx)
+        self._wait_for_round(ctx, self._runtime.fusion_round)
         return placeholder, ctx
+
+    def _wait_for_round(self, ctx, round_):
+        """ctx's exchange starts at its round's first decompress, fused with the round's others (``round_``:
+        the runtime's list it waits in)."""
+        ctx.graph, ctx.waiting = ops.get_default_graph(), True
+        with self._runtime.lock:
+            round_.append(ctx)
 
     def _run_collectives(self, ctx):
         """The collectives of ctx's exchange alone, under its tensor's names; its owner residual's new value
@@ -174,28 +179,41 @@ class PayloadCompressor(CompressorBase):
         new_owner = ctx.conduct.run_collectives([] if owner_var is None else [owner_var.read_value()])
         if owner_var is not None:
             ctx.pending.append((owner_var, new_owner[0]))
-        ctx.collectives_built = True
 
     def _keeps_owner_residual(self, plan):
         return self.error_feedback and plan.owned is not None
 
-    def _end_round(self, ctx, placeholder):
-        """At a round's first decompress: its two-stage tensors of ctx's graph and process set start, fused
-        where there are several (a grouped call), else alone under their own names."""
+    def _end_round(self, ctx):
+        """At a round's first decompress: the tensors of ctx's graph that wait for it start, fused where there
+        are several (a grouped call), else alone under their own names. Its two-stage tensors of ctx's process
+        set (tensorflow/fusion.py) and its node-aware tensors that take the same exchange between nodes (the
+        nodes' allgather, or from 3 nodes their two stages for shards large enough) are a group each."""
         with self._runtime.lock:
-            members = [m for m in self._runtime.fusion_round if m.graph is ctx.graph
-                       and m.process_set.process_set_id == ctx.process_set.process_set_id]
-            self._runtime.fusion_round = [m for m in self._runtime.fusion_round if m not in members]
-        if len(members) == 1:
-            self._run_collectives(ctx)
-            return
-        names = _distinct_names(members)
-        owner_variables = [self._feedback.owner_residual_variable(m.plan) if self.error_feedback else None
-                           for m in members]
-        fused = FusedRound(group_name(self._fusion_namespace, ctx.process_set.process_set_id, names), members,
-                           placeholder, self._runtime, self._finite_flag, owner_variables)
-        for index, member in enumerate(members):
-            member.fused, member.index, member.own = fused, index, None
+            runtime = self._runtime
+            flat = [m for m in runtime.fusion_round if m.graph is ctx.graph
+                    and m.process_set.process_set_id == ctx.process_set.process_set_id]
+            node_aware = [m for m in runtime.node_round if m.graph is ctx.graph]
+            runtime.fusion_round = [m for m in runtime.fusion_round if m not in flat]
+            runtime.node_round = [m for m in runtime.node_round if m not in node_aware]
+        for member in flat + node_aware:
+            member.waiting = False
+        if len(flat) == 1:
+            self._run_collectives(flat[0])
+        elif flat:
+            names = _distinct_names(flat)
+            owner_variables = [self._feedback.owner_residual_variable(m.plan) if self.error_feedback else None
+                               for m in flat]
+            fused = FusedRound(group_name(self._fusion_namespace, ctx.process_set.process_set_id, names), flat,
+                               self._runtime, self._finite_flag, owner_variables)
+            for index, member in enumerate(flat):
+                member.fused, member.index, member.own = fused, index, None
+        _distinct_names(node_aware)
+        for kind in sorted({m.plan.cross.kind for m in node_aware}):
+            group = [m for m in node_aware if m.plan.cross.kind == kind]
+            name = None
+            if len(group) > 1:
+                name = group_name(self._fusion_namespace, ctx.process_set.process_set_id, [m.name for m in group])
+            self._start_node_aware(group, name)
 
     def _node_aware_context(self, step, tensor):
         """A node-aware tensor's context (:mod:`horovod_qsgd.tensorflow.node_aware`): its exchange starts here
@@ -211,51 +229,15 @@ class PayloadCompressor(CompressorBase):
         if self.fusion_threshold == 0:
             self._start_node_aware([ctx], None)
         else:
-            ctx.graph = ops.get_default_graph()
-            with self._runtime.lock:
-                self._runtime.node_round.append(ctx)
+            self._wait_for_round(ctx, self._runtime.node_round)
         return ctx
 
     def _start_node_aware(self, members, name):
-        """The collectives of the members' exchange, alone (``name`` None: one tensor) or fused as ``name``;
-        the owner residuals' new values join the members' ``pending``."""
-        node_ops = NodeAwareOps([m.plan for m in members], name, self._runtime.stats, self._finite_flag,
-                                self.error_feedback)
-        residuals = owner_vars = None
-        if self.error_feedback:
-            residuals = [m.node_input[1] for m in members]
-            if node_ops.group.owns_chunks:
-                owner_vars = [self._feedback.owner_residual_variable(m.plan) for m in members]
-        new_owners = node_ops.start([m.node_input[0] for m in members], [m.step for m in members], residuals,
-                                    None if owner_vars is None else [var.read_value() for var in owner_vars])
-        for member in members:
-            member.node_ops, member.node_input = node_ops, None
-        for member, owner_var, new_owner in zip(members, owner_vars or (), new_owners):
-            member.pending.append((owner_var, new_owner))
-        return node_ops
-
-    def _end_node_round(self, ctx, placeholder):
-        """At a round's first decompress: the exchanges of its node-aware tensors of ctx's graph, and their results.
-        Those that take the same exchange between nodes (the nodes' allgather, or from 3 nodes their two stages
-        for shards large enough) are fused where there are several (a grouped call); one is alone, under the
-        tensor's own names."""
-        with self._runtime.lock:
-            members = [m for m in self._runtime.node_round if m.graph is ctx.graph]
-            self._runtime.node_round = [m for m in self._runtime.node_round if m not in members]
-        _distinct_names(members)
-        for kind in sorted({m.plan.cross.kind for m in members}):
-            group = [m for m in members if m.plan.cross.kind == kind]
-            name = None
-            if len(group) > 1:
-                name = group_name(self._fusion_namespace, ctx.process_set.process_set_id, [m.name for m in group])
-            self._node_aware_results(self._start_node_aware(group, name), group, placeholder)
-
-    def _node_aware_results(self, node_ops, members, placeholder):
-        """The members' decoded results, each a (total, finite flag), and their residuals' new values."""
-        for member, (total, finite, residual) in zip(members, node_ops.results(placeholder)):
-            member.result = (total, finite)
-            if residual is not None:
-                member.pending.append((member.residual_variable, residual))
+        """The collectives of the members' exchange, alone (``name`` None: one tensor) or fused as ``name``."""
+        node_ops = NodeAwareOps(members, name, self._runtime.stats, self._finite_flag,
+                                self._feedback.owner_residual_variable)
+        for index, member in enumerate(members):
+            member.fused, member.index = node_ops, index
 
     # -- Horovod Elastic: one traced function, worlds of any size ------------------------------
     # Horovod Elastic resets the ranks under a tf.function traced once, so the graph cannot hold a plan: every
@@ -315,36 +297,22 @@ class PayloadCompressor(CompressorBase):
             ctx.pending += [(residual_var, new_residual), (layout_var, new_layout)]
         for new_owner in ctx.conduct.run_collectives(extra[1:2]):
             ctx.pending.append((owner_var, new_owner))
-        ctx.collectives_built = True
         return tf.cast(one, placeholder_dtype), ctx
 
     @adapter_method
     def decompress(self, tensor, ctx):
         if ctx is PASS_THROUGH:
             return tensor
-        if ctx.plan is not None and ctx.plan.kind == NODE_AWARE:
-            if ctx.node_ops is None:
-                self._end_node_round(ctx, tensor)
-            elif ctx.result is None:  # started alone by its compress
-                self._node_aware_results(ctx.node_ops, [ctx], tensor)
-            result = tf.reshape(self._settle(ctx, ctx.result), ctx.shape)
-            ctx.result = None
-            return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
-        if ctx.conduct is not None and not ctx.collectives_built:
-            if ctx.fused is None:
-                self._end_round(ctx, tensor)
-            if ctx.fused is not None:
-                result = tf.reshape(self._settle(ctx, ctx.fused.result(ctx.index)), ctx.shape)
-                ctx.fused = None
-                return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
-        if ctx.live_plan is None:
-            decode, numel, num_ranks = _decode_alone(ctx.plan), ctx.plan.numel, ctx.plan.num_ranks
+        if ctx.waiting:
+            self._end_round(ctx)
+        if ctx.fused is not None:  # one of a group's, or a node-aware tensor's alone
+            result, ctx.fused = ctx.fused.result(ctx.index, tensor), None
+        elif ctx.live_plan is None:
+            [result] = ctx.conduct.finish(_decode_alone(ctx.plan), tensor, [ctx.plan.numel], ctx.plan.num_ranks,
+                                          self._finite_flag)
         else:  # an elastic job's: the plan of the world the ops run in
-            numel, num_ranks = ctx.numel, hvd.size
-
-            def decode(gathered):
-                return _decode_alone(ctx.live_plan(ctx))(gathered)
-        [result] = ctx.conduct.finish(decode, tensor, [numel], num_ranks, self._finite_flag)
+            [result] = ctx.conduct.finish(lambda gathered: _decode_alone(ctx.live_plan(ctx))(gathered), tensor,
+                                          [ctx.numel], hvd.size, self._finite_flag)
         result = tf.reshape(self._settle(ctx, result), ctx.shape)
         return result if ctx.dtype == tf.float32 else tf.cast(result, ctx.dtype)
 

@@ -103,8 +103,7 @@ class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
     __slots__ = ("name", "shape", "dtype", "num_ranks", "step", "step_variable", "plan", "own",
                  "process_set", "pending", "live_plan", "numel", "uncompressed_nbytes", "placeholder_nbytes",
-                 "node_ops", "residual_variable", "conduct", "collectives_built",
-                 "graph", "fused", "index", "node_input", "result")
+                 "residual_variable", "conduct", "graph", "waiting", "fused", "index", "node_input")
 
     def __init__(self, name, shape, dtype, num_ranks, step=None, step_variable=None, plan=None,
                  own=None, process_set=None, pending=(), live_plan=None):
@@ -119,16 +118,15 @@ class ExchangeContext:
         # numel elements
         self.live_plan, self.numel = live_plan, None
         self.uncompressed_nbytes = self.placeholder_nbytes = None
-        # the node-aware exchange (horovod_qsgd.tensorflow.node_aware): its ops, and the residual they update
-        self.node_ops = self.residual_variable = None
-        # until it starts, its input (the flat gradient and, with error feedback, the residual read); once its
-        # results are built, (total, finite flag)
-        self.node_input = self.result = None
-        # the exchange's graph ops (horovod_qsgd.tensorflow.conduct), and whether its collectives are built:
-        # a two-stage tensor's wait for its round's end (horovod_qsgd.tensorflow.fusion), in the graph
-        # ``graph``, unless it joins a fused group (its place there: ``index``)
-        self.conduct, self.collectives_built = None, False
-        self.graph = self.fused = self.index = None
+        # the exchange's graph ops alone (horovod_qsgd.tensorflow.conduct); the residual variable a node-aware
+        # exchange updates, and its input until it starts (the flat gradient and, with error feedback, the
+        # residual read)
+        self.conduct = self.residual_variable = self.node_input = None
+        # waiting: a two-stage or node-aware tensor of graph ``graph`` waits for its round's first decompress to
+        # be fused; then fused: its group's ops (tensorflow/fusion.py FusedRound, tensorflow/node_aware.py
+        # NodeAwareOps, also a node-aware tensor's alone), its place there ``index``
+        self.graph, self.waiting = None, False
+        self.fused = self.index = None
 
 
 class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):

@@ -39,13 +39,13 @@ def group_name(namespace, process_set_id, names):
 
 class FusedRound:
     """The graph ops of one fused group (one conduct for all its members, built by
-    :class:`~horovod_qsgd.tensorflow.conduct.GraphConduct`); :meth:`result` gives each member's (total, finite
-    flag)."""
+    :class:`~horovod_qsgd.tensorflow.conduct.GraphConduct`): every collective at once, then, at the first
+    member's :meth:`result`, the decode."""
 
-    def __init__(self, name, members, placeholder, runtime, finite_flag, owner_variables):
+    def __init__(self, name, members, runtime, finite_flag, owner_variables):
         """``members``: the round's contexts (their ``plan``, ``conduct`` waiting at its first collective,
-        ``own``, ``step``); ``placeholder``: a member's allreduced placeholder; ``owner_variables``: each
-        member's owner-residual variable (None each without error feedback)."""
+        ``own``, ``step``); ``owner_variables``: each member's owner-residual variable (None each without
+        error feedback)."""
         plans = [ctx.plan for ctx in members]
         fused, stats, count = FusedTwoStage(plans), runtime.stats, len(members)
         with_owner = [i for i, var in enumerate(owner_variables) if var is not None]
@@ -83,10 +83,16 @@ class FusedRound:
         new_owners = conduct.run_collectives([owner_variables[i].read_value() for i in with_owner])
         for i, new_owner in zip(with_owner, new_owners):
             members[i].pending.append((owner_variables[i], new_owner))
-        numels = [plan.numel for plan in plans]
-        self._results = conduct.finish(zeroed(fused.decode, numels), placeholder, numels, fused.num_ranks,
-                                       finite_flag, name="horovod_qsgd_fused_decode")
+        self._conduct, self._fused, self._finite_flag = conduct, fused, finite_flag
+        self._numels = [plan.numel for plan in plans]
+        self._results = None
 
-    def result(self, index):
-        """(total, finite flag) of member ``index``."""
+    def result(self, index, placeholder):
+        """(total, scaled as ``placeholder`` says, finite flag) of member ``index``; the first call builds
+        every member's."""
+        if self._results is None:
+            numels = self._numels
+            self._results = self._conduct.finish(zeroed(self._fused.decode, numels), placeholder, numels,
+                                                 self._fused.num_ranks, self._finite_flag,
+                                                 name="horovod_qsgd_fused_decode")
         return self._results[index]

@@ -9,7 +9,8 @@ come in, as it does for the two stages.
 
 One :class:`NodeAwareOps` is one tensor's exchange, or the fused exchange of a grouped call's tensors
 (``hvd.grouped_allreduce``, ``groups=``: one collective per step for all of them, as
-:mod:`horovod_qsgd.tensorflow.fusion` does for the flat two stages), every payload and result bit as alone.
+:mod:`horovod_qsgd.tensorflow.fusion`'s ``FusedRound`` does for the flat two stages), every payload and
+result bit as alone.
 
 The conduct never raises mid-step: a failed step would leave the peers waiting for it. What goes wrong (a
 mismatch in the node, another node's refusal notice) comes out at its end and is raised by the decode op,
@@ -27,29 +28,44 @@ _OWNERS_SUM = 2  # the collective before which two stages between nodes read the
 
 
 class NodeAwareOps:
-    """The graph ops of one node-aware exchange: :meth:`start` (every collective), then :meth:`results`
-    (decoded, scaled).
+    """The graph ops of one node-aware exchange: every collective at once, then, at the first member's
+    :meth:`result`, the decode.
 
-    ``plans``: its members' :class:`~horovod_qsgd.common.node_aware.NodeAwarePlan` s; ``group_name``: None for
-    one tensor alone (its own collectives' names), else the fused group's name, the same on every rank;
-    ``finite_flag(finite)``: the compressor's verdict on a result found finite or not; ``error_feedback``:
-    whether residuals go in (top-k).
+    ``members``: the exchange's contexts (their ``plan``, a
+    :class:`~horovod_qsgd.common.node_aware.NodeAwarePlan`; ``node_input``, the flat gradient and, with error
+    feedback, the residual read; ``step``; ``residual_variable``, with error feedback; ``pending``, which the
+    residuals' and owner residuals' new values join); ``group_name``: None for one tensor alone (its own
+    collectives' names), else the fused group's name, the same on every rank; ``finite_flag(finite)``: the
+    compressor's verdict on a result found finite or not; ``owner_variable(plan)``: a member's owner-residual
+    variable, asked for where it keeps one (error feedback, two stages between nodes).
     """
 
-    def __init__(self, plans, group_name, stats, finite_flag, error_feedback):
-        self.plans, self.finite_flag, self.error_feedback = list(plans), finite_flag, error_feedback
+    def __init__(self, members, group_name, stats, finite_flag, owner_variable):
+        self.members, self.finite_flag = list(members), finite_flag
+        self.plans = [m.plan for m in self.members]
+        self.error_feedback = self.members[0].residual_variable is not None
         self.group = NodeAwareGroup(self.plans, fused=group_name is not None)
         self.names = collective_names(self.plans[0].name if group_name is None else group_name)
         self.conduct = GraphConduct(self.group.collectives(self.names), hvd.global_process_set, stats,
                                     answerable=False, first_dtype=tf.float32)
+        self._results = None
+        owner_variables = []
+        if self.error_feedback and self.group.owns_chunks:
+            owner_variables = [owner_variable(plan) for plan in self.plans]
+        new_owners = self._start([m.node_input[0] for m in self.members], [m.step for m in self.members],
+                                 [m.node_input[1] for m in self.members] if self.error_feedback else [],
+                                 [variable.read_value() for variable in owner_variables])
+        for member, variable, new_owner in zip(self.members, owner_variables, new_owners):
+            member.pending.append((variable, new_owner))
+        for member in self.members:
+            member.node_input = None
 
-    def start(self, flats, steps, residuals=None, owner_residuals=None):
+    def _start(self, flats, steps, residuals, owner_residuals):
         """Every collective of the exchange of the members' flat gradients ``flats`` at their step counters
         ``steps``; with error feedback, ``residuals`` (tensor-long) join them in step 1, and ``owner_residuals``
         (two stages between nodes) are read where the owners' sums are encoded. Returns the owner residuals'
         new values."""
         group, plans, count = self.group, self.plans, len(self.plans)
-        residuals = list(residuals or ())
 
         def begin(run, *arrays):
             flats, steps = arrays[:count], [int(step) for step in arrays[-count:]]
@@ -58,8 +74,8 @@ class NodeAwareOps:
             return group.conduct(HostBuffers, self.names, rows, steps, run.kept,
                                  lambda: run.carried_residuals() or [None] * count), []
 
-        self.conduct.start(begin, list(flats) + residuals + list(steps), name="horovod_qsgd_node_rows")
-        return self.conduct.run_collectives(owner_residuals or (), carried_at=_OWNERS_SUM)
+        self.conduct.start(begin, list(flats) + list(residuals) + list(steps), name="horovod_qsgd_node_rows")
+        return self.conduct.run_collectives(owner_residuals, carried_at=_OWNERS_SUM)
 
     def _rows(self, flats, residuals):
         """Step 1's send: to each rank of the node, the group's tag, then each member's shard of it (plus its
@@ -76,12 +92,16 @@ class NodeAwareOps:
             out[:, begin:begin + plan.shard] = padded.reshape(-1, plan.shard)
         return out.reshape(-1)
 
-    def results(self, placeholder):
-        """Each member's (flat fp32 sum, scaled as ``placeholder`` says, finite flag, this step's tensor-long
-        residual or None); the op that makes them raises what went wrong on this rank or on a rank of its
-        node."""
+    def result(self, index, placeholder):
+        """(flat fp32 sum, scaled as ``placeholder`` says, finite flag) of member ``index``. The first call builds
+        every member's, and their residuals' new values join their ``pending``; the op that makes them raises
+        what went wrong on this rank or on a rank of its node."""
+        if self._results is None:
+            self._results = self._finish(placeholder)
+        return self._results[index]
+
+    def _finish(self, placeholder):
         plans = self.plans
-        numels = [plan.numel for plan in plans]
 
         def decode(sums):
             return [total[:plan.numel] for plan, total in zip(plans, sums)]
@@ -95,9 +115,12 @@ class NodeAwareOps:
                 residuals.append(residual)
             return residuals
 
-        finished = self.conduct.finish(decode, placeholder, numels, plans[0].layout.num_ranks, self.finite_flag,
-                                       name="horovod_qsgd_node_finish",
+        finished = self.conduct.finish(decode, placeholder, [plan.numel for plan in plans],
+                                       plans[0].layout.num_ranks, self.finite_flag, name="horovod_qsgd_node_finish",
                                        kept=tensor_long if self.error_feedback else None)
         if not self.error_feedback:
-            return [(total, finite, None) for total, finite in finished]
-        return [(total, finite, residual) for (total, finite), residual in zip(*finished)]
+            return finished
+        results, residuals = finished
+        for member, residual in zip(self.members, residuals):
+            member.pending.append((member.residual_variable, residual))
+        return results
