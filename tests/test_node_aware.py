@@ -111,6 +111,22 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes_in_both_frameworks(
         assert np.array_equal(from_torch[0].numpy(), want), step
     # the big one's shards take the nodes' two stages between 3 nodes, the small ones' their allgather
     assert split.compression_stats()["collectives_started"] == 2 * ((3 if nodes == 2 else 4) + 3)
+    # two small tensors whose shards take another exchange between 3 nodes each are two groups, not one
+    # (a NodeAwareGroup takes one kind: fused, they had raised on every rank)
+    sizes, mixed = (20_000, 200_003), torch_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
+    tf_mixed = tf_adapter.QSGD(bits=4, exchange="node_aware", min_numel=0)
+    xs = [[gradient(r, n) for r in range(ranks)] for n in sizes]
+    from_torch = hvd_torch.grouped_allreduce([torch.from_numpy(x[rank]) for x in xs], name="m", op=hvd_torch.Sum,
+                                             compression=mixed)
+    from_tf = tf.function(lambda a, b: hvd.grouped_allreduce(
+        [tf.identity(a, name="m.0"), tf.identity(b, name="m.1")], name="m", op=hvd.Sum, compression=tf_mixed))(
+        *(tf.constant(x[rank]) for x in xs))
+    for i, x in enumerate(xs):
+        want = node_aware_reference(QSGDCodec(bits=4), QSGDCodec(bits=4), f"m.{i}", x, 0, 512, per_node)
+        assert np.array_equal(from_torch[i].numpy(), want), i
+        assert np.array_equal(from_tf[i].numpy(), want), i
+    for compressor in (mixed, tf_mixed):
+        assert compressor.compression_stats()["collectives_started"] == (3 if nodes == 2 else 4 + 3)
 
     codec = TopKCodec(ratio=0.01)
     residuals = [np.zeros(numel, np.float32) for _ in range(ranks)]
