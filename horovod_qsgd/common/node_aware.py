@@ -38,12 +38,13 @@ of its chunk of that shard, kept with its :meth:`NodeAwarePlan.owner_layout`.
 
 Fusion: tensors share each step's collective (:class:`NodeAwareGroup`), 3
 collectives per group at 2 nodes, 4 from 3, instead of per tensor, with every
-payload and result bit as unfused. PyTorch groups a step's tensors, at most
-``fusion_threshold`` and :data:`NODE_AWARE_GROUP_NBYTES` bytes of float32
-gradient per group (the groups from
-:class:`~horovod_qsgd.common.fusion.Fuser`; a larger tensor is a group of its
-own); TensorFlow a grouped call's tensors that take the same exchange between
-nodes (:mod:`horovod_qsgd.tensorflow.node_aware`).
+payload and result bit as unfused. A group's members take the same exchange
+between nodes. PyTorch groups a step's tensors, at most ``fusion_threshold``
+and :data:`NODE_AWARE_GROUP_NBYTES` bytes of float32 gradient per group (the
+groups from :class:`~horovod_qsgd.common.fusion.Fuser`, scoped by that
+exchange; a larger tensor is a group of its own); TensorFlow a grouped call's
+tensors that take the same exchange between nodes
+(:mod:`horovod_qsgd.tensorflow.node_aware`).
 
 The collectives are the adapters' (:mod:`horovod_qsgd.torch.node_aware`,
 :mod:`horovod_qsgd.tensorflow.node_aware`: global alltoalls whose splits are
