@@ -37,13 +37,13 @@ _LIVE_LIMIT = 8  # conducts kept waiting per site: more means steps were abandon
 
 class ConductRun:
     """One run of a site's exchange, between its host ops: the conduct, the residuals its resumed step
-    carries (what a ``begin`` hands the conduct as its owner-side residuals), and what the ``begin`` kept for
-    the finish."""
-    __slots__ = ("conduct", "carried", "kept")
+    carries (what a ``begin`` hands the conduct as its owner-side residuals), what the ``begin`` kept for
+    the finish, and a collective held for a later one of the graph's (:class:`AnyWorldConduct`)."""
+    __slots__ = ("conduct", "carried", "kept", "held")
 
     def __init__(self):
         self.conduct, self.carried = None, None
-        self.kept = None
+        self.kept = self.held = None
 
     def carried_residuals(self):
         """[CarriedResidual]: the carried values of the step running now, each read as it is and written anew."""
@@ -265,11 +265,11 @@ class AnyWorldConduct(GraphConduct):
         if index == 0:
             collective = next(run.conduct)
             if collective.kind == ALLGATHER:  # the plan's one collective: the graph's allgather carries it
-                run.kept = collective
+                run.held = collective
                 return None
             return collective
-        if run.kept is not None:
-            collective, run.kept = run.kept, None
+        if run.held is not None:
+            collective, run.held = run.held, None
         else:
             collective = run.conduct.send(received)
         if collective.kind != self.collectives[index][0]:  # the names were fixed when the graph was traced
