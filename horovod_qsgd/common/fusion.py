@@ -61,8 +61,8 @@ def check_fusion_threshold(threshold):
 def pack(entries, threshold):
     """Consecutive groups of ``entries`` ([(key, nbytes)], key = (scope, name)) of at most ``threshold`` bytes.
 
-    A group never spans two scopes (process sets); an entry above the
-    threshold is a group of its own.
+    A group never spans two scopes (process sets; a node-aware plan's
+    ``fusion_scope``); an entry above the threshold is a group of its own.
     """
     groups, size = [], 0
     for key, nbytes in entries:
@@ -75,9 +75,11 @@ def pack(entries, threshold):
 
 
 class Fuser:
-    """Which two-stage tensors share collectives: the same groups on every rank (see the module docstring).
+    """Which tensors share collectives (two-stage, node-aware): the same groups on every rank (see the module
+    docstring).
 
-    Keys are (process set id, tensor name); items are what the caller starts
+    Keys are (scope, tensor name), the scope a process set id (or a node-aware
+    plan's ``fusion_scope``); items are what the caller starts
     a group with. A group is named by a number drawn from a counter that
     every rank advances alike, not by its members: ranks that grouped other
     tensors (another model) then meet in the same collective, and the

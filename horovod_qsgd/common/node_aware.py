@@ -254,6 +254,12 @@ class NodeAwarePlan(KeepsOwnerResidual):
         self.cross = self.crosses[layout.local_rank]
         self.collective_names = collective_names(name)
 
+    @property
+    def fusion_scope(self):
+        """What a fused group's members share (:class:`NodeAwareGroup` takes one exchange between nodes): the
+        nodes' allgather or their two stages."""
+        return self.cross.kind
+
     def padded_numel(self):
         """Elements of the tensor zero-padded to L shards (shard j goes to local rank j in step 1, behind the
         group's digest)."""

@@ -208,8 +208,8 @@ class PayloadCompressor(CompressorBase):
             for index, member in enumerate(flat):
                 member.fused, member.index, member.own = fused, index, None
         _distinct_names(node_aware)
-        for kind in sorted({m.plan.cross.kind for m in node_aware}):
-            group = [m for m in node_aware if m.plan.cross.kind == kind]
+        for scope in sorted({m.plan.fusion_scope for m in node_aware}):
+            group = [m for m in node_aware if m.plan.fusion_scope == scope]
             name = None
             if len(group) > 1:
                 name = group_name(self._fusion_namespace, ctx.process_set.process_set_id, [m.name for m in group])

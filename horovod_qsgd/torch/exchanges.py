@@ -296,11 +296,9 @@ class _NodeAware:
         if exchanges.fusion_threshold == 0:  # alone, under its own collectives' names (TensorFlow's wire)
             exchanges.node_exchanges.start([self.member])
         else:
-            # a group's members take one exchange between nodes (NodeAwareGroup): the scope keeps the nodes'
-            # allgather and their two stages apart
-            scope = self.member.plan.cross.kind
+            plan = self.member.plan
             with exchanges._lock:
-                ready = exchanges.node_fuser.add((scope, site.name), 4 * self.member.plan.padded_numel(), self.member)
+                ready = exchanges.node_fuser.add((plan.fusion_scope, site.name), 4 * plan.padded_numel(), self.member)
             for name, members in ready:
                 exchanges.node_exchanges.start(members, name)
         exchanges.node_exchanges.progress()
