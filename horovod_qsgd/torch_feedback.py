@@ -30,7 +30,7 @@ import threading
 import numpy as np
 import torch
 
-from horovod_qsgd.common.feedback import FeedbackStore
+from horovod_qsgd.common.feedback import FeedbackStore, StepVerdict
 from horovod_qsgd.kernels import CarriedResidual, committed, finish_sum
 from horovod_qsgd.torch_arrays import as_array
 
@@ -70,6 +70,29 @@ class DeviceNonfiniteCounts:
 def last_step_counted(stamps, stamp):
     """Host read of ``stamps``: True where the step before the one stamped ``stamp`` wrote a finite result."""
     return stamps is not None and bool(committed(stamps.cpu().numpy(), np.int64(stamp)))
+
+
+def mark_step_on_device(entries, finite, need_answer):
+    """A step's verdict over the device verdicts ``entries`` ([(stamps, the stamp its finishing pass wrote)], see
+    :class:`~horovod_qsgd.common.feedback.StepVerdict`), made on the device: where any tensor's result was not
+    finite (or ``finite`` is False), every entry's stamps say its step did not count, so that the next step's
+    first pass keeps none of the step's residuals. No host read unless ``need_answer`` (then one)."""
+    answers = []
+    by_device = {}
+    for stamps, stamp in entries:
+        by_device.setdefault(stamps.device, []).append((stamps, stamp))
+    for device, group in by_device.items():
+        stamps = [s for s, _ in group]
+        written = torch.tensor([stamp for _, stamp in group], dtype=torch.int64).to(device, non_blocking=True)
+        stacked = torch.stack(stamps)
+        counted = ((stacked[:, 0] == written) & (stacked[:, 1] != written)).all()
+        if not finite:
+            counted = torch.zeros_like(counted)
+        torch._foreach_copy_([s[1:] for s in stamps], list(torch.where(counted, stacked[:, 1], written).split(1)))
+        answers.append(counted)
+    if not need_answer:
+        return None
+    return finite and all(bool(a) for a in answers)
 
 
 def scaled_and_finite(total, scale):
@@ -178,6 +201,7 @@ class TensorFeedback(FeedbackStore):
     def __init__(self):
         self._states = {}
         self._lock = threading.Lock()
+        self.verdict = StepVerdict(mark_step_on_device)
 
     def state(self, name, numel, device, needs_residual, owner_layout, codec):
         """Tensor ``name``'s state for a step on ``device`` (created at its first step), its residual of ``numel``

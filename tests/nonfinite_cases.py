@@ -89,6 +89,29 @@ def check_steps_right_after_a_discarded_one(make, rank, reduce):
         assert compressor.compression_stats()["tensors_nonfinite"] == 1
 
 
+def check_a_partial_overflow_keeps_nothing_of_the_step(make, rank, reduce_pair):
+    """Exact top-k, both exchanges: two tensors reduced in each step (``reduce_pair(compressor, tag, (a, b))``
+    returns both sums, numpy). In the second step only ``a`` overflows (inf on rank 1) while ``b`` stays finite,
+    as a real fp16 overflow leaves the layers near the output finite: the loss scaler skips the whole step, so
+    neither tensor may keep what it sent. Both tensors' later results are a twin's that never saw that step,
+    bit for bit; one non-finite result is counted."""
+    for exchange in ("allgather", "two_stage"):
+        compressor, twin = make("topk", exchange), make("topk", exchange)
+        rng = np.random.default_rng(20 + rank)
+        grads = [(rng.standard_normal(NUMEL).astype(np.float32), rng.standard_normal(NUMEL + 7).astype(np.float32))
+                 for _ in range(4)]
+        bad = grads[1][0].copy()
+        if rank == 1:
+            bad[[3, 9000]] = np.inf
+        ours = [reduce_pair(compressor, f"pair.{exchange}", g) for g in [grads[0], (bad, grads[1][1])] + grads[1:]]
+        theirs = [reduce_pair(twin, f"pair.{exchange}.twin", g) for g in grads]
+        assert not np.isfinite(ours[1][0]).all() and np.isfinite(ours[1][1]).all(), exchange
+        for step, (mine, twins) in enumerate(zip([ours[0]] + ours[2:], theirs)):
+            for tensor, (got, want) in enumerate(zip(mine, twins)):
+                assert np.array_equal(got, want), f"{exchange}: tensor {tensor} at step {step} differs from the twin's"
+        assert compressor.compression_stats()["tensors_nonfinite"] == 1
+
+
 def check_training_through_overflows(train):
     """``train(kind, exchange, leave_out=False)`` -> (final loss, compressor or None) trains with a loss
     scaler through three overflows of rank 1 (``leave_out``: those steps not run at all).

@@ -1,5 +1,31 @@
 """The checks every compressed collective passes before its payload is exchanged (both adapters)."""
+import warnings
+
 from horovod_qsgd.common.errors import UnsupportedCollectiveError
+
+# Reductions a payload cannot serve but Horovod's own allreduce can: the tensor goes there uncompressed.
+UNCOMPRESSED_OPS = ("Min", "Max", "Product")
+
+
+def uncompressed_op_name(hvd, op):
+    """``op``'s name where it is one of :data:`UNCOMPRESSED_OPS` of the Horovod module ``hvd``, else None."""
+    return next((name for name in UNCOMPRESSED_OPS if op is not None and op == getattr(hvd, name)), None)
+
+
+def takes_op_uncompressed(name, op_name, warned):
+    """True where the op named ``op_name`` (``"Min"``, ``"Max"``, ``"Product"``; None for a summing op) cannot be
+    served by a payload: decoded payloads add up, so such a tensor goes through Horovod's own allreduce,
+    uncompressed, with a warning the first time an op does (``warned``: the op names already warned of). The op
+    is an argument of the call, equal on every rank, so every rank takes the same collective."""
+    if op_name is None:
+        return False
+    if op_name not in warned:
+        warned.add(op_name)
+        warnings.warn(f"horovod_qsgd: tensor {name!r} is reduced with op={op_name}, which compressed payloads "
+                      f"cannot serve (they are summed); it and every later op={op_name} tensor go through "
+                      "Horovod's allreduce uncompressed. Pass compression=hvd.Compression.none there to "
+                      "silence this.", stacklevel=4)
+    return True
 
 
 def check_compressible(name, is_adasum, unnamed_hint=""):

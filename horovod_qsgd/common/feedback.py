@@ -19,10 +19,13 @@ The rules, the same in every adapter:
 * a plan that cannot keep the owner residual it finds starts from zeros, with a warning;
 * a checkpoint holds, by name, ``{step, residual, owner_residual, owner_layout}`` (None where nothing is
   kept; an empty owner residual is none); loading one replaces the state: names it lacks start afresh;
-* a loss scaler's rescale multiplies every residual; an elastic world's step counters are set from rank 0's.
+* a loss scaler's rescale multiplies every residual; an elastic world's step counters are set from rank 0's, and
+  so are Random-k's at its first step (its ranks must draw the same coordinates).
 
-A step whose result is not finite keeps no residual it wrote: that rule lives with the arrays a step writes
-through (``torch_feedback.KeptResidual``; a ``tf.cond`` on the verdict in TensorFlow).
+A step in which any tensor's result is not finite keeps no residual that any of its tensors wrote: a loss scaler
+skips the whole step when one gradient overflows, and the layers that stayed finite must not keep what it sent.
+:class:`StepVerdict` decides that once per step; each tensor's new residual waits in the second of its two
+buffers until then (``torch_feedback.KeptResidual``; a spare variable in TensorFlow).
 
 :class:`FeedbackStore` holds the rules; each adapter subclasses it with the arrays its framework keeps them in:
 ``torch_feedback.TensorFeedback`` (torch tensors by name: Horovod's PyTorch compressors per tensor, FSDP2 per
@@ -30,6 +33,7 @@ module) and ``tensorflow/feedback.py`` (``tf.Variable`` objects, which a traced 
 ``tf.train.Checkpoint`` tracks). The DDP hooks' residuals are not kept by name: per parameter, so that DDP may
 rebuild its buckets, and staged per bucket (``ddp/feedback.py``), with the same rules for a changed bucket.
 """
+import threading
 import warnings
 
 from horovod_qsgd.common.chunks import chunk_unit
@@ -43,8 +47,16 @@ class FeedbackStore:
 
     A subclass implements the ``_`` methods below the rules: where each name's step, residual and owner
     residual are, and the four array operations the rules need (length, copy for a checkpoint, scale, add a
-    chunk).
+    chunk). Its ``verdict`` (a :class:`StepVerdict`) decides whether the steps' new residuals are kept; the
+    last step is decided before anything but a step reads or changes the state.
     """
+
+    verdict = None
+
+    def settle_step(self):
+        """Decides the last step (see :class:`StepVerdict`), where a verdict is pending."""
+        if self.verdict is not None:
+            self.verdict.settle()
 
     # -- the rules ------------------------------------------------------------------------------
     def checked_residual(self, name, numel, device=None, resized=None):
@@ -106,6 +118,7 @@ class FeedbackStore:
 
     def feedback_entries(self):
         """{tensor name: {step, residual, owner_residual, owner_layout}}: copies, None where nothing is kept."""
+        self.settle_step()
         entries = {}
         for name in self._names():
             self._settle(name)
@@ -122,6 +135,7 @@ class FeedbackStore:
     def load_feedback_entries(self, entries):
         """Replaces the state by ``entries`` (:meth:`feedback_entries`' form; ``owner_residual`` and
         ``owner_layout`` may be missing): a name they lack starts afresh."""
+        self.settle_step()
         for name in list(self._names()):
             self._settle(name)
             if name not in entries:
@@ -135,6 +149,7 @@ class FeedbackStore:
 
     def rescale_feedback(self, factor):
         """Multiplies every residual and owner residual by ``factor`` (a loss scaler's new / old scale)."""
+        self.settle_step()
         for name in list(self._names()):
             for array in (self._residual(name), self._owner_residual(name)):
                 if array is not None:
@@ -143,12 +158,17 @@ class FeedbackStore:
     # -- Horovod Elastic --------------------------------------------------------------------
     def step_counters(self):
         """{tensor name: steps taken}: what a new elastic world gets from rank 0."""
+        self.settle_step()
         return {name: self._step(name) for name in list(self._names())}
 
     def set_step_counters(self, steps):
-        """The step counters become ``steps`` (by tensor name)."""
+        """The step counters become ``steps`` (rank 0's, by tensor name): a name they lack counts from 0 (its
+        residuals stay)."""
+        self.settle_step()
         for name in list(self._names()):
             self._settle(name)
+            if name not in steps:
+                self._set_step(name, 0)
         for name, step in steps.items():
             self._set_step(name, int(step))
 
@@ -229,3 +249,64 @@ class KeepsFeedback:
     def step_counters(self):
         """{tensor name: steps taken}: what ``start_new_world`` gets from rank 0."""
         return self._feedback.step_counters()
+
+
+class StepVerdict:
+    """Whether a training step counts, decided once for all the tensors (or DDP buckets, FSDP2 modules) it took.
+
+    A loss scaler skips a step in which any gradient overflowed, on every rank, while the layers near the
+    output usually stay finite. Each tensor's verdict is the same on every rank (every rank decodes the same
+    bits), and so is their conjunction: the step's new residuals are kept where every tensor of the step came
+    out finite, else none is. A tensor's step defers keeping them (:meth:`defer`, or :meth:`defer_on_device`
+    where a GPU stamped the tensor's verdict on the device); the step is decided (:meth:`settle`) when a tensor
+    of it starts its next step (:meth:`begin`), which comes after every tensor of the step finished, and before
+    anything else reads or changes the residuals.
+
+    ``mark_device(entries, finite, need_answer)``: the adapter's device part. ``entries`` are the deferred device
+    verdicts; ``finite`` is False where a host verdict already says the step does not count. It makes every
+    entry say what the step's verdict is, on the device, and returns that verdict as a bool where
+    ``need_answer`` (host verdicts wait on it: one host read), else None.
+    """
+
+    def __init__(self, mark_device=None):
+        self._lock = threading.Lock()
+        self._mark_device = mark_device
+        self._keeps = {}      # key -> what keeps that tensor's new residuals
+        self._on_device = {}  # key -> a device verdict (the adapter's)
+        self._finite = True
+
+    def begin(self, key):
+        """Before tensor ``key``'s step reads its residuals: where it took part in the step still undecided, that
+        step is over and is decided first."""
+        if key in self._keeps or key in self._on_device:
+            self.settle()
+
+    def defer(self, key, finite, keep, discard=None):
+        """Tensor ``key``'s result was ``finite`` or not; ``keep()`` keeps its new residuals if the step counts,
+        ``discard()`` (where given) puts back what the step took if it does not."""
+        with self._lock:
+            self._keeps[key] = (keep, discard)
+            self._finite = self._finite and bool(finite)
+
+    def defer_on_device(self, key, entry):
+        """Tensor ``key``'s verdict is on the device (``entry``, which ``mark_device`` reads)."""
+        with self._lock:
+            self._on_device[key] = entry
+
+    def settle(self):
+        """Decides the step: keeps every tensor's new residuals if all its results were finite. Returns whether
+        it counted (None: nothing was pending, or only device verdicts)."""
+        with self._lock:
+            keeps, on_device, finite = self._keeps, self._on_device, self._finite
+            self._keeps, self._on_device, self._finite = {}, {}, True
+        if not keeps and not on_device:
+            return None
+        if on_device:
+            answer = self._mark_device(list(on_device.values()), finite, bool(keeps))
+            finite = finite if answer is None else answer
+        for keep, discard in keeps.values():
+            if finite:
+                keep()
+            elif discard is not None:
+                discard()
+        return finite if keeps else None

@@ -27,6 +27,7 @@ How the hook orders its collectives, the node-aware steps and where each residua
 """
 import threading
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from horovod_qsgd.common import docs
 from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.collectives import drive
 from horovod_qsgd.common.engine import PayloadEngine
+from horovod_qsgd.common.feedback import StepVerdict
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import NODE_AWARE, decode_forwarded, gather_flag, looks_for_nodes
 from horovod_qsgd.common.settings import CodecSettings
@@ -47,7 +49,7 @@ from horovod_qsgd.kernels import finish_sum
 from horovod_qsgd.torch_arrays import as_array, kernel_stream
 from horovod_qsgd.torch_distributed import (DistributedNodes, DistributedTransport, all_gather_single,
                                             check_payload_settings)
-from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, scaled_and_finite
+from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, mark_step_on_device, scaled_and_finite
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -67,6 +69,7 @@ class _PayloadState(CodecSettings):
         self.stats = CompressionStats()
         self.engine = PayloadEngine(codec, second_codec, exchange, self.stats)
         self.feedback = BucketFeedback()
+        self.verdict = StepVerdict(mark_step_on_device)  # whether an iteration's residuals are kept, for all buckets
         self.nonfinite_on_device = DeviceNonfiniteCounts()
         self.nodes = None    # DistributedNodes, when the exchange is node-aware
         self.waiting = None  # an _Exchange
@@ -76,6 +79,19 @@ class _PayloadState(CodecSettings):
 
     def settings(self):
         return dict(self.codec.config(), min_numel=self.min_numel, exchange=self.exchange)
+
+    # -- pickling (as PowerSGDState: torch.save(state) works) ------------------------------------
+    def __getstate__(self):
+        """The constructor's arguments and :meth:`state_dict`; the process group cannot be pickled and is left
+        out (an unpickled state serves the default group), with a warning where one was given."""
+        if self.process_group is not None:
+            warnings.warn("horovod_qsgd: the DDP hook state's process_group cannot be pickled; the unpickled state "
+                          "serves the default process group.")
+        return {"arguments": dict(self._arguments), "state": self.state_dict()}
+
+    def __setstate__(self, saved):
+        type(self).__init__(self, **saved["arguments"])
+        self.load_state_dict(saved["state"])
 
     # -- statistics -------------------------------------------------------------------------
     def compression_stats(self, reset=False):
@@ -88,15 +104,19 @@ class _PayloadState(CodecSettings):
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
         """The step and the residuals, plus the settings they belong to; every rank saves its own."""
+        self.verdict.settle()
         return dict(state_header(type(self).__name__, self.settings()), iteration=self.iteration,
                     **self.feedback.state_dict())
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
+        self.verdict.settle()
         self.feedback.load_state_dict(state)
         with self._keys_lock:
+            # A state that met parameters keeps their keys: DDP may have rebuilt its buckets since, and keys
+            # given in the next iteration's order would hand each residual to another parameter. A new state
+            # gives them in its first iteration's order, DDP's initial buckets: the order the saved state met them.
             self.iteration = int(state["iteration"])
-            self._keys = {}  # keys are given again, in the order the next iteration meets the parameters
 
     def rescale_residuals(self, factor):
         """Multiplies every error-feedback residual by ``factor`` (a float or a 0-d tensor).
@@ -105,6 +125,7 @@ class _PayloadState(CodecSettings):
         of their step: call this with new / old scale after ``scaler.update()`` changed it, or the unsent mass
         counts once at the wrong scale (``docs/mixed-precision.md``).
         """
+        self.verdict.settle()
         self.feedback.rescale(factor)
 
     # -- per bucket -------------------------------------------------------------------------
@@ -205,8 +226,17 @@ class _Exchange:
 
 def payload_hook(state, bucket):
     """The DDP communication hook of :class:`QSGDState` and :class:`TopKState` (``qsgd_hook``, ``topk_hook``)."""
+    if not isinstance(bucket, dist.GradBucket):
+        raise TypeError(
+            f"horovod_qsgd: the DDP hook got a {type(bucket).__name__}, not a GradBucket: DDP's python reducer "
+            "(compiled autograd, torch._dynamo.config.optimize_ddp='python_reducer') hands hooks its own buckets, "
+            "which the compressed exchange cannot serve. Keep DDP's C++ reducer (the default, or "
+            "optimize_ddp='ddp_optimizer') with these hooks.")
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
+    if bucket.index() == 0:  # an iteration's first bucket: the last iteration is over, and decided
+        state.verdict.settle()
+    state.verdict.begin(bucket.index())
     state.handshake(group, buffer.device)
     num_ranks = group.size()
     split = state.split(bucket)
@@ -268,7 +298,7 @@ def _advance(exchange, received=None):
     work, result = exchange.transport.start(collective)
     exchange.state.stats.add(collectives_started=1)
     if collective.final:
-        work.get_future().then(lambda _: _finish(exchange, result))
+        work.get_future().then(lambda arrived: _finish(exchange, result, arrived))
         return False
     exchange.work, exchange.received = work, result
     return True
@@ -340,16 +370,16 @@ def _node_aware(state, bucket, group, buffer, split):
         future.set_exception(error)
         return future
     result = shards[:flat.numel()]
-    # every rank holds the whole bucket's result: all decide alike whether the step's residuals stay
-    if finite:
+    # every rank holds the whole bucket's result: all decide alike whether the iteration's residuals stay
+    if not finite:
+        state.stats.add(tensors_nonfinite=1)
+
+    def keep():
         if state.error_feedback:
             state.feedback.keep_shard_residual(bucket.index(), residual)
             if owner_residual is not None:
                 state.feedback.keep_owner_residual(bucket.index(), owner_residual)
-    else:
-        state.stats.add(tensors_nonfinite=1)
-        if restore is not None:
-            restore()
+    state.verdict.defer(bucket.index(), finite, keep, restore)
     split.unstage(result, bucket_flat)
     future.set_result(buffer)
     return _with_small(future, small_future, split, bucket_flat)
@@ -404,11 +434,13 @@ def _resume_waiting(state):
     state.stats.add(encode_seconds=time.perf_counter() - start)
 
 
-def _finish(exchange, received):
-    """Decodes into the bucket's buffer, divides by N, keeps the step's residuals if the result is finite."""
+def _finish(exchange, received, arrived):
+    """Decodes into the bucket's buffer, divides by N, hands the step's residuals to the iteration's verdict.
+    ``arrived``: the last collective's future, whose error (Gloo's, NCCL's) is the bucket's."""
     state, plan = exchange.state, exchange.plan
     try:
         try:
+            arrived.value()  # raises the collective's own error: nothing arrived to decode
             exchange.conduct.send(received)
         except StopIteration as done:
             gathered, refusal = done.value
@@ -426,18 +458,26 @@ def _finish(exchange, received):
                 finish_sum(as_array(total), _device_scale(1.0 / plan.num_ranks, total.device),
                            stamps=as_array(exchange.stamps), stamp=exchange.stamp + 1,
                            counter=as_array(state.nonfinite_on_device.on(total.device)))
-        elif scaled_and_finite(total, 1.0 / plan.num_ranks):
-            if exchange.residual is not None:
-                state.feedback.keep_residual(exchange.index, exchange.residual)
-            if exchange.owner_residual is not None:
-                state.feedback.keep_owner_residual(exchange.index, exchange.owner_residual)
+            state.verdict.defer_on_device(exchange.index, (exchange.stamps, exchange.stamp + 1))
         else:
-            state.stats.add(tensors_nonfinite=1)
+            finite = scaled_and_finite(total, 1.0 / plan.num_ranks)
+            if not finite:
+                state.stats.add(tensors_nonfinite=1)
+            state.verdict.defer(exchange.index, finite, lambda: _keep(exchange))
         exchange.split.unstage(total, exchange.buffer.reshape(-1))
         state.stats.add(decode_seconds=time.perf_counter() - start)
         exchange.future.set_result(exchange.buffer)
     except Exception as exc:  # every rank's DDP raises it when it waits for the bucket
         exchange.future.set_exception(exc)
+
+
+def _keep(exchange):
+    """The bucket's step counts (every bucket of its iteration came out finite): its new residuals are kept."""
+    state = exchange.state
+    if exchange.residual is not None:
+        state.feedback.keep_residual(exchange.index, exchange.residual)
+    if exchange.owner_residual is not None:
+        state.feedback.keep_owner_residual(exchange.index, exchange.owner_residual)
 
 
 def _device_scale(scale, device):
@@ -465,6 +505,9 @@ class QSGDState(_PayloadState):
         codec, second, exchange = qsgd_codecs(bits, bucket_size, norm, encoding, scale_dtype, rounding, seed,
                                               exchange, second_stage_bits)
         super().__init__(codec, second, exchange, min_numel, process_group)
+        self._arguments = dict(bits=bits, bucket_size=bucket_size, norm=norm, encoding=encoding,
+                               scale_dtype=scale_dtype, rounding=rounding, min_numel=min_numel, seed=seed,
+                               exchange=exchange, second_stage_bits=second_stage_bits)
 
     def settings(self):
         return dict(super().settings(), second_stage_bits=self.second_codec.bits)
@@ -480,6 +523,16 @@ class TopKState(_PayloadState):
         codec = TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
                           seed=seed, sample_ratio=sample_ratio)
         super().__init__(codec, codec, check_exchange(exchange), min_numel, process_group)
+        self._arguments = dict(ratio=ratio, selector=selector, error_feedback=error_feedback,
+                               value_dtype=value_dtype, sample_ratio=sample_ratio, min_numel=min_numel, seed=seed,
+                               exchange=exchange)
 
 
-qsgd_hook = topk_hook = payload_hook
+def qsgd_hook(state, bucket):
+    """The DDP communication hook of :class:`QSGDState` (its own function, so that DDP's logging names it)."""
+    return payload_hook(state, bucket)
+
+
+def topk_hook(state, bucket):
+    """The DDP communication hook of :class:`TopKState`."""
+    return payload_hook(state, bucket)

@@ -125,7 +125,8 @@ class ModuleReduceScatter(ReduceScatter):
         compressor, stats = self.compressor, self.compressor._stats
         num_ranks = group.size()
         scale = reduction_scale(op, num_ranks)
-        self.settle()
+        if self._verdict is not None:  # the module's last step is over: so is every module's
+            compressor._settle()
         rows = input_tensor.view(num_ranks, -1)
         pieces = self._pieces(rows.shape[1])
         self._handshake(group, input_tensor, pieces)
@@ -202,20 +203,20 @@ class ModuleReduceScatter(ReduceScatter):
         nbytes = (rows.shape[0] - 1) * rows.shape[1] * rows.element_size()
         self.compressor._stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
 
-    def settle(self):
-        """Keeps the last step's residual if its sum was finite on every rank (waits for their verdicts)."""
+    def take_verdict(self):
+        """(whether the module's last step summed finite rows on every rank, which waits for their verdicts; what
+        keeps its new residual), once; None where none is pending."""
         verdict, self._verdict = self._verdict, None
         if verdict is None:
-            return
+            return None
         work, flag, kept, written = verdict
         work.wait()
-        if int(flag.item()) == 0:
-            kept.keep(written)
+        return int(flag.item()) == 0, lambda: kept.keep(written)
 
     def residual_to_save(self):
         """This rank's residual for a distributed checkpoint: the one kept, or zeros of the size its steps will
         keep (a module not run yet, as in a job about to load one); None for a module that passes through."""
-        self.settle()
+        self.compressor._settle()
         if self.state.residual is not None:
             return self.state.residual.kept
         group = _param_group(self.module)
@@ -339,8 +340,12 @@ class _ReduceScatterCompressor(CodecSettings):
         self._load_modules(state["modules"])
 
     def _settle(self):
-        for module in list(self._modules.values()):
-            module.settle()
+        """Decides the last step for every module at once: a loss scaler skips the whole step where any module's
+        sum was not finite, so each module's new residual is kept only where every module's was finite."""
+        verdicts = [v for v in (module.take_verdict() for module in list(self._modules.values())) if v is not None]
+        if all(finite for finite, _ in verdicts):
+            for _, keep in verdicts:
+                keep()
 
     def _load_modules(self, entries):
         """Every module's state from ``entries`` (by module name); a step's verdict still out is dropped."""

@@ -69,7 +69,7 @@ from horovod_qsgd.common.payload_compressors import QSGDArguments, TopKArguments
 from horovod_qsgd.common.two_stage import moved_owner_chunk
 from horovod_qsgd.kernels import CarriedResidual, finish_sum
 from horovod_qsgd.tensorflow.compressor_base import (PASS_THROUGH, PLACEHOLDER_DTYPES, CompressorBase,
-                                                     ExchangeContext, adapter_method)
+                                                     ExchangeContext, adapter_method, in_legacy_graph)
 from horovod_qsgd.tensorflow.conduct import AnyWorldConduct, GraphConduct, zeroed
 from horovod_qsgd.tensorflow.fusion import FusedRound, group_name
 from horovod_qsgd.tensorflow.host_ops import values_gatherer
@@ -387,6 +387,18 @@ class RandomK(CompressorBase):
                  min_numel=10000, seed=0):
         super().__init__(RandomKCodec(ratio=ratio, seed=seed, value_dtype=value_dtype,
                                       error_feedback=error_feedback, rescale=rescale), min_numel)
+
+    def _handshake(self, process_set):
+        """Also sets the step counters to rank 0's at the first step (eagerly): they pick the coordinates, which
+        must be the same on every rank, and a checkpoint loaded on rank 0 alone, or a resume at another number of
+        ranks, leaves them different. A ``tf.compat.v1`` graph's counters are the Session's to restore alike."""
+        first = process_set.process_set_id not in self._runtime.verified_process_sets
+        super()._handshake(process_set)
+        if (first and process_set.process_set_id == hvd.global_process_set.process_set_id
+                and not in_legacy_graph()):
+            with context.eager_mode():
+                self._feedback.set_step_counters(hvd.broadcast_object(
+                    self._feedback.step_counters(), root_rank=0, name=HANDSHAKE_NAME + ".steps"))
 
     @adapter_method
     def compress(self, tensor):

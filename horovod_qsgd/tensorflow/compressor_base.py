@@ -15,7 +15,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
 import horovod.tensorflow as hvd
-from horovod_qsgd.common.call_site import check_compressible
+from horovod_qsgd.common.call_site import check_compressible, takes_op_uncompressed, uncompressed_op_name
 from horovod_qsgd.common.errors import RankInJoinError, elastic_process_set_unsupported, elastic_state_missing
 from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.handshake import verify_settings
@@ -382,7 +382,8 @@ class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
         if self._runtime.shadowing is not None:
             # A rank out of data contributes zeros (tf.where: a multiplication by 0 would keep NaN).
             tensor = tf.where(self._runtime.shadowing, tf.zeros_like(tensor), tensor)
-        if self._passes_through(tensor):
+        if self._passes_through(tensor) or takes_op_uncompressed(site.name, uncompressed_op_name(hvd, site.op),
+                                                                 self._runtime.warned_ops):
             return site, None, tensor
         self._check_site(site)
         return site, self._state_name(site), tensor
@@ -395,6 +396,7 @@ class _Runtime:
         self.lock = threading.RLock()
         self.stats = CompressionStats()
         self.verified_process_sets = set()
+        self.warned_ops = set()  # Min, Max, Product: taken uncompressed, warned of once
         self.name_of_variable = {}
         self.variable_of_name = {}
         self.keep_alive = []

@@ -27,6 +27,8 @@ The alternative is tf-keras with ``TF_USE_LEGACY_KERAS=1`` and Horovod's own
 Keras optimizer. ``jit_compile`` must stay off: the codecs run as host ops,
 which XLA cannot compile.
 """
+import sys
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
@@ -157,6 +159,15 @@ def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Ave
 
     With ``gradient_accumulation_steps`` the allreduce runs on every
     micro-batch's gradients (correct, but no traffic is saved by accumulating).
+
+    Under a ``mixed_float16`` policy ``compile`` wraps it in Keras's
+    ``LossScaleOptimizer``, which applies it only where its rank's own
+    gradients are finite: the ranks would then run different collectives
+    and hang. When that wrapper builds it, the wrapper's finiteness check is
+    made one verdict for all ranks (a one-element allreduce with op=Min per
+    step), so every rank skips an overflowing step alike. Wrapping the other
+    way, ``DistributedOptimizer(LossScaleOptimizer(opt))``, checks the
+    allreduced gradients and needs no extra collective.
     """
     if not is_keras3_optimizer(optimizer):
         raise TypeError(
@@ -180,6 +191,38 @@ def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Ave
             return base.apply(self, grads, trainable_variables)  # raises Keras's own error
         return base.apply(self, allreduce_gradients(grads, variables, **options), variables)
 
-    cls = type(base.__name__, (base,), {"apply": apply, "__module__": base.__module__,
+    def build(self, variables):
+        wrapper = _wrapping_loss_scale_optimizer(self)
+        if wrapper is not None:
+            _agree_on_finite_steps(wrapper, process_set)
+        return base.build(self, variables)
+
+    cls = type(base.__name__, (base,), {"apply": apply, "build": build, "__module__": base.__module__,
                                         "__qualname__": base.__qualname__, "_horovod_qsgd_options": options})
     return cls.from_config(optimizer.get_config())
+
+
+def _wrapping_loss_scale_optimizer(optimizer):
+    """The Keras ``LossScaleOptimizer`` whose ``build`` is building ``optimizer`` (its inner one), else None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if (frame.f_code.co_name == "build" and owner is not optimizer
+                and getattr(owner, "inner_optimizer", None) is optimizer and hasattr(owner, "check_finite")):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _agree_on_finite_steps(wrapper, process_set):
+    """Makes ``wrapper``'s finiteness check the verdict of all ranks: the step is finite where every rank's
+    gradients are (an allreduce of one flag with op=Min), so that every rank applies or skips it alike."""
+    local_check = wrapper.check_finite
+
+    def check_finite(grads):
+        finite = tf.cast(local_check(grads), tf.float32)
+        everywhere = hvd.allreduce(tf.reshape(finite, [1]), name="horovod_qsgd.loss_scale.finite", op=hvd.Min,
+                                   process_set=process_set)
+        return tf.reshape(everywhere, []) > 0.5
+
+    wrapper.check_finite = check_finite

@@ -37,6 +37,14 @@ class CallSite:
     # Horovod's scaling around the sum, as the allreduce was asked for it (hvd.join()'s refusal repeats it).
     prescale_factor: float = 1.0
     postscale_factor: float = 1.0
+    # The optimizer's parameter whose gradient this is (None for hvd.allreduce).
+    parameter: object = None
+
+    @property
+    def frozen(self):
+        """True for a parameter whose ``requires_grad`` was turned off after the optimizer was built: Horovod still
+        submits a zero gradient for it, whose result the optimizer applies."""
+        return self.parameter is not None and not self.parameter.requires_grad
 
 
 def _from_optimizer(owner, param):
@@ -48,7 +56,7 @@ def _from_optimizer(owner, param):
     op = getattr(owner, "op", hvd.Adasum)
     predivide = getattr(owner, "gradient_predivide_factor", 1.0) if op == hvd.Average else 1.0
     return CallSite(name, op, getattr(owner, "process_set", hvd.global_process_set), result_replaces_input=True,
-                    prescale_factor=1.0 / predivide, postscale_factor=predivide)
+                    prescale_factor=1.0 / predivide, postscale_factor=predivide, parameter=param)
 
 
 def _from_mpi_ops(code_name, local_vars, element):

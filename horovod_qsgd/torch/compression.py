@@ -45,6 +45,7 @@ import torch
 
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
+from horovod_qsgd.common.call_site import takes_op_uncompressed, uncompressed_op_name
 from horovod_qsgd.common.errors import elastic_state_missing
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale
@@ -116,6 +117,7 @@ class _CompressorBase(CodecSettings, KeepsFeedback):
         self.min_numel = int(min_numel)
         self._feedback = TensorFeedback()
         self._verified_process_sets = set()
+        self._warned_ops = set()  # Min, Max, Product: taken uncompressed, warned of once
         self._stats = CompressionStats()
         self._nonfinite_on_device = DeviceNonfiniteCounts()  # no host read per tensor
         self._in_elastic_job = os.environ.get("HOROVOD_ELASTIC") == "1"
@@ -204,13 +206,17 @@ class _CompressorBase(CodecSettings, KeepsFeedback):
             raise RuntimeError(elastic_state_missing(type(self).__name__))
         site = find_call_site(tensor)  # refuses Adasum on every rank, before the handshake's collective
         self._handshake(site.process_set, tensor)
-        if self._passes_through(tensor):
+        # A frozen parameter's zero gradient goes uncompressed, so that its residual stays (it would move the
+        # frozen weights) and the result is the zeros Horovod's own allreduce gives.
+        if (self._passes_through(tensor) or site.frozen
+                or takes_op_uncompressed(site.name, uncompressed_op_name(hvd, site.op), self._warned_ops)):
             sent, ctx = self._pass_through(tensor)
             note_allreduce(site, sent, 0.0)
             return sent, ctx
         check_site(site)
         start = time.perf_counter()
         flat = _flat_fp32(tensor)
+        self._feedback.verdict.begin(site.name)  # a new step: the last one is decided before its state is read
         state = self._feedback.state(site.name, flat.numel(), tensor.device, self.error_feedback,
                                      self._owner_layout(site, tensor), self.codec)
         # The step writes its residual into a second buffer, kept once the result shows the step counts (_settle).
@@ -253,26 +259,33 @@ class _CompressorBase(CodecSettings, KeepsFeedback):
                          state, residual)
 
     def _settle(self, ctx, finite):
-        """Keeps the step's error-feedback state if its result was ``finite``, else the state before it.
+        """Hands the tensor's verdict to the step's (:class:`~horovod_qsgd.common.feedback.StepVerdict`): the
+        step's error-feedback state is kept if every tensor of the step came out finite, else the state before it.
 
         A gradient with inf or NaN on any rank (a loss-scale overflow) makes
         the decoded result non-finite on every rank: QSGD gives the bucket a
         NaN scale, top-k sends non-finite values first, random-k sets its
         first value to NaN. Every rank decodes the same bits, so every rank
-        decides alike, without a collective; the loss scaler skips the step
-        and nothing of it stays in the residuals. ``finite``: found by the
-        pass that scaled the result (:meth:`_finish`); None on a GPU, where
-        that pass stamped the verdict for the next step's kernels to read
-        (:mod:`horovod_qsgd.torch_feedback`): no host read.
+        decides alike, without a collective; the loss scaler skips the whole
+        step, and nothing of it stays in any tensor's residuals, the finite
+        layers' included. ``finite``: found by the pass that scaled the result
+        (:meth:`_finish`); None on a GPU, where that pass stamped the verdict
+        on the device (:mod:`horovod_qsgd.torch_feedback`): no host read.
         """
+        verdict = self._feedback.verdict
         if finite is None:
+            verdict.defer_on_device(ctx.name, (ctx.state.stamps, ctx.step + 1))
             return
         if not finite:
             self._stats.add(tensors_nonfinite=1)
-            return
-        for kept, written in ((ctx.state.residual, ctx.residual), (ctx.state.owner_residual, ctx.owner_residual)):
-            if written is not None:
+        writes = [(kept, written) for kept, written in ((ctx.state.residual, ctx.residual),
+                                                        (ctx.state.owner_residual, ctx.owner_residual))
+                  if written is not None]
+
+        def keep():
+            for kept, written in writes:
                 kept.keep(written)
+        verdict.defer(ctx.name, finite, keep)
 
     def _finish(self, total, scale, ctx):
         """(``total`` times ``scale``, whether it is finite) in one pass: ``scale`` a float, or on a GPU a float32
@@ -419,6 +432,16 @@ class RandomK(_CompressorBase):
                  min_numel=10000, seed=0):
         super().__init__(RandomKCodec(ratio=ratio, seed=seed, value_dtype=value_dtype,
                                       error_feedback=error_feedback, rescale=rescale), min_numel)
+
+    def _handshake(self, process_set, tensor):
+        """Also sets the step counters to rank 0's at the first step: they pick the coordinates, which must be the
+        same on every rank, and a checkpoint loaded on rank 0 alone, or a resume at another number of ranks,
+        leaves them different."""
+        first = super()._handshake(process_set, tensor)
+        if first and process_set.process_set_id == hvd.global_process_set.process_set_id:
+            self._feedback.set_step_counters(hvd.broadcast_object(self._feedback.step_counters(), root_rank=0,
+                                                                  name=HANDSHAKE_NAME + ".steps"))
+        return first
 
     def _encode(self, tensor, flat, site, step, residual):
         values = torch.as_tensor(self.codec.gather(

@@ -132,6 +132,7 @@ class _Reference:
         compressed as one piece (or, ``zero_unused``, a zero gradient in its place)."""
         rounding = rounding or (lambda a: a)
         codec, unit, out = self.compressor.codec, getattr(self.compressor.codec, "bucket_size", 1), {}
+        saved, finite = {}, True  # every module's residuals before the step; whether every module's sums are finite
         for name, sizes in MODULES.items():
             grads = [[rounding(g) for g in _gradients(name, r, step)] for r in range(self.num_ranks)]
             if poisoned is not None and poisoned[0] == name:
@@ -158,15 +159,17 @@ class _Reference:
                     if kept.get(r) is None or kept[r].size != xs[0].size:
                         kept[r] = np.zeros(xs[0].size, np.float32)
                 residuals = [kept[r] for r in holders]
-                before = [r.copy() for r in residuals]
+                saved[name] = {r: kept[r].copy() for r in holders}
             sums = reduce_scatter_reference(codec, name + suffix, xs, self.steps.get(name, 0), residuals)
             self.steps[name] = self.steps.get(name, 0) + 1
-            if residuals is not None and not all(np.isfinite(s).all() for s in sums):
-                for r, saved in zip(holders, before):  # a non-finite step on any rank leaves every residual
-                    kept[r][:] = saved
+            finite = finite and all(np.isfinite(s).all() for s in sums)
             own = _shards(rounding(finish(unstage(sums[holders.index(rank)], stage_pieces, unit))), pieces,
                           kept_sizes, rank)
             out[name] = [own.pop(0) if not (left_out and i == unused[1]) else None for i in range(len(sizes))]
+        if not finite:  # a non-finite sum of any module, on any rank: the step is skipped, every residual stays
+            for name, before in saved.items():
+                for r, residual in before.items():
+                    self.residuals[name][r][:] = residual
         return out
 
 
@@ -290,8 +293,9 @@ def test_fsdp_ops_and_bfloat16(num_ranks, dist_gloo):
 
 @pytest.mark.parametrize("num_ranks", _on(3))
 def test_a_non_finite_step_leaves_every_ranks_residuals_and_a_resumed_job_continues_bitwise(num_ranks, dist_gloo):
-    """Top-k: inf in rank 1's gradient of module "a" at step 1: every rank's residual of "a" is what step 0 left
-    (also on ranks whose rows were finite), the sums it reached are not finite, step 2 goes on from there.
+    """Top-k: inf in rank 1's gradient of module "a" at step 1: every rank's residual of "a", and of the module
+    whose sums stayed finite, is what step 0 left (also on ranks whose rows were finite: a loss scaler skips the
+    whole step), the sums it reached are not finite, step 2 goes on from there.
     A job resumed from the state after step 1 (its model rebuilt) gives step 2's bits again."""
     import torch
     from horovod_qsgd.fsdp import compress_reduce_scatter
@@ -305,11 +309,15 @@ def test_a_non_finite_step_leaves_every_ranks_residuals_and_a_resumed_job_contin
 
     _step(torch, model, rank, 0)
     reference.step(0, rank, average)
-    left = compressor.state_dict()["modules"]["fsdp.a"]["residual"].clone()
+    left = {name: entry["residual"].clone() for name, entry in compressor.state_dict()["modules"].items()
+            if entry["residual"] is not None}  # fsdp.small passes through
+    assert set(left) == {"fsdp.a", "fsdp.root"}, set(left)
     ours = _step(torch, model, rank, 1, poison="fsdp.a" if rank == 1 else None)
     expected = reference.step(1, rank, average, poisoned=("fsdp.a", 1))
     _assert_equal(ours, expected)
-    assert torch.equal(compressor.state_dict()["modules"]["fsdp.a"]["residual"], left)
+    assert all(np.isfinite(s).all() for s in ours["fsdp.root"] if s is not None)  # the other module's sums
+    for name, residual in left.items():
+        assert torch.equal(compressor.state_dict()["modules"][name]["residual"], residual), name
     _assert_residuals(compressor, reference, rank)
     finite = all(np.isfinite(s).all() for s in ours["fsdp.a"])
     assert compressor.compression_stats()["tensors_nonfinite"] == (0 if finite else 1)

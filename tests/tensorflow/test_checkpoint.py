@@ -117,3 +117,38 @@ def test_state_dict_round_trip_and_settings_check(hvd_tf, tmp_path_factory):
     with pytest.raises(CompressionMismatchError,
                        match="tensor 'w' has 20000 elements but its error-feedback residual has 19999; a checkpoint"):
         hvd.allreduce(tf.ones([20000]), name="w", compression=other_model)
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(2, marks=pytest.mark.ranks(2, timeout=150)),
+                                       pytest.param(3, marks=pytest.mark.ranks(3, timeout=150))])
+def test_random_k_resumed_on_rank_0_alone_draws_the_same_coordinates_everywhere(hvd_tf, num_ranks):
+    """Only rank 0 loads the compressor's state (the "load on rank 0, then broadcast" recipe): the first step
+    aligns every rank's step counters to rank 0's, so every rank sums the same coordinates (eager and traced)."""
+    import tensorflow as tf
+    from horovod_qsgd.tensorflow import RandomK
+    hvd = hvd_tf
+    x = tf.range(1, 50001, dtype=tf.float32) * float(hvd.rank() + 1)
+    total = num_ranks * (num_ranks + 1) / 2
+    for traced in (False, True):
+        name = f"rk.resume.{traced}"
+        trained = RandomK(ratio=0.01)
+
+        def step(compression):
+            def run():
+                return hvd.allreduce(x, name=name, op=hvd.Sum, compression=compression)
+            return (tf.function(run) if traced else run)()
+
+        for _ in range(3):
+            step(trained)
+        saved = trained.state_dict()
+        resumed = RandomK(ratio=0.01)
+        if hvd.rank() == 0:
+            resumed.load_state_dict(saved)
+        out = step(resumed).numpy()
+        assert resumed.step_counters() == {name: 4}, resumed.step_counters()
+        picked = np.nonzero(out)[0]
+        assert picked.size == 500
+        np.testing.assert_array_equal(out[picked], (picked + 1).astype(np.float32) * total)
+        everyone = hvd.allgather(tf.constant(out[None]), name=f"{name}.results").numpy()
+        assert all(np.array_equal(everyone[0], row) for row in everyone)
+        np.testing.assert_array_equal(step(trained).numpy(), out)

@@ -66,3 +66,33 @@ def test_unsupported_uses_are_refused(hvd_tf):
         TopK(selector="fastest")
     with pytest.raises(ValueError, match="min_numel"):
         QSGD(min_numel=-1)
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(2, marks=pytest.mark.ranks(2, timeout=150)),
+                                       pytest.param(3, marks=pytest.mark.ranks(3, timeout=150))])
+def test_min_max_product_give_horovods_result_with_a_warning(hvd_tf, num_ranks):
+    import math
+    import warnings
+    import tensorflow as tf
+    from horovod_qsgd.tensorflow import QSGD, RandomK, TopK
+    hvd = hvd_tf
+    assert hvd.size() == num_ranks
+    mine = tf.fill([20000], float(hvd.rank() + 1))
+    expected = {"Max": float(num_ranks), "Min": 1.0, "Product": float(math.factorial(num_ranks))}
+    for compressor in (QSGD(bits=4), TopK(ratio=0.01), RandomK(ratio=0.01)):
+        kind = type(compressor).__name__
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for op, value in expected.items():
+                result = hvd.allreduce(mine, name=f"{kind}.{op}", op=getattr(hvd, op), compression=compressor)
+                np.testing.assert_array_equal(result.numpy(), np.full(20000, value, np.float32))
+
+            @tf.function
+            def traced():
+                return hvd.allreduce(mine, name=f"{kind}.traced", op=hvd.Max, compression=compressor)
+            np.testing.assert_array_equal(traced().numpy(), np.full(20000, num_ranks, np.float32))
+        messages = [str(w.message) for w in caught if "compressed payloads cannot serve" in str(w.message)]
+        assert len(messages) == 3, messages  # once per op and compressor
+        assert all("uncompressed" in m and "Compression.none" in m for m in messages), messages
+        hvd.allreduce(mine, name=f"{kind}.sum", op=hvd.Sum, compression=compressor)
+        assert compressor.compression_stats()["tensors_compressed"] == 1

@@ -148,3 +148,40 @@ def test_keras3_groups_are_split_as_horovods_and_bad_ones_are_refused():
     from horovod_qsgd.tensorflow import keras3
     with pytest.raises(ValueError, match="groups=0 must be a positive int"):
         keras3.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=0)  # refused when built, not at step 1
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(2, marks=pytest.mark.ranks(2, timeout=240, env=KERAS3)),
+                                       pytest.param(3, marks=pytest.mark.ranks(3, timeout=240, env=KERAS3))])
+def test_mixed_float16_fit_skips_an_overflow_on_one_rank_on_every_rank(hvd_tf, num_ranks):
+    """``compile`` wraps the optimizer in Keras's LossScaleOptimizer under mixed_float16; rank 0's first batch
+    overflows. Every rank skips that step alike (no rank waits for another), and the weights stay equal."""
+    import keras
+    import tensorflow as tf
+    from horovod_qsgd.tensorflow import QSGD, keras3
+    hvd = hvd_tf
+    assert hvd.size() == num_ranks
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(10)])
+        rng = np.random.default_rng(hvd.rank())
+        x = rng.standard_normal((96, 20)).astype(np.float32)
+        y = rng.integers(0, 10, 96)
+        if hvd.rank() == 0:
+            x[:32] *= 1e6  # float16 overflows: the first step's gradients are not finite here alone
+        optimizer = keras3.DistributedOptimizer(keras.optimizers.SGD(0.01), compression=QSGD(bits=4, min_numel=100))
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        before = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        weights = np.concatenate([w.numpy().astype(np.float32).ravel() for w in model.trainable_weights])
+        scale = float(model.optimizer.dynamic_scale.numpy())
+        assert int(model.optimizer.iterations.numpy()) == 2  # the overflowing step was skipped
+        assert scale == model.optimizer.initial_scale / 2, scale
+        assert not np.array_equal(weights, before)
+        rows = hvd.allgather(tf.constant(np.append(weights, scale)[None]), name="mixed.weights").numpy()
+        assert all(np.array_equal(rows[0], row) for row in rows), "the ranks' weights differ"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

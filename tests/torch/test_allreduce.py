@@ -115,3 +115,61 @@ def test_process_set_excludes_the_third_rank():
         assert compressor.compression_stats()["tensors_compressed"] == 1
     finally:
         hvd.barrier()
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(2, marks=pytest.mark.ranks(2)),
+                                       pytest.param(3, marks=pytest.mark.ranks(3))])
+def test_min_max_product_give_horovods_result_with_a_warning(hvd_torch, num_ranks):
+    import warnings
+    import torch
+    from horovod_qsgd.torch import QSGD, RandomK, TopK
+    hvd = hvd_torch
+    assert hvd.size() == num_ranks
+    mine = torch.full((20000,), float(hvd.rank() + 1))  # compressed size: the payload would sum these
+    factorial = float(torch.arange(1, num_ranks + 1).prod())
+    for compressor in (QSGD(bits=4), TopK(ratio=0.01), RandomK(ratio=0.01)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = {op: hvd.allreduce(mine, name=f"{type(compressor).__name__}.{op}", op=getattr(hvd, op),
+                                         compression=compressor) for op in ("Max", "Min", "Product")}
+            again = hvd.allreduce(mine, name="max.again", op=hvd.Max, compression=compressor)
+        assert torch.equal(results["Max"], torch.full((20000,), float(num_ranks)))
+        assert torch.equal(results["Min"], torch.ones(20000))
+        assert torch.equal(results["Product"], torch.full((20000,), factorial))
+        assert torch.equal(again, results["Max"])
+        messages = [str(w.message) for w in caught if "compressed payloads cannot serve" in str(w.message)]
+        assert len(messages) == 3, messages  # once per op and compressor
+        assert all("uncompressed" in m and "Compression.none" in m for m in messages), messages
+        # the summing ops still compress
+        total = hvd.allreduce(mine, name=f"{type(compressor).__name__}.sum", op=hvd.Sum, compression=compressor)
+        assert compressor.compression_stats()["tensors_compressed"] == 1
+        if isinstance(compressor, QSGD):  # a constant gradient: 4-bit levels give it exactly
+            assert torch.equal(total, torch.full((20000,), num_ranks * (num_ranks + 1) / 2))
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(2, marks=pytest.mark.ranks(2)),
+                                       pytest.param(3, marks=pytest.mark.ranks(3))])
+def test_random_k_resumed_on_rank_0_alone_draws_the_same_coordinates_everywhere(hvd_torch, num_ranks):
+    """The "load on rank 0, then broadcast" recipe: only rank 0 loads the compressor's state (its step counters);
+    the first step aligns every rank's counters to rank 0's, so every rank sums the same coordinates."""
+    import torch
+    from horovod_qsgd.torch import RandomK
+    hvd = hvd_torch
+    x = torch.arange(1, 50001, dtype=torch.float32) * (hvd.rank() + 1)
+    trained = RandomK(ratio=0.01)
+    for _ in range(3):
+        hvd.allreduce(x, name="rk.resume", op=hvd.Sum, compression=trained)
+    saved = trained.state_dict()
+    resumed = RandomK(ratio=0.01)
+    if hvd.rank() == 0:
+        resumed.load_state_dict(saved)
+    out = hvd.allreduce(x, name="rk.resume", op=hvd.Sum, compression=resumed)
+    assert resumed.step_counters() == {"rk.resume": 4}
+    picked = out.nonzero().reshape(-1)
+    assert picked.numel() == 500
+    total = num_ranks * (num_ranks + 1) / 2  # every rank's values at the same coordinates, summed
+    assert torch.equal(out[picked], (picked + 1).float() * total)
+    everyone = hvd.allgather(out.reshape(1, -1), name="rk.resume.results")
+    assert all(torch.equal(everyone[0], row) for row in everyone)
+    # the coordinates are those the uninterrupted compressor draws at its fourth step
+    assert torch.equal(hvd.allreduce(x, name="rk.resume", op=hvd.Sum, compression=trained), out)

@@ -2,7 +2,8 @@
 import pytest
 
 from horovod_qsgd.torch_feedback import DEVICE_VERDICT_ENV
-from tests.nonfinite_cases import (assert_same_state, check_discarded_steps, check_steps_right_after_a_discarded_one,
+from tests.nonfinite_cases import (assert_same_state, check_a_partial_overflow_keeps_nothing_of_the_step,
+                                   check_discarded_steps, check_steps_right_after_a_discarded_one,
                                    check_training_through_overflows, make_compressor, residuals)
 
 SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
@@ -28,6 +29,13 @@ def _check_discarded_steps(hvd):
     check_discarded_steps(_compressor, hvd.rank(), hvd.size(), reduce,
                           lambda array, tag: hvd.allgather(torch.from_numpy(array[None]), name=tag).numpy())
     check_steps_right_after_a_discarded_one(_compressor, hvd.rank(), reduce)
+
+    def reduce_pair(compressor, tag, grads):
+        sums = hvd.grouped_allreduce([torch.from_numpy(g) for g in grads], name=tag, compression=compressor,
+                                     op=hvd.Sum)
+        return [t.numpy() for t in sums]
+
+    check_a_partial_overflow_keeps_nothing_of_the_step(_compressor, hvd.rank(), reduce_pair)
 
 
 @pytest.mark.ranks(2, timeout=240)

@@ -158,3 +158,31 @@ def test_ranks_end_with_identical_weights(hvd_torch):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = hvd_torch.allgather(flat.unsqueeze(0), name="weights")
     assert torch.equal(gathered[0], gathered[1])
+
+
+@pytest.mark.parametrize("num_ranks", RANKS_2_AND_3)
+def test_a_frozen_layer_stays_where_it_was(hvd_torch, num_ranks):
+    """Freezing a layer after the optimizer was built (fine-tuning a backbone): Horovod still submits a zero
+    gradient for it, and its error-feedback residual must not move the frozen weights."""
+    import torch
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    assert hvd.size() == num_ranks
+    model = _model()
+    compressor = TopK(ratio=0.1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), compression=compressor)
+    for step in range(4):
+        if step == 1:
+            for p in model.wide.parameters():
+                p.requires_grad_(False)
+            frozen = model.wide.weight.detach().clone()
+            head_before = model.head.weight.detach().clone()
+        optimizer.zero_grad()
+        _loss(model, *_batch(hvd.rank(), step)).backward()
+        optimizer.step()
+    assert torch.equal(model.wide.weight, frozen), float((model.wide.weight - frozen).abs().max())
+    assert not torch.equal(model.head.weight, head_before)  # the rest still trains
+    # the frozen layer's residual waits for it to be unfrozen, as it was after the first step
+    residual = compressor.state_dict()["tensors"]["wide.weight"]["residual"]
+    assert residual is not None and float(residual.abs().sum()) > 0
