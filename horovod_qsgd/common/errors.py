@@ -76,3 +76,12 @@ def hvd_join_refused(join_class, joined_ranks, num_ranks):
             "and alltoalls that carry QSGD's and TopK's payloads (its background loop would die and the job "
             f"with it). For uneven inputs use {join_class}; hvd.join() works where every rank calls it after "
             "the same number of steps.")
+
+
+def tensor_name_shared(name, first, second):
+    """The error when a second user (``second``: "parameter 'fc.weight' of another model", "hvd.allreduce") meets a
+    tensor name that ``first`` already uses with the same compressor, whose error-feedback state is kept by name."""
+    return ValueError(
+        f"horovod_qsgd: tensor {name!r} is compressed for {second}, and this compressor already keeps its "
+        f"error-feedback state (residual, step counter) for {first} under that name: the two would share one "
+        "residual. Give each model (or each direct hvd.allreduce) its own compressor, or another name=.")

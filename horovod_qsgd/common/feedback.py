@@ -33,6 +33,8 @@ module) and ``tensorflow/feedback.py`` (``tf.Variable`` objects, which a traced 
 ``tf.train.Checkpoint`` tracks). The DDP hooks' residuals are not kept by name: per parameter, so that DDP may
 rebuild its buckets, and staged per bucket (``ddp/feedback.py``), with the same rules for a changed bucket.
 """
+import collections
+import random
 import threading
 import warnings
 
@@ -310,3 +312,51 @@ class StepVerdict:
             elif discard is not None:
                 discard()
         return finite if keeps else None
+
+
+def settled(stamp):
+    """A spare's stamp once its variable took what it held (no spare pending): the generation stays known."""
+    return -2 - stamp if stamp >= 0 else stamp
+
+
+class Generations:
+    """:class:`StepVerdict`'s rule for steps that run in graphs (TensorFlow), where each tensor's state is its own
+    variables and the verdicts live here, on the host, reached from stateless host ops (a variable shared by
+    the tensors would order every tensor's ops after the others').
+
+    A generation is one step of all the tensors: a tensor that took part in the current one starts the next
+    (:meth:`start`). A step's write is stamped ``2 * generation + (1 if its own result was finite)``
+    (:meth:`record`), and a spare counts (:meth:`counted`) where every result of its generation was finite. A
+    stamp of another process (restored from a checkpoint) falls back to its own verdict: generations count from
+    a random epoch in each process. -1: nothing written; :func:`settled` stamps: nothing pending.
+    """
+
+    KEPT = 4096  # generations whose verdicts are remembered (an older one falls back to its own verdict)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._current = random.SystemRandom().randrange(1, 1 << 29) << 32
+        self._verdicts = collections.OrderedDict()
+
+    def start(self, stamp):
+        """The generation of a tensor's step whose last write was stamped ``stamp``."""
+        took_part = (stamp if stamp >= 0 else -2 - stamp) >> 1 if stamp != -1 else None
+        with self._lock:
+            if took_part == self._current:
+                self._current += 1
+            return self._current
+
+    def record(self, generation, finite):
+        """A tensor's result in ``generation`` was ``finite`` or not; returns the stamp of its write."""
+        with self._lock:
+            self._verdicts[generation] = self._verdicts.get(generation, True) and finite
+            while len(self._verdicts) > self.KEPT:
+                self._verdicts.popitem(last=False)
+        return 2 * generation + int(finite)
+
+    def counted(self, stamp):
+        """Whether the write stamped ``stamp`` is pending and its step counted."""
+        if stamp < 0:
+            return False
+        with self._lock:
+            return self._verdicts.get(stamp >> 1, bool(stamp & 1))

@@ -126,9 +126,9 @@ class PayloadCompressor(CompressorBase):
 
     @adapter_method
     def compress(self, tensor):
-        step, tensor = self._begin(tensor)
+        step, site, tensor = self._begin(tensor)
         if step is None:
-            return self._pass_through(tensor)
+            return self._pass_through(tensor, site)
         stats = self._runtime.stats
         process_set = step.site.process_set
         placeholder_dtype = tensor.dtype if tensor.dtype in PLACEHOLDER_DTYPES else tf.float32
@@ -145,12 +145,13 @@ class PayloadCompressor(CompressorBase):
         if self.error_feedback:
             residual_var = self._feedback.residual_variable(step.name, step.numel, [num_ranks, rank])
         ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, num_ranks, step=step.value,
-                              step_variable=step.variable, plan=plan, process_set=process_set)
+                              step_variable=step.variable, plan=plan, process_set=process_set,
+                              generation=step.generation)
         ctx.conduct = GraphConduct(plan.collectives(), process_set, stats)
         # Horovod does not fuse alltoalls: a round's two-stage tensors wait for its end to be fused (see
         # tensorflow/fusion.py), each encoded now, its conduct waiting for its first collective
         deferred = plan.starts_with_alltoall and self.fusion_threshold != 0
-        inputs = [step.flat, step.value] + ([] if residual_var is None else [residual_var.read_value()])
+        inputs = [step.flat, step.value] + ([] if residual_var is None else [self._feedback.read(residual_var)])
         extra = ctx.conduct.start(functools.partial(_begin_encoded if deferred else _begin, plan), inputs,
                                   [tf.float32] * (int(deferred) + int(residual_var is not None)))
         if residual_var is not None:
@@ -176,7 +177,7 @@ class PayloadCompressor(CompressorBase):
         """The collectives of ctx's exchange alone, under its tensor's names; its owner residual's new value
         joins ``ctx.pending``."""
         owner_var = self._feedback.owner_residual_variable(ctx.plan) if self._keeps_owner_residual(ctx.plan) else None
-        new_owner = ctx.conduct.run_collectives([] if owner_var is None else [owner_var.read_value()])
+        new_owner = ctx.conduct.run_collectives([] if owner_var is None else [self._feedback.read(owner_var)])
         if owner_var is not None:
             ctx.pending.append((owner_var, new_owner[0]))
 
@@ -204,7 +205,7 @@ class PayloadCompressor(CompressorBase):
             owner_variables = [self._feedback.owner_residual_variable(m.plan) if self.error_feedback else None
                                for m in flat]
             fused = FusedRound(group_name(self._fusion_namespace, ctx.process_set.process_set_id, names), flat,
-                               self._runtime, self._finite_flag, owner_variables)
+                               self._runtime, self._finite_flag, owner_variables, self._feedback.read)
             for index, member in enumerate(flat):
                 member.fused, member.index, member.own = fused, index, None
         _distinct_names(node_aware)
@@ -221,11 +222,12 @@ class PayloadCompressor(CompressorBase):
         plan = self._engine.plan_node_aware(step.name, step.numel, self._runtime.nodes,
                                             step.numel * tensor.dtype.size)
         ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, plan.layout.num_ranks, step=step.value,
-                              step_variable=step.variable, plan=plan, process_set=step.site.process_set)
+                              step_variable=step.variable, plan=plan, process_set=step.site.process_set,
+                              generation=step.generation)
         ctx.node_input = [step.flat]
         if self.error_feedback:
             ctx.residual_variable = self._feedback.residual_variable(step.name, step.numel, plan.layout.as_list())
-            ctx.node_input.append(ctx.residual_variable.read_value())
+            ctx.node_input.append(self._feedback.read(ctx.residual_variable))
         if self.fusion_threshold == 0:
             self._start_node_aware([ctx], None)
         else:
@@ -235,7 +237,7 @@ class PayloadCompressor(CompressorBase):
     def _start_node_aware(self, members, name):
         """The collectives of the members' exchange, alone (``name`` None: one tensor) or fused as ``name``."""
         node_ops = NodeAwareOps(members, name, self._runtime.stats, self._finite_flag,
-                                self._feedback.owner_residual_variable)
+                                self._feedback.owner_residual_variable, self._feedback.read)
         for index, member in enumerate(members):
             member.fused, member.index = node_ops, index
 
@@ -263,6 +265,7 @@ class PayloadCompressor(CompressorBase):
         """
         ctx = ExchangeContext(step.name, tensor.shape, tensor.dtype, None, step=step.value,
                               step_variable=step.variable, process_set=hvd.global_process_set,
+                              generation=step.generation,
                               live_plan=self._live_plan)
         ctx.numel, ctx.uncompressed_nbytes, ctx.placeholder_nbytes = (step.numel, step.numel * tensor.dtype.size,
                                                                       placeholder_dtype.size)
@@ -272,7 +275,7 @@ class PayloadCompressor(CompressorBase):
         if self.error_feedback:
             residual_var = self._feedback.residual_variable(step.name, step.numel)
             owner_var, layout_var = self._feedback.elastic_owner_variables(step.name)
-            inputs += [residual_var.read_value(), owner_var.read_value(), layout_var.read_value()]
+            inputs += [self._feedback.read(v) for v in (residual_var, owner_var, layout_var)]
             extra_dtypes += [tf.float32, tf.float32, tf.int64]
         unit = chunk_unit(self.codec)
 
@@ -402,9 +405,9 @@ class RandomK(CompressorBase):
 
     @adapter_method
     def compress(self, tensor):
-        step, tensor = self._begin(tensor)
+        step, site, tensor = self._begin(tensor)
         if step is None:
-            return self._pass_through(tensor)
+            return self._pass_through(tensor, site)
         stats = self._runtime.stats
         uncompressed = step.numel * tensor.dtype.size
 
@@ -421,7 +424,8 @@ class RandomK(CompressorBase):
         if half:
             values = tf.cast(values, tf.float16)
         return values, ExchangeContext(step.name, tensor.shape, tensor.dtype, step.site.process_set.size(),
-                                       step=step.value, step_variable=step.variable, pending=pending)
+                                       step=step.value, step_variable=step.variable, pending=pending,
+                                       generation=step.generation)
 
     @adapter_method
     def decompress(self, tensor, ctx):

@@ -16,11 +16,12 @@ from tensorflow.python.ops import control_flow_util
 
 import horovod.tensorflow as hvd
 from horovod_qsgd.common.call_site import check_compressible, takes_op_uncompressed, uncompressed_op_name
-from horovod_qsgd.common.errors import RankInJoinError, elastic_process_set_unsupported, elastic_state_missing
+from horovod_qsgd.common.errors import (RankInJoinError, elastic_process_set_unsupported, elastic_state_missing,
+                                        tensor_name_shared)
 from horovod_qsgd.common.exchange import reduction_scale
 from horovod_qsgd.common.handshake import verify_settings
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
-from horovod_qsgd.common.feedback import KeepsFeedback
+from horovod_qsgd.common.feedback import Generations, KeepsFeedback
 from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.state import PACKING_SETTINGS, STATE_FORMAT
 from horovod_qsgd.common.stats import CompressionStats
@@ -73,13 +74,6 @@ def in_legacy_graph():
         return not tf.executing_eagerly()
 
 
-def _kept_unless(finite, new_value, variable):
-    """``new_value`` where ``finite``, else the variable's value (which may differ in length: an elastic
-    job's owner residual). A choice of one tensor, not an element-wise select: no pass over the residual."""
-    return tf.cond(finite, lambda: new_value, variable.read_value)
-
-
-
 def adapter_method(method):
     """compress/decompress, never converted by autograph.
 
@@ -91,25 +85,26 @@ def adapter_method(method):
 
 
 class _Step:
-    """One compress call: where it came from, the state name, the counter and the fp32 input."""
-    __slots__ = ("site", "name", "numel", "variable", "value", "flat")
+    """One compress call: where it came from, the state name, the counter, the fp32 input and, with error
+    feedback, the step's generation (:meth:`FeedbackVariables.start_step`)."""
+    __slots__ = ("site", "name", "numel", "variable", "value", "flat", "generation")
 
-    def __init__(self, site, name, numel, variable, value, flat):
+    def __init__(self, site, name, numel, variable, value, flat, generation=None):
         self.site, self.name, self.numel = site, name, numel
-        self.variable, self.value, self.flat = variable, value, flat
+        self.variable, self.value, self.flat, self.generation = variable, value, flat, generation
 
 
 class ExchangeContext:
     """What ``decompress`` needs; one per traced (or eager) ``compress`` call."""
     __slots__ = ("name", "shape", "dtype", "num_ranks", "step", "step_variable", "plan", "own",
                  "process_set", "pending", "live_plan", "numel", "uncompressed_nbytes", "placeholder_nbytes",
-                 "residual_variable", "conduct", "graph", "waiting", "fused", "index", "node_input")
+                 "residual_variable", "conduct", "graph", "waiting", "fused", "index", "node_input", "generation")
 
     def __init__(self, name, shape, dtype, num_ranks, step=None, step_variable=None, plan=None,
-                 own=None, process_set=None, pending=(), live_plan=None):
+                 own=None, process_set=None, pending=(), live_plan=None, generation=None):
         self.name, self.shape, self.dtype, self.num_ranks = name, shape, dtype, num_ranks
-        self.step, self.step_variable = step, step_variable
-        # [(state variable, its value after this step)], assigned by _settle() if the result is finite
+        self.step, self.step_variable, self.generation = step, step_variable, generation
+        # [(state variable, its value after this step)], written by _settle() where they wait for the step's verdict
         self.pending = list(pending)
         # the engine's plan (horovod_qsgd.common.engine); own: a two-stage tensor's own chunk until its fused
         # group takes it
@@ -207,16 +202,22 @@ class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
 
     # -- per-gradient state -------------------------------------------------------------------
     def _state_name(self, site):
-        """The name state and collectives are keyed by: the variable's name, made unique per variable."""
-        if site.variable is None:
-            return site.name
+        """The name state and collectives are keyed by: the variable's name, made unique per variable (and apart
+        from the names hvd.allreduce used); hvd.allreduce's ``name=``, refused where a variable's state has it
+        (the two would share one residual)."""
         runtime = self._runtime
+        if site.variable is None:
+            with runtime.lock:
+                if site.name in runtime.variable_of_name:
+                    raise tensor_name_shared(site.name, "a variable's gradient", "hvd.allreduce")
+                runtime.direct_names.add(site.name)
+            return site.name
         with runtime.lock:
             ref = site.variable.ref() if hasattr(site.variable, "ref") else id(site.variable)
             name = runtime.name_of_variable.get(ref)
             if name is None:
                 name, count = site.name, 1
-                while name in runtime.variable_of_name:
+                while name in runtime.variable_of_name or name in runtime.direct_names:
                     count += 1
                     name = f"{site.name}#{count}"
                 runtime.name_of_variable[ref] = name
@@ -285,7 +286,7 @@ class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
         stats["compression_ratio"] = stats["bytes_uncompressed"] / sent if sent else float("nan")
         return stats
 
-    def _pass_through(self, tensor):
+    def _pass_through(self, tensor, site):
         nbytes = tensor.shape.num_elements() * tensor.dtype.size if tensor.shape.is_fully_defined() else None
         if tf.executing_eagerly():
             self._runtime.stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
@@ -303,33 +304,40 @@ class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
             with tf.control_dependencies([counted]):
                 tensor = tf.identity(tensor)
         else:
-            # One counter per traced call site: a variable of its own keeps the gradient's cond branch
-            # free of ordering constraints against other gradients (a shared counter would serialize
-            # Horovod's allreduces and defeat its tensor fusion).
-            counter = _PassThroughCounter(nbytes)
-            self._runtime.pass_through_counters.append(counter)
+            # One counter per call site: a variable of its own keeps the gradient's cond branch free of
+            # ordering constraints against other gradients (a shared counter would serialize Horovod's
+            # allreduces and defeat its tensor fusion). A named site keeps its counter when it is traced again.
+            key = None if site.name is None else (site.name, nbytes)
+            counter = self._runtime.pass_through_by_site.get(key)
+            if counter is None:
+                counter = _PassThroughCounter(nbytes)
+                self._runtime.pass_through_counters.append(counter)
+                if key is not None:
+                    self._runtime.pass_through_by_site[key] = counter
             counter.variable.assign_add(1)
             if nbytes is None:  # no static shape: counted at its run-time size
                 counter.bytes_variable.assign_add(tf.cast(tf.size(tensor), tf.int64) * tensor.dtype.size)
         return tensor, PASS_THROUGH
 
     def _begin(self, tensor):
-        """(the step being compressed, or None to pass the tensor through; the tensor, shaped like its variable).
+        """(the step being compressed, or None to pass the tensor through; its call site; the tensor, shaped like
+        its variable).
 
         A gradient without a static shape (``sparse_as_dense=True`` turns an
         embedding's IndexedSlices into one) takes its variable's shape, checked at run time.
         """
         site, name, tensor = self._prepare(tensor)
         if name is None:
-            return None, tensor
+            return None, site, tensor
         if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
             raise ValueError(
                 f"horovod_qsgd: tensor {name!r} is compressed inside an XLA-compiled function "
                 "(jit_compile=True), which cannot run the codecs' host ops. Compile without XLA: "
                 "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) in Keras.")
         step_var = self._feedback.step_variable(name)
-        return _Step(site, name, tensor.shape.num_elements(), step_var, step_var.read_value(),
-                     flat_fp32(tensor)), tensor
+        numel = tensor.shape.num_elements()
+        generation = self._feedback.start_step(name, numel) if self.error_feedback else None
+        return _Step(site, name, numel, step_var, step_var.read_value(), flat_fp32(tensor), generation), site, tensor
 
     def _on_host(self, step, fn, out_dtype, op_name):
         """Runs ``fn`` through :func:`host_op` (:meth:`_settle` advances the step counter).
@@ -339,21 +347,22 @@ class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
         """
         residual_var = self._feedback.residual_variable(step.name, step.numel) if self.error_feedback else None
         out, new_residual = host_op(fn, step.flat, step.value,
-                                    None if residual_var is None else residual_var.read_value(),
+                                    None if residual_var is None else self._feedback.read(residual_var),
                                     out_dtype, op_name)
         return out, [] if residual_var is None else [(residual_var, new_residual)]
 
     def _settle(self, ctx, total):
         """The decoded fp32 ``total`` of ctx's tensor, after its host fn (``total``, a finite flag) ran.
 
-        Advances the step counter and assigns the step's error-feedback state
-        only where the result is finite: a gradient with inf or NaN on any
-        rank makes it non-finite on every rank alike (see the PyTorch twin,
-        ``_CompressorBase._settle``), and the state stays as it was before
-        the step, which a loss scaler skips.
+        Advances the step counter and writes the step's error-feedback state
+        where it waits for the step's verdict (:mod:`horovod_qsgd.tensorflow.feedback`):
+        a gradient with inf or NaN on any rank makes its result non-finite on
+        every rank alike (see the PyTorch twin, ``_CompressorBase._settle``),
+        a loss scaler then skips the whole step, and no tensor keeps anything
+        of it, the finite ones included.
         """
         total, finite = total
-        updates = [variable.assign(_kept_unless(finite, new_value, variable)) for variable, new_value in ctx.pending]
+        updates = self._feedback.write_step(ctx.pending, finite, ctx.generation) if ctx.pending else []
         with tf.control_dependencies([ctx.step]):  # after this step's read: a v1 graph orders nothing by itself
             updates.append(ctx.step_variable.assign_add(1))
         with tf.control_dependencies(updates):  # run by a tf.compat.v1 Session too, which fetches only the result
@@ -367,6 +376,13 @@ class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
         return np.bool_(finite)
 
     def _prepare(self, tensor):
+        if tf.distribute.has_strategy():
+            strategy = type(tf.distribute.get_strategy()).__name__
+            raise ValueError(
+                f"horovod_qsgd: a compressor was called under tf.distribute's {strategy}. Horovod and a "
+                "tf.distribute strategy each distribute the step: together they run the compressor once per "
+                "replica, which desynchronises its state and collectives. Train with Horovod alone (one process "
+                "per device, no strategy scope), or with the strategy alone and without this compressor.")
         if self._in_elastic_job and not self.elastic_state_attached:
             raise RuntimeError(elastic_state_missing(type(self).__name__, ELASTIC_STATE_CALL))
         site = find_call_site(tensor, None, hvd.global_process_set)
@@ -399,8 +415,11 @@ class _Runtime:
         self.warned_ops = set()  # Min, Max, Product: taken uncompressed, warned of once
         self.name_of_variable = {}
         self.variable_of_name = {}
+        self.direct_names = set()  # names hvd.allreduce compressed under (no variable)
         self.keep_alive = []
         self.pass_through_counters = []
+        self.pass_through_by_site = {}  # (name, nbytes) -> its counter, kept across traces
+        self.generations = Generations()  # the steps' verdicts (tensorflow/feedback.py)
         self.live_plans = {}  # (tensor name, ranks, rank) -> its plan, in an elastic job
         self.fusion_round = []  # two-stage contexts compressed since the last decompress, alltoall not built
         self.node_round = []  # likewise, node-aware contexts whose exchange has not started

@@ -8,6 +8,14 @@ saves them; they stay attributes of the compressor itself (``_steps``, ``_residu
 ``_owner_layouts``): the names checkpoints hold them under. The rules that move them are the common store's;
 what is TensorFlow's own: an elastic job's owner residuals change length with the world (its host op spills
 them each step), and a ``tf.compat.v1`` graph's variables have no value before its Session runs.
+
+A step's new values wait until the step is decided (:class:`~horovod_qsgd.common.feedback.StepVerdict`'s rule):
+each variable that a step writes has a *spare* that takes the new value, stamped with the step's generation
+and the tensor's own verdict. Every read takes the spare where its step counted, else the variable; the next
+write first moves a counted spare into the variable. Each of these is the choice of a tensor and an assignment,
+which aliases it: no pass over a residual. The verdicts themselves are the host's
+(:class:`~horovod_qsgd.common.feedback.Generations`), reached from stateless host ops, so that no variable is
+shared between tensors (TensorFlow orders the ops that share a variable).
 """
 import re
 
@@ -18,7 +26,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from horovod_qsgd.common.engine import NO_OWNER
-from horovod_qsgd.common.feedback import FeedbackStore
+from horovod_qsgd.common.feedback import FeedbackStore, Generations, settled
 
 
 def op_name(name):
@@ -60,10 +68,81 @@ class FeedbackVariables(FeedbackStore):
         compressor._steps, compressor._residuals = {}, {}
         compressor._owner_residuals = {}  # where this rank owns a chunk of the sum, with error feedback
         compressor._owner_layouts = {}    # int64 layout each owner residual belongs to
+        # the step's new value of each variable above and the stamp of the step that wrote it, by "<kind>/<name>"
+        compressor._spares, compressor._spare_generations = {}, {}
         # what tf.Module made of them: dictionaries it tracks, changed only through these
         self.steps, self.residuals = compressor._steps, compressor._residuals
         self.owner_residuals, self.owner_layouts = compressor._owner_residuals, compressor._owner_layouts
+        self.spares, self.spare_generations = compressor._spares, compressor._spare_generations
         self._compressor = compressor
+        self._spare_of_variable = {}  # variable ref -> (spare, its generation variable)
+
+    # -- the step's verdict -------------------------------------------------------------------
+    def start_step(self, name, numel):
+        """At tensor ``name``'s compress (error feedback): the step's generation (an int64 scalar), a new one where
+        this tensor took part in the current one."""
+        _, written = self._spare(self.checked_residual(name, numel))
+        generations = self._generations
+        return tf.numpy_function(lambda stamp: np.int64(generations.start(int(stamp))), [written.read_value()],
+                                 tf.int64, stateful=False, name="horovod_qsgd_generation")
+
+    def read(self, variable):
+        """What a step reads ``variable`` as: its spare where the step that wrote it counted, else itself (a
+        choice of one tensor)."""
+        spare, written = self._spare(variable)
+        return tf.cond(self._counted(written.read_value()), spare.read_value, variable.read_value)
+
+    def write_step(self, pending, finite, generation):
+        """The ops of a step's writes ``pending`` ([(variable, new value)]) in ``generation``, whose result was
+        ``finite`` or not: each variable first takes its spare where that counted, then the spare takes the new
+        value, stamped with the generation and this tensor's own verdict."""
+        generations = self._generations
+        stamp = tf.numpy_function(lambda g, f: np.int64(generations.record(int(g), bool(f))), [generation, finite],
+                                  tf.int64, stateful=False, name="horovod_qsgd_verdict")
+        updates = []
+        for variable, new_value in pending:
+            spare, written = self._spare(variable)
+            taken = variable.assign(self.read(variable))
+            with tf.control_dependencies([taken]):
+                updates += [spare.assign(new_value), written.assign(stamp)]
+        return updates
+
+    def _counted(self, stamp):
+        generations = self._generations
+        counted = tf.numpy_function(lambda s: np.bool_(generations.counted(int(s))), [stamp], tf.bool,
+                                    stateful=False, name="horovod_qsgd_counted")
+        counted.set_shape([])
+        return counted
+
+    @property
+    def _generations(self):
+        return self._compressor._runtime.generations
+
+    def _spare(self, variable):
+        """(``variable``'s spare, the generation that wrote it), created at its first use (outside any trace)."""
+        with self._lock:
+            found = self._spare_of_variable.get(variable.ref())
+            if found is not None:
+                return found
+            key = self._key(variable)
+            with tf.init_scope():
+                shape = variable.shape if variable.shape.is_fully_defined() else tf.TensorShape([None])
+                initial = np.zeros([d if d is not None else 0 for d in shape.as_list()],
+                                   variable.dtype.as_numpy_dtype)
+                spare = ResourceVariable(initial, name=op_name(f"{key}/spare"), dtype=variable.dtype,
+                                         trainable=False, shape=shape)
+                written = new_variable(np.int64(-1), f"{key}/spare_generation", tf.int64)
+            self.spares[key], self.spare_generations[key] = spare, written
+            found = self._spare_of_variable[variable.ref()] = (spare, written)
+            return found
+
+    def _key(self, variable):
+        for kind, store in (("residual", self.residuals), ("owner_residual", self.owner_residuals),
+                            ("owner_layout", self.owner_layouts)):
+            for name, candidate in store.items():
+                if candidate is variable:
+                    return f"{kind}/{name}"
+        raise KeyError(f"horovod_qsgd: {variable.name} is not a variable of this compressor's state")
 
     @property
     def _lock(self):
@@ -188,13 +267,27 @@ class FeedbackVariables(FeedbackStore):
 
     def _drop_owner(self, name):
         with self._lock:
-            del self.owner_residuals[name], self.owner_layouts[name]
+            for kind, store in (("owner_residual", self.owner_residuals), ("owner_layout", self.owner_layouts)):
+                self._spare_of_variable.pop(store.pop(name).ref(), None)
+                self.spares.pop(f"{kind}/{name}", None)
+                self.spare_generations.pop(f"{kind}/{name}", None)
 
     def _reset(self, name):
         if name in self.steps:
             self.steps[name].assign(0)
         self._load_residual(name, None)
         self._load_owner(name, None, None)
+
+    def _settle(self, name):
+        """Eagerly: each of tensor ``name``'s variables takes its spare where that counted (no spare is then
+        pending), before anything but a step reads or changes them."""
+        for store in (self.residuals, self.owner_residuals, self.owner_layouts):
+            variable = store.get(name)
+            found = None if variable is None else self._spare_of_variable.get(variable.ref())
+            if found is not None and is_eager(variable):  # a tf.compat.v1 graph's: its Session holds the values
+                with context.eager_mode():
+                    variable.assign(self.read(variable))
+                    found[1].assign(settled(int(found[1].numpy())))
 
     def _numel(self, array):
         return array.shape.num_elements()
@@ -204,6 +297,9 @@ class FeedbackVariables(FeedbackStore):
 
     def _scale(self, array, factor):
         array.assign(array * factor)
+        found = self._spare_of_variable.get(array.ref())
+        if found is not None:  # it may hold the residual
+            found[0].assign(found[0] * factor)
 
     def _add_chunk(self, residual, begin, end, owner_residual):
         value = eager_value(residual)

@@ -42,10 +42,10 @@ class FusedRound:
     :class:`~horovod_qsgd.tensorflow.conduct.GraphConduct`): every collective at once, then, at the first
     member's :meth:`result`, the decode."""
 
-    def __init__(self, name, members, runtime, finite_flag, owner_variables):
+    def __init__(self, name, members, runtime, finite_flag, owner_variables, read):
         """``members``: the round's contexts (their ``plan``, ``conduct`` waiting at its first collective,
         ``own``, ``step``); ``owner_variables``: each member's owner-residual variable (None each without
-        error feedback)."""
+        error feedback), which ``read`` reads as the step sees it."""
         plans = [ctx.plan for ctx in members]
         fused, stats, count = FusedTwoStage(plans), runtime.stats, len(members)
         with_owner = [i for i, var in enumerate(owner_variables) if var is not None]
@@ -80,7 +80,7 @@ class FusedRound:
         conduct.start(begin, [m.conduct.token for m in members] + [m.conduct.send for m in members]
                       + [m.conduct.splits for m in members]
                       + [m.own for m in members] + [m.step for m in members], name="horovod_qsgd_fuse_slices")
-        new_owners = conduct.run_collectives([owner_variables[i].read_value() for i in with_owner])
+        new_owners = conduct.run_collectives([read(owner_variables[i]) for i in with_owner])
         for i, new_owner in zip(with_owner, new_owners):
             members[i].pending.append((owner_variables[i], new_owner))
         self._conduct, self._fused, self._finite_flag = conduct, fused, finite_flag

@@ -148,7 +148,10 @@ def DistributedOptimizer(optimizer, compression=hvd.Compression.none, op=hvd.Ave
     Returns a new optimizer of a subclass of ``type(optimizer)``, built from
     ``optimizer.get_config()`` (wrap it before training), whose ``apply`` /
     ``apply_gradients`` first runs :func:`allreduce_gradients`. It saves and
-    loads as the original class. Each gradient is exchanged under its
+    loads as the original class: a model saved as ``.keras`` and reloaded
+    with ``keras.models.load_model`` has a plain optimizer again, which
+    trains every rank alone; wrap it again
+    (``model.compile(optimizer=DistributedOptimizer(model.optimizer, ...), ...)``). Each gradient is exchanged under its
     variable's path, so names are equal on every rank; compressor state (a
     ``tf.Module``) is checkpointed separately:
     ``tf.train.Checkpoint(model=model, optimizer=opt, compressor=compression)``.

@@ -37,10 +37,11 @@ class NodeAwareOps:
     residuals' and owner residuals' new values join); ``group_name``: None for one tensor alone (its own
     collectives' names), else the fused group's name, the same on every rank; ``finite_flag(finite)``: the
     compressor's verdict on a result found finite or not; ``owner_variable(plan)``: a member's owner-residual
-    variable, asked for where it keeps one (error feedback, two stages between nodes).
+    variable, asked for where it keeps one (error feedback, two stages between nodes); ``read(variable)``: its
+    value as the step sees it (:meth:`horovod_qsgd.tensorflow.feedback.FeedbackVariables.read`).
     """
 
-    def __init__(self, members, group_name, stats, finite_flag, owner_variable):
+    def __init__(self, members, group_name, stats, finite_flag, owner_variable, read):
         self.members, self.finite_flag = list(members), finite_flag
         self.plans = [m.plan for m in self.members]
         self.error_feedback = self.members[0].residual_variable is not None
@@ -54,7 +55,7 @@ class NodeAwareOps:
             owner_variables = [owner_variable(plan) for plan in self.plans]
         new_owners = self._start([m.node_input[0] for m in self.members], [m.step for m in self.members],
                                  [m.node_input[1] for m in self.members] if self.error_feedback else [],
-                                 [variable.read_value() for variable in owner_variables])
+                                 [read(variable) for variable in owner_variables])
         for member, variable, new_owner in zip(self.members, owner_variables, new_owners):
             member.pending.append((variable, new_owner))
         for member in self.members:

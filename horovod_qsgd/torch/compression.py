@@ -39,6 +39,7 @@ ordinary allreduce unchanged.
 import itertools
 import os
 import time
+import weakref
 
 import horovod.torch as hvd
 import torch
@@ -46,7 +47,7 @@ import torch
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
 from horovod_qsgd.common.call_site import takes_op_uncompressed, uncompressed_op_name
-from horovod_qsgd.common.errors import elastic_state_missing
+from horovod_qsgd.common.errors import elastic_state_missing, tensor_name_shared
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale
 from horovod_qsgd.common.fusion import DEFAULT_FUSION_THRESHOLD, check_fusion_threshold
@@ -65,6 +66,7 @@ from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch.join import note_allreduce, refuse_if_a_rank_joined, take_over_hvd_join
 
 _PASS_THROUGH = object()
+_DIRECT = "hvd.allreduce"  # a tensor name's user that is no optimizer's parameter
 _payload_compressors_built = itertools.count()
 # Horovod's torch collectives have no bfloat16 kernels: such tensors travel as fp32.
 _HOROVOD_FLOATS = (torch.float16, torch.float32, torch.float64)
@@ -118,6 +120,7 @@ class _CompressorBase(CodecSettings, KeepsFeedback):
         self._feedback = TensorFeedback()
         self._verified_process_sets = set()
         self._warned_ops = set()  # Min, Max, Product: taken uncompressed, warned of once
+        self._users = {}  # tensor name -> a weak reference to its parameter, or _DIRECT
         self._stats = CompressionStats()
         self._nonfinite_on_device = DeviceNonfiniteCounts()  # no host read per tensor
         self._in_elastic_job = os.environ.get("HOROVOD_ELASTIC") == "1"
@@ -140,6 +143,20 @@ class _CompressorBase(CodecSettings, KeepsFeedback):
         check_settings_across_ranks(type(self).__name__, self.settings(), HANDSHAKE_NAME, process_set)
         self._verified_process_sets.add(key)
         return True
+
+    def _claim_name(self, site):
+        """Refuses a second user of a tensor name (another model's parameter, or hvd.allreduce beside an
+        optimizer), whose state this compressor keeps by name: the users would share one residual. The same
+        script runs on every rank, so every rank refuses alike, before the tensor's collectives. A parameter
+        that is gone (its model deleted) leaves the name to the next user."""
+        user = _DIRECT if site.parameter is None else site.parameter
+        claimed = self._users.get(site.name)
+        holder = claimed if claimed is None or claimed is _DIRECT else claimed()
+        if holder is None:
+            self._users[site.name] = _DIRECT if user is _DIRECT else weakref.ref(user)
+        elif holder is not user:
+            raise tensor_name_shared(site.name, _DIRECT if holder is _DIRECT else "the parameter it met first",
+                                     _DIRECT if user is _DIRECT else "another parameter (another model's)")
 
     def _owner_layout(self, site, tensor):
         """What an owner-side residual of ``tensor`` belongs to on this rank now: [ranks, rank]."""
@@ -206,6 +223,8 @@ class _CompressorBase(CodecSettings, KeepsFeedback):
             raise RuntimeError(elastic_state_missing(type(self).__name__))
         site = find_call_site(tensor)  # refuses Adasum on every rank, before the handshake's collective
         self._handshake(site.process_set, tensor)
+        if site.name is not None:  # every named tensor: a refusal then leaves no collective of the same user behind
+            self._claim_name(site)
         # A frozen parameter's zero gradient goes uncompressed, so that its residual stays (it would move the
         # frozen weights) and the result is the zeros Horovod's own allreduce gives.
         if (self._passes_through(tensor) or site.frozen

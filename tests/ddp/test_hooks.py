@@ -1,4 +1,5 @@
 """The DDP hooks under torchrun (Gloo): results against the codecs alone, bucket rebuilds, checkpoints, refusals."""
+import pickle
 import zlib
 
 import numpy as np
@@ -385,6 +386,13 @@ def test_a_state_reloaded_after_the_bucket_rebuild_keeps_each_residual_with_its_
         first_seen = [p for _, positions, _ in calls[:1] for p in positions]
         rebuilt = [p for _, positions, iteration in calls if iteration == 4 for p in positions]
         assert rebuilt != first_seen, (first_seen, rebuilt)  # the case this is about: the last gradient is ready first
+        # pickled as PowerSGD's states are: the settings and the state dict travel
+        copied = pickle.loads(pickle.dumps(state))
+        assert type(copied) is type(state) and copied.settings() == state.settings()
+        saved, restored = state.state_dict(), copied.state_dict()
+        assert restored["iteration"] == saved["iteration"] == 5
+        assert saved["residuals"] and all(torch.equal(restored["residuals"][key], residual)
+                                          for key, residual in saved["residuals"].items())
 
 
 @pytest.mark.parametrize("num_ranks", _on(2, timeout=120))
@@ -587,6 +595,25 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes(nodes, per_node, di
                 assert np.array_equal(kept["residual"].numpy(), reference.kept[index][2][rank]), index
                 assert np.abs(kept["residual"].numpy()).sum() > 0, index
         _check_nonfinite_step_is_discarded(torch, dist_gloo, ddp, calls, state, rank, ranks)
+
+
+def test_hooks_are_named_apart_and_other_buckets_and_failed_collectives_are_reported():
+    """qsgd_hook and topk_hook are two functions (DDP's logging names the hook); DDP's python reducer's tuple
+    is refused with the fix; a bucket whose collective failed fails with that collective's error."""
+    import types
+
+    import torch
+    from horovod_qsgd.ddp import TopKState, hooks, qsgd_hook, topk_hook
+    assert qsgd_hook is not topk_hook and qsgd_hook.__name__ == "qsgd_hook" and topk_hook.__name__ == "topk_hook"
+    with pytest.raises(TypeError, match="python_reducer"):
+        topk_hook(TopKState(), (torch.zeros(4),))
+    lost = torch.futures.Future()
+    lost.set_exception(RuntimeError("Connection closed by peer"))
+    exchange = types.SimpleNamespace(state=TopKState(), plan=None, conduct=None, transport=None,
+                                     future=torch.futures.Future())
+    hooks._finish(exchange, None, lost)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        exchange.future.wait()
 
 
 def test_residuals_spilled_by_a_rebuild_and_not_yet_sent_are_saved():

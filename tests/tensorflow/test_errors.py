@@ -96,3 +96,47 @@ def test_min_max_product_give_horovods_result_with_a_warning(hvd_tf, num_ranks):
         assert all("uncompressed" in m and "Compression.none" in m for m in messages), messages
         hvd.allreduce(mine, name=f"{kind}.sum", op=hvd.Sum, compression=compressor)
         assert compressor.compression_stats()["tensors_compressed"] == 1
+
+
+@pytest.mark.ranks(2, timeout=150)
+def test_tf_distribute_strategies_are_refused_and_retraces_keep_one_counter(hvd_tf):
+    import tensorflow as tf
+    from horovod_qsgd.tensorflow import QSGD
+    hvd = hvd_tf
+    compressor = QSGD()
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        with pytest.raises(ValueError, match="tf.distribute's MirroredStrategy"):
+            hvd.allreduce(tf.ones([20000]), name="in.strategy", compression=compressor)
+
+    # A pass-through tensor's counter is made once per named call site, not once per trace.
+    @tf.function
+    def small(x, variant):
+        return hvd.allreduce(x * variant, name="small.bias", compression=compressor, op=hvd.Sum)
+
+    for variant in (1, 2, 3):  # a Python number in the signature: a trace each
+        small(tf.ones([10]), variant)
+    assert small.experimental_get_tracing_count() == 3
+    assert len(compressor._runtime.pass_through_counters) == 1
+    stats = compressor.compression_stats()
+    assert stats["tensors_passed_through"] == 3 and stats["bytes_sent"] == 3 * 40, stats
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(2, marks=pytest.mark.ranks(2, timeout=150)),
+                                       pytest.param(3, marks=pytest.mark.ranks(3, timeout=150))])
+def test_hvd_allreduce_under_a_variables_name_is_refused_on_every_rank(hvd_tf, num_ranks):
+    """The compressor keeps error feedback by name: hvd.allreduce(name=...) under a variable's name would share
+    its residual, and is refused; a variable meeting a name hvd.allreduce used takes a state of its own."""
+    import tensorflow as tf
+    from horovod_qsgd.tensorflow import TopK
+    hvd = hvd_tf
+    assert hvd.size() == num_ranks
+    compressor = TopK(ratio=0.01)
+    _tape_gradients(hvd, tf, compressor, [20000], function=False)
+    with pytest.raises(ValueError, match="'layer_weight'.*share one residual"):
+        hvd.allreduce(tf.zeros([20000]), name="layer_weight", compression=compressor)
+    hvd.allreduce(tf.ones([20000]), name="direct", compression=compressor)
+    var = tf.Variable(tf.ones([20001]), name="direct")  # another shape: Horovod's cached function traces again
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(var * var)
+    hvd.DistributedGradientTape(tape, compression=compressor).gradient(loss, [var])
+    assert sorted(compressor.state_dict()["tensors"]) == ["direct", "direct#2", "layer_weight"]

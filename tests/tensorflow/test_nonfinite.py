@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
-from tests.nonfinite_cases import (assert_same_state, check_discarded_steps, check_training_through_overflows,
-                                   make_compressor, residuals)
+from tests.nonfinite_cases import (assert_same_state, check_a_partial_overflow_keeps_nothing_of_the_step,
+                                   check_discarded_steps, check_steps_right_after_a_discarded_one,
+                                   check_training_through_overflows, make_compressor, residuals)
 
 SHARED_LAUNCHES = "horovod.tensorflow"  # a launch per rank count and env with the TF modules (tests/multirank.py)
 
@@ -26,6 +27,16 @@ def _check_discarded_steps(hvd, traced):
 
     check_discarded_steps(_compressor, hvd.rank(), hvd.size(), reduce,
                           lambda array, tag: hvd.allgather(tf.constant(array[None]), name=tag).numpy())
+    check_steps_right_after_a_discarded_one(_compressor, hvd.rank(), reduce)
+
+    def reduce_pair(compressor, tag, grads):
+        def eager(a, b):
+            return hvd.grouped_allreduce([a, b], name=tag, compression=compressor, op=hvd.Sum)
+        if traced and tag not in functions:
+            functions[tag] = tf.function(eager)
+        return [t.numpy() for t in (functions[tag] if traced else eager)(*map(tf.constant, grads))]
+
+    check_a_partial_overflow_keeps_nothing_of_the_step(_compressor, hvd.rank(), reduce_pair)
 
 
 @pytest.mark.ranks(2, timeout=300)

@@ -186,3 +186,37 @@ def test_a_frozen_layer_stays_where_it_was(hvd_torch, num_ranks):
     # the frozen layer's residual waits for it to be unfrozen, as it was after the first step
     residual = compressor.state_dict()["tensors"]["wide.weight"]["residual"]
     assert residual is not None and float(residual.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("num_ranks", RANKS_2_AND_3)
+def test_a_second_user_of_a_tensor_name_is_refused_on_every_rank(hvd_torch, num_ranks):
+    """The compressor keeps error feedback by tensor name: a second model's parameter of the same name, or a
+    direct hvd.allreduce under a parameter's name, would share the first one's residual (an all-zero gradient
+    came back as that residual). Refused on every rank, naming the tensor; a deleted model's names are free."""
+    import gc
+    import torch
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+    assert hvd.size() == num_ranks
+    compressor = TopK(ratio=0.01)
+
+    def train_one_step(model):
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(), compression=compressor)
+        _loss(model, *_batch(hvd.rank(), 0)).backward()
+        optimizer.step()
+        return optimizer
+
+    first = _model()
+    kept = train_one_step(first)
+    with pytest.raises(ValueError, match="'head.weight'.*share one residual"):
+        hvd.allreduce(torch.zeros(12000), name="head.weight", compression=compressor)
+    second = _model(seed=1)
+    with pytest.raises(ValueError, match="share one residual") as refused:
+        train_one_step(second)
+    assert "another parameter" in str(refused.value)
+    _loss(first, *_batch(hvd.rank(), 1)).backward()  # the first model goes on
+    kept.step()
+    del kept, first, second, refused
+    gc.collect()
+    train_one_step(_model(seed=2))  # its names are free once it is gone
