@@ -32,6 +32,7 @@ class BucketFeedback:
         # result and read by its next step's kernels (the node-aware exchange decides on the host)
         self._verdicts = {}
         self._spilled = {}          # key -> owner-residual mass moved here, added at the parameter's next read
+        self._held = {}             # key -> the residual of a parameter no gradient reached, until one does
         self._owner_residuals = {}  # bucket index -> _OwnerResidual
         self._shard_residuals = {}  # node-aware: bucket index -> _OwnerResidual of this rank's node-summed shard
 
@@ -41,7 +42,7 @@ class BucketFeedback:
         with self._lock:
             self._settle_on_host()
             residuals = {key: r.clone() for key, r in self._residuals.items()}
-            for key, spilled in self._spilled.items():  # node-aware: a parameter may have nothing else kept
+            for key, spilled in [*self._spilled.items(), *self._held.items()]:  # maybe nothing else kept
                 residuals[key] = residuals[key] + spilled if key in residuals else spilled.clone()
             return dict(residuals=residuals,
                         owner_residuals={index: o.as_dict() for index, o in self._owner_residuals.items()},
@@ -51,7 +52,7 @@ class BucketFeedback:
         with self._lock:
             self._residuals = {int(key): r.clone() for key, r in state["residuals"].items()}
             self._bucket_residuals, self._bucket_layouts, self._verdicts = {}, {}, {}
-            self._spilled = {}
+            self._spilled, self._held = {}, {}
             self._owner_residuals = {int(index): _OwnerResidual.from_dict(o)
                                      for index, o in state["owner_residuals"].items()}
             self._shard_residuals = {int(index): _OwnerResidual.from_dict(o)
@@ -69,7 +70,7 @@ class BucketFeedback:
             for residual in self._residuals.values():
                 if residual.untyped_storage().data_ptr() not in staged:
                     residual.mul_(factor)
-            for spilled in self._spilled.values():
+            for spilled in [*self._spilled.values(), *self._held.values()]:
                 spilled.mul_(factor)
             for store in (self._owner_residuals, self._shard_residuals):
                 for owner in store.values():
@@ -147,6 +148,25 @@ class BucketFeedback:
         with self._lock:
             if index in self._owner_residuals:
                 self._spill(index, self._owner_residuals)
+
+    def hold_back(self, keys, unused):
+        """Before a bucket's step (its compressed parameters' ``keys``): the residuals of the parameters
+        ``unused`` (no gradient reached them on this rank: DDP's ``find_unused_parameters``) sit the step out,
+        and those of parameters that sat out earlier and have a gradient again join their step. DDP leaves a
+        parameter that no rank used without a result, so what the step sent of its residual would be lost."""
+        with self._lock:
+            leaving = [key for key in unused if key in self._residuals or key in self._spilled]
+            returning = [key for key in keys if key not in unused and key in self._held]
+            if not leaving and not returning:
+                return
+            self._settle_on_host()
+            for key in returning:
+                held = self._held.pop(key)
+                self._spilled[key] = self._spilled[key] + held if key in self._spilled else held
+            for key in leaving:  # the bucket's next step gathers zeros where the residual's view was
+                parts = [p for p in (self._residuals.pop(key, None), self._spilled.pop(key, None),
+                                     self._held.pop(key, None)) if p is not None]
+                self._held[key] = sum(parts[1:], parts[0].clone())
 
     def take_parameter_residuals(self, layout, staged_numel, device):
         """The node-aware exchange keeps error feedback per shard: residuals left per parameter (spilled by a

@@ -144,10 +144,18 @@ class _PayloadState(CodecSettings):
         self._verified = True
 
     def split(self, bucket):
-        """The bucket's parameters, keyed, split into the compressed and the passed through (:class:`_Split`)."""
+        """The bucket's parameters, keyed, split into the compressed and the passed through (:class:`_Split`);
+        with error feedback, the residuals of those no gradient reached on this rank sit the step out
+        (``BucketFeedback.hold_back``)."""
+        parameters = bucket.parameters()
         with self._keys_lock:
-            keys = [self._keys.setdefault(id(p), len(self._keys)) for p in bucket.parameters()]
-        return _Split(keys, [p.numel() for p in bucket.parameters()], self.min_numel, chunk_unit(self.codec))
+            keys = [self._keys.setdefault(id(p), len(self._keys)) for p in parameters]
+        split = _Split(keys, [p.numel() for p in parameters], self.min_numel, chunk_unit(self.codec))
+        if self.error_feedback and split.layout:
+            # DDP (find_unused_parameters=True) leaves .grad undefined where no gradient reached a parameter
+            self.feedback.hold_back([key for key, _, _ in split.layout],
+                                    {key for key, p in zip(keys, parameters) if p.grad is None})
+        return split
 
 
 class _Split:

@@ -46,8 +46,8 @@ def _model(torch, dtype):
             super().__init__()
             self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in SIZES])
 
-        def forward(self, grads):
-            return sum((w * g).sum() for w, g in zip(self.w, grads))
+        def forward(self, grads):  # a gradient of None: that parameter is not used
+            return sum((w * g).sum() for w, g in zip(self.w, grads) if g is not None)
 
     return Weights()
 
@@ -595,6 +595,38 @@ def test_node_aware_is_the_node_sums_exchanged_between_nodes(nodes, per_node, di
                 assert np.array_equal(kept["residual"].numpy(), reference.kept[index][2][rank]), index
                 assert np.abs(kept["residual"].numpy()).sum() > 0, index
         _check_nonfinite_step_is_discarded(torch, dist_gloo, ddp, calls, state, rank, ranks)
+
+
+@pytest.mark.parametrize("num_ranks", _on(2, 3))
+def test_a_parameter_no_rank_used_keeps_its_residual(num_ranks, dist_gloo):
+    """find_unused_parameters=True: in an iteration where no rank uses SIZES[1], DDP gives it no result, so its
+    residual must sit the step out (what the step sent of it would be lost); where rank 0 alone does not use
+    it, rank 0's waits and the others' go on; once rank 0 uses it again, its held residual is sent."""
+    import torch
+    from horovod_qsgd.ddp import TopKState, topk_hook
+    rank = dist_gloo.get_rank()
+    state = TopKState(min_numel=MIN_NUMEL, ratio=0.01, exchange="allgather")
+    ddp, calls = _ddp(torch, state, topk_hook, find_unused_parameters=True)
+
+    def step(step_index, unused):
+        grads = [torch.from_numpy(g) for g in _gradients(rank, step_index)]
+        for p in ddp.parameters():
+            p.grad = None
+        ddp([None if i in unused else g for i, g in enumerate(grads)]).backward()
+        _same_on_every_rank(dist_gloo, torch, [ddp.module.w[0].grad, ddp.module.w[2].grad])
+        keys = {position: key for key, position in _keys(calls).items()}
+        return {position: state.state_dict()["residuals"][keys[position]].clone() for position in (1, 2)}
+
+    step(0, ())
+    before = step(1, ())
+    after = step(2, {1})  # no rank uses it
+    assert ddp.module.w[1].grad is None
+    assert torch.equal(after[1], before[1]), "the unused parameter's residual changed"
+    assert not torch.equal(after[2], before[2])
+    alone = step(3, {1} if rank == 0 else ())
+    assert torch.equal(alone[1], after[1]) == (rank == 0), rank
+    back = step(4, ())
+    assert not torch.equal(back[1], alone[1])
 
 
 def test_hooks_are_named_apart_and_other_buckets_and_failed_collectives_are_reported():
