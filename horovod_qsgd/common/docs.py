@@ -219,7 +219,11 @@ _RANDOMK = Template(r"""Random-k sparsification with a shared seed.
     Every rank draws the same ``k = max(1, floor(ratio * n))`` coordinates
     from (seed, step, ${name} name), one uniformly inside each of k equal
     strata, so Horovod's own allreduce sums the selected values directly:
-    the wire carries k values instead of n, and no indices.
+    the wire carries k values instead of n, and no indices. The step
+    counters must therefore be equal on every rank: at its first step (and
+    after an elastic reset) every rank takes rank 0's, so a state loaded on
+    rank 0 alone, or a resume at another number of ranks, draws alike. A
+    state loaded later in a running job must be loaded on every rank.
 
     When to use it. Mostly as a baseline: it needs no index on the wire and
     no selection, but it sends random coordinates, so it converges more
