@@ -7,16 +7,12 @@ from horovod_qsgd.common.errors import UnsupportedCollectiveError
 UNCOMPRESSED_OPS = ("Min", "Max", "Product")
 
 
-def uncompressed_op_name(hvd, op):
-    """``op``'s name where it is one of :data:`UNCOMPRESSED_OPS` of the Horovod module ``hvd``, else None."""
-    return next((name for name in UNCOMPRESSED_OPS if op is not None and op == getattr(hvd, name)), None)
-
-
-def takes_op_uncompressed(name, op_name, warned):
-    """True where the op named ``op_name`` (``"Min"``, ``"Max"``, ``"Product"``; None for a summing op) cannot be
-    served by a payload: decoded payloads add up, so such a tensor goes through Horovod's own allreduce,
-    uncompressed, with a warning the first time an op does (``warned``: the op names already warned of). The op
-    is an argument of the call, equal on every rank, so every rank takes the same collective."""
+def takes_op_uncompressed(name, hvd, op, warned):
+    """True where ``op`` is one of :data:`UNCOMPRESSED_OPS` of the Horovod module ``hvd``, which a payload cannot
+    serve: decoded payloads add up, so such a tensor goes through Horovod's own allreduce, uncompressed, with a
+    warning the first time an op does (``warned``: the op names already warned of). The op is an argument of
+    the call, equal on every rank, so every rank takes the same collective."""
+    op_name = next((n for n in UNCOMPRESSED_OPS if op is not None and op == getattr(hvd, n)), None)
     if op_name is None:
         return False
     if op_name not in warned:

@@ -160,7 +160,6 @@ class FeedbackStore:
     # -- Horovod Elastic --------------------------------------------------------------------
     def step_counters(self):
         """{tensor name: steps taken}: what a new elastic world gets from rank 0."""
-        self.settle_step()
         return {name: self._step(name) for name in list(self._names())}
 
     def set_step_counters(self, steps):
@@ -296,13 +295,10 @@ class StepVerdict:
             self._on_device[key] = entry
 
     def settle(self):
-        """Decides the step: keeps every tensor's new residuals if all its results were finite. Returns whether
-        it counted (None: nothing was pending, or only device verdicts)."""
+        """Decides the step: keeps every tensor's new residuals if all its results were finite."""
         with self._lock:
             keeps, on_device, finite = self._keeps, self._on_device, self._finite
             self._keeps, self._on_device, self._finite = {}, {}, True
-        if not keeps and not on_device:
-            return None
         if on_device:
             answer = self._mark_device(list(on_device.values()), finite, bool(keeps))
             finite = finite if answer is None else answer
@@ -311,7 +307,6 @@ class StepVerdict:
                 keep()
             elif discard is not None:
                 discard()
-        return finite if keeps else None
 
 
 def settled(stamp):
@@ -340,7 +335,9 @@ class Generations:
 
     def start(self, stamp):
         """The generation of a tensor's step whose last write was stamped ``stamp``."""
-        took_part = (stamp if stamp >= 0 else -2 - stamp) >> 1 if stamp != -1 else None
+        took_part = None  # stamp -1: nothing written yet
+        if stamp != -1:
+            took_part = (stamp if stamp >= 0 else -2 - stamp) >> 1  # a settled stamp, back to the stamp
         with self._lock:
             if took_part == self._current:
                 self._current += 1

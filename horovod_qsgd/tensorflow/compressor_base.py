@@ -15,7 +15,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
 import horovod.tensorflow as hvd
-from horovod_qsgd.common.call_site import check_compressible, takes_op_uncompressed, uncompressed_op_name
+from horovod_qsgd.common.call_site import check_compressible, takes_op_uncompressed
 from horovod_qsgd.common.errors import (RankInJoinError, elastic_process_set_unsupported, elastic_state_missing,
                                         tensor_name_shared)
 from horovod_qsgd.common.exchange import reduction_scale
@@ -398,8 +398,7 @@ class CompressorBase(CodecSettings, KeepsFeedback, tf.Module):
         if self._runtime.shadowing is not None:
             # A rank out of data contributes zeros (tf.where: a multiplication by 0 would keep NaN).
             tensor = tf.where(self._runtime.shadowing, tf.zeros_like(tensor), tensor)
-        if self._passes_through(tensor) or takes_op_uncompressed(site.name, uncompressed_op_name(hvd, site.op),
-                                                                 self._runtime.warned_ops):
+        if self._passes_through(tensor) or takes_op_uncompressed(site.name, hvd, site.op, self._runtime.warned_ops):
             return site, None, tensor
         self._check_site(site)
         return site, self._state_name(site), tensor

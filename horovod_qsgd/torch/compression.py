@@ -46,7 +46,7 @@ import torch
 
 from horovod_qsgd.codecs import RandomKCodec
 from horovod_qsgd.common import docs
-from horovod_qsgd.common.call_site import takes_op_uncompressed, uncompressed_op_name
+from horovod_qsgd.common.call_site import takes_op_uncompressed
 from horovod_qsgd.common.errors import elastic_state_missing, tensor_name_shared
 from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.exchange import SNAP_TOLERANCE, reduction_scale
@@ -228,7 +228,7 @@ class _CompressorBase(CodecSettings, KeepsFeedback):
         # A frozen parameter's zero gradient goes uncompressed, so that its residual stays (it would move the
         # frozen weights) and the result is the zeros Horovod's own allreduce gives.
         if (self._passes_through(tensor) or site.frozen
-                or takes_op_uncompressed(site.name, uncompressed_op_name(hvd, site.op), self._warned_ops)):
+                or takes_op_uncompressed(site.name, hvd, site.op, self._warned_ops)):
             sent, ctx = self._pass_through(tensor)
             note_allreduce(site, sent, 0.0)
             return sent, ctx

@@ -52,6 +52,13 @@ def _model(torch, dtype):
     return Weights()
 
 
+def _state_class_and_hook(class_name):
+    """(QSGDState, qsgd_hook) or (TopKState, topk_hook)."""
+    import horovod_qsgd.ddp as ddp_hooks
+    hook = ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook
+    return getattr(ddp_hooks, class_name), hook
+
+
 def _ddp(torch, state, hook, dtype=None, **ddp_kwargs):
     model = _model(torch, dtype or torch.float32)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5, **ddp_kwargs)
@@ -258,13 +265,13 @@ def _skip_a_partial_overflow(torch, dist, ddp, calls, state, reference):
 
 def _check_against_reference(dist, class_name, kwargs, dtype=None, **ddp_kwargs):
     """``dtype`` (bfloat16, float16): the gradients are, the hook widens them to float32 for the codec and the
-    result is the codec's average rounded back. Returns (the DDP model, the hook's calls, the state)."""
+    result is the codec's average rounded back. Returns (the DDP model, the hook's calls, the state, the
+    reference)."""
     import torch
-    import horovod_qsgd.ddp as ddp_hooks
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    state = getattr(ddp_hooks, class_name)(min_numel=MIN_NUMEL, **kwargs)
-    ddp, calls = _ddp(torch, state, ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook,
-                      dtype, **ddp_kwargs)
+    make, hook = _state_class_and_hook(class_name)
+    state = make(min_numel=MIN_NUMEL, **kwargs)
+    ddp, calls = _ddp(torch, state, hook, dtype, **ddp_kwargs)
     reference = _Reference(state, num_ranks, dtype)
 
     def rounded(values):
@@ -346,11 +353,9 @@ def test_a_resumed_job_continues_bitwise_through_the_bucket_rebuild(num_ranks, d
     import io
 
     import torch
-    import horovod_qsgd.ddp as ddp_hooks
     rank = dist_gloo.get_rank()
     for class_name, kwargs in [CASES[1], CASES[3]]:
-        make = getattr(ddp_hooks, class_name)
-        hook = ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook
+        make, hook = _state_class_and_hook(class_name)
         state = make(min_numel=MIN_NUMEL, **kwargs)
         ddp, calls = _ddp(torch, state, hook)
         reference = _Reference(state, num_ranks)
@@ -371,11 +376,9 @@ def test_a_state_reloaded_after_the_bucket_rebuild_keeps_each_residual_with_its_
     """load_state_dict(state_dict()) in the same process (a roll-back after a loss spike) after DDP rebuilt its
     buckets in another order than its initial one: the next steps are the uninterrupted reference's."""
     import torch
-    import horovod_qsgd.ddp as ddp_hooks
     rank = dist_gloo.get_rank()
     for class_name, kwargs in [CASES[2], CASES[3]]:
-        make = getattr(ddp_hooks, class_name)
-        hook = ddp_hooks.qsgd_hook if class_name == "QSGDState" else ddp_hooks.topk_hook
+        make, hook = _state_class_and_hook(class_name)
         state = make(min_numel=MIN_NUMEL, **kwargs)
         ddp, calls = _ddp(torch, state, hook)
         reference = _Reference(state, num_ranks)
