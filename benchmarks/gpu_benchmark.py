@@ -66,7 +66,7 @@ def kernel_name(name):
 
 def codec_calls(torch, qsgd, topk_codec, x, payload, total, device, selectors):
     """{operation: a call of it}: QSGD-4's encode and decode, and a top-k 1% encode per selector."""
-    from horovod_qsgd.torch_arrays import as_array
+    from horovod_qsgd.torch_shared.arrays import as_array
     residual = torch.zeros_like(x)
     calls = {"qsgd4_encode": lambda: qsgd.encode(as_array(x), as_array(payload), step=1, key=1),
              "qsgd4_decode": lambda: qsgd.decode_accumulate(as_array(payload), as_array(total))}
@@ -82,7 +82,7 @@ def profile(torch, calls, device, reps):
     """{operation: [(kernel, share of the GPU time, ms per call)]} from torch.profiler over ``reps`` calls."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    from horovod_qsgd.torch_arrays import kernel_stream
+    from horovod_qsgd.torch_shared.arrays import kernel_stream
     shares = {}
     for what, fn in calls.items():
         with kernel_stream(device):
@@ -122,7 +122,7 @@ def launch_cost(torch, tensors, device, launches=500):
     could keep it) and ``launch_us_overload`` (the resolved overload's ``launch``: no per-call type dispatch). An
     option that fails on this numba-cuda gives ``<key>_error`` instead. CUDA graphs: :func:`graph_launch_cost`."""
     from numba import cuda
-    from horovod_qsgd.torch_arrays import as_array
+    from horovod_qsgd.torch_shared.arrays import as_array
 
     empty = empty_kernel()
     stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
@@ -160,7 +160,7 @@ def graph_launch_cost(torch, tensors, device, captured=20, replays=50):
     captured once in a CUDA graph (numba launching on the capturing torch stream) and the graph is replayed}, or
     {'launch_us_graph_error': why not}. Run last: a failed capture can leave the device unusable."""
     from numba import cuda
-    from horovod_qsgd.torch_arrays import as_array
+    from horovod_qsgd.torch_shared.arrays import as_array
     try:
         empty = empty_kernel()
         arrays = [as_array(t) for t in tensors]
@@ -188,7 +188,7 @@ def host_profile(torch, calls, device, reps=20):
     """Where the host's time goes in a call (cProfile): the kernels are a fraction of the time measured."""
     import cProfile
     import pstats
-    from horovod_qsgd.torch_arrays import kernel_stream
+    from horovod_qsgd.torch_shared.arrays import kernel_stream
     for what, fn in calls.items():
         with kernel_stream(device):
             fn()
@@ -217,7 +217,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("gpu_benchmark: needs a CUDA GPU and PyTorch's CUDA build (torch.cuda.is_available() is False)")
     from horovod_qsgd.codecs import QSGDCodec, TopKCodec
-    from horovod_qsgd.torch_arrays import as_array, kernel_stream
+    from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
 
     device = torch.device("cuda", torch.cuda.current_device())
     n, reps = args.numel, args.reps

@@ -53,7 +53,7 @@ class Arrays:
         self.device = device
         if device != "cpu":
             import torch
-            from horovod_qsgd.torch_arrays import as_array
+            from horovod_qsgd.torch_shared.arrays import as_array
             self.torch, self.as_array = torch, as_array
 
     def zeros(self, n, dtype):
@@ -80,7 +80,7 @@ class Arrays:
         if self.device == "cpu":
             import contextlib
             return contextlib.nullcontext()
-        from horovod_qsgd.torch_arrays import kernel_stream
+        from horovod_qsgd.torch_shared.arrays import kernel_stream
         return kernel_stream(self.torch.device(self.device))
 
 

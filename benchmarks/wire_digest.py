@@ -111,7 +111,7 @@ def _ddp_worker(setting, steps, out):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     import horovod_qsgd.ddp as qddp
-    from horovod_qsgd import torch_distributed
+    from horovod_qsgd.torch_shared import distributed as torch_distributed
     from horovod_qsgd.ddp import hooks
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -25,10 +25,10 @@ The rules, the same in every adapter:
 A step in which any tensor's result is not finite keeps no residual that any of its tensors wrote: a loss scaler
 skips the whole step when one gradient overflows, and the layers that stayed finite must not keep what it sent.
 :class:`StepVerdict` decides that once per step; each tensor's new residual waits in the second of its two
-buffers until then (``torch_feedback.KeptResidual``; a spare variable in TensorFlow).
+buffers until then (``torch_shared.feedback.KeptResidual``; a spare variable in TensorFlow).
 
 :class:`FeedbackStore` holds the rules; each adapter subclasses it with the arrays its framework keeps them in:
-``torch_feedback.TensorFeedback`` (torch tensors by name: Horovod's PyTorch compressors per tensor, FSDP2 per
+``torch_shared.feedback.TensorFeedback`` (torch tensors by name: Horovod's PyTorch compressors per tensor, FSDP2 per
 module) and ``tensorflow/feedback.py`` (``tf.Variable`` objects, which a traced function reads and
 ``tf.train.Checkpoint`` tracks). The DDP hooks' residuals are not kept by name: per parameter, so that DDP may
 rebuild its buckets, and staged per bucket (``ddp/feedback.py``), with the same rules for a changed bucket.

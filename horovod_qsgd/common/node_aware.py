@@ -136,7 +136,7 @@ def decode_forwarded(gathered, rows, decode, label, ranks_named="rank"):
 class NodeLayout:
     """M nodes of L ranks: this rank is local rank ``local_rank`` of node ``node``; ``members[k]``: node k's
     ranks in local-rank order. Horovod numbers ranks node by node (rank = node · L + local rank, the default);
-    torch.distributed's adapters take any grouping (:class:`~horovod_qsgd.torch_distributed.DistributedNodes`)."""
+    torch.distributed's adapters take any grouping (:class:`~horovod_qsgd.torch_shared.distributed.DistributedNodes`)."""
 
     def __init__(self, num_nodes, local_size, node, local_rank, members=None):
         self.num_nodes, self.local_size, self.node, self.local_rank = num_nodes, local_size, node, local_rank

@@ -3,7 +3,7 @@
 Residuals are kept **per parameter** (keyed by the order the hooks first met the parameters), because DDP
 rebuilds its buckets after the first iteration and a checkpoint may be loaded into other buckets. A step
 reads and writes them **per bucket**: the bucket's parameters' residuals staged in one
-:class:`~horovod_qsgd.torch_feedback.KeptResidual` (two buffers, so that a step whose result is not finite
+:class:`~horovod_qsgd.torch_shared.feedback.KeptResidual` (two buffers, so that a step whose result is not finite
 keeps nothing), which the parameters' residuals then view, so the next step of the same bucket gathers nothing.
 
 Besides: an owner's residual of its chunk of the two stages' sum, and the node-aware exchange's residual of
@@ -17,7 +17,7 @@ import threading
 import torch
 
 from horovod_qsgd.common.errors import residual_length_mismatch
-from horovod_qsgd.torch_feedback import KeptResidual, step_stamps
+from horovod_qsgd.torch_shared.feedback import KeptResidual, step_stamps
 
 
 class BucketFeedback:

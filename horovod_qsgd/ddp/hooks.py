@@ -46,10 +46,10 @@ from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import check_exchange, qsgd_codecs
 from horovod_qsgd.ddp.feedback import BucketFeedback
 from horovod_qsgd.kernels import finish_sum
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_distributed import (DistributedNodes, DistributedTransport, all_gather_single,
+from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
+from horovod_qsgd.torch_shared.distributed import (DistributedNodes, DistributedTransport, all_gather_single,
                                             check_payload_settings)
-from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, mark_step_on_device, scaled_and_finite
+from horovod_qsgd.torch_shared.feedback import DeviceNonfiniteCounts, mark_step_on_device, scaled_and_finite
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -79,9 +79,9 @@ from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import qsgd_codecs
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_distributed import DistributedNodes, DistributedTransport, check_payload_settings
-from horovod_qsgd.torch_feedback import TensorFeedback, scaled_and_finite
+from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
+from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, check_payload_settings
+from horovod_qsgd.torch_shared.feedback import TensorFeedback, scaled_and_finite
 
 
 EXCHANGES = ("auto", REDUCE_SCATTER, NODE_AWARE)
@@ -115,7 +115,7 @@ class ModuleReduceScatter(ReduceScatter):
 
     @property
     def state(self):
-        """The module's :class:`~horovod_qsgd.torch_feedback.TensorState` in the compressor's store."""
+        """The module's :class:`~horovod_qsgd.torch_shared.feedback.TensorState` in the compressor's store."""
         return self.compressor._feedback.entry(self.name)
 
     def allocate(self, size, *, dtype, device):

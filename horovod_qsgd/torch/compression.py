@@ -58,8 +58,8 @@ from horovod_qsgd.common.feedback import KeepsFeedback
 from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.kernels import finish_sum
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
-from horovod_qsgd.torch_feedback import DeviceNonfiniteCounts, TensorFeedback
+from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
+from horovod_qsgd.torch_shared.feedback import DeviceNonfiniteCounts, TensorFeedback
 from horovod_qsgd.torch.call_site import check_site, find_call_site
 from horovod_qsgd.torch.exchanges import PayloadExchanges
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
@@ -289,7 +289,7 @@ class _CompressorBase(CodecSettings, KeepsFeedback):
         step, and nothing of it stays in any tensor's residuals, the finite
         layers' included. ``finite``: found by the pass that scaled the result
         (:meth:`_finish`); None on a GPU, where that pass stamped the verdict
-        on the device (:mod:`horovod_qsgd.torch_feedback`): no host read.
+        on the device (:mod:`horovod_qsgd.torch_shared.feedback`): no host read.
         """
         verdict = self._feedback.verdict
         if finite is None:

@@ -28,14 +28,14 @@ from horovod_qsgd.common.node_aware import NODE_AWARE_GROUP_NBYTES
 from horovod_qsgd.kernels import move_into_own_chunk
 from horovod_qsgd.torch.node_aware import NodeAwareExchanges, NodeAwareMember
 from horovod_qsgd.torch.transport import HorovodTransport
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
 
 
 class PayloadExchanges:
     """Every payload exchange of one compressor in flight on this rank: the tensors' parts, the groups waiting
     for members or for their second stage, the node-aware flights.
 
-    ``feedback``: the compressor's :class:`~horovod_qsgd.torch_feedback.TensorFeedback` (owner residuals are
+    ``feedback``: the compressor's :class:`~horovod_qsgd.torch_shared.feedback.TensorFeedback` (owner residuals are
     taken when a group starts); ``namespace``: the prefix of this compressor's group names.
     """
 

@@ -23,7 +23,7 @@ import torch
 
 from horovod_qsgd.common.node_aware import STEPS, NodeAwareGroup
 from horovod_qsgd.torch.transport import HorovodTransport
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
 
 _POLL_SECONDS = 50e-6
 

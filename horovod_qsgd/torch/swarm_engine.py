@@ -17,7 +17,7 @@ from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.matching import random_matching
 from horovod_qsgd.common.naming import rank_key
 from horovod_qsgd.common.stats import CompressionStats
-from horovod_qsgd.torch_arrays import as_array, kernel_stream
+from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 
 STATE_FORMAT = 1

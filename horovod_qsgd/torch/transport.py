@@ -3,7 +3,7 @@ import horovod.torch as hvd
 import torch
 
 from horovod_qsgd.common.collectives import ALLTOALL
-from horovod_qsgd.torch_arrays import TorchBuffers
+from horovod_qsgd.torch_shared.arrays import TorchBuffers
 
 
 class HorovodTransport(TorchBuffers):

@@ -220,7 +220,7 @@ def test_the_verdict_stamped_as_on_a_gpu(num_ranks, dist_gloo, monkeypatch):
     residuals stay as they were on every rank, the others' go on, and the statistics count it. (The variable is
     read where a bucket's stamps are made, so setting it here, in the shared 3-rank launch, is enough.)"""
     import torch
-    from horovod_qsgd.torch_feedback import DEVICE_VERDICT_ENV
+    from horovod_qsgd.torch_shared.feedback import DEVICE_VERDICT_ENV
     monkeypatch.setenv(DEVICE_VERDICT_ENV, "1")
     rank = dist_gloo.get_rank()
     for class_name, kwargs in [CASES[2], CASES[3]]:

@@ -1,7 +1,7 @@
 """A step whose gradient holds inf or NaN on any rank: non-finite everywhere, and no trace in the state."""
 import pytest
 
-from horovod_qsgd.torch_feedback import DEVICE_VERDICT_ENV
+from horovod_qsgd.torch_shared.feedback import DEVICE_VERDICT_ENV
 from tests.nonfinite_cases import (assert_same_state, check_a_partial_overflow_keeps_nothing_of_the_step,
                                    check_discarded_steps, check_steps_right_after_a_discarded_one,
                                    check_training_through_overflows, make_compressor, residuals)

@@ -32,7 +32,7 @@ import torch
 
 from horovod_qsgd.common.feedback import FeedbackStore, StepVerdict
 from horovod_qsgd.kernels import CarriedResidual, committed, finish_sum
-from horovod_qsgd.torch_arrays import as_array
+from horovod_qsgd.torch_shared.arrays import as_array
 
 DEVICE_VERDICT_ENV = "HOROVOD_QSGD_DEVICE_VERDICT"
 
@@ -122,7 +122,7 @@ class KeptResidual:
 
     def for_step(self, stamps=None, stamp=0):
         """What a step reads the residual through and writes its new residual into (torch tensors; see
-        :func:`horovod_qsgd.torch_arrays.as_array`): ``kept`` read, ``spare`` written (allocated once; with
+        :func:`horovod_qsgd.torch_shared.arrays.as_array`): ``kept`` read, ``spare`` written (allocated once; with
         ``stamps`` as a copy of ``kept``, so that whichever of the two they name holds the residual)."""
         spare = self._spare
         if spare is None or spare.numel() != self.kept.numel() or spare.device != self.kept.device:
@@ -158,9 +158,9 @@ class KeptResidual:
 class TensorState:
     """What training depends on per tensor: the RNG step counter and the error-feedback residuals.
 
-    ``residual`` and ``owner_residual`` are :class:`~horovod_qsgd.torch_feedback.KeptResidual`; ``owner_layout``
+    ``residual`` and ``owner_residual`` are :class:`~horovod_qsgd.torch_shared.feedback.KeptResidual`; ``owner_layout``
     the layout the owner residual belongs to. ``stamps``: on a GPU, whether the last step counted, as the
-    device knows it (:mod:`horovod_qsgd.torch_feedback`).
+    device knows it (:mod:`horovod_qsgd.torch_shared.feedback`).
     """
 
     __slots__ = ("step", "residual", "owner_residual", "owner_layout", "stamps")

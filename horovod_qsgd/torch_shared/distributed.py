@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from horovod_qsgd.common.collectives import ALLTOALL
 from horovod_qsgd.common.node_aware import NodeLayout, node_blind_reason, warn_node_blind
-from horovod_qsgd.torch_arrays import TorchBuffers
+from horovod_qsgd.torch_shared.arrays import TorchBuffers
 
 # torch 2.13 calls it all_gather_single and deprecates the old name; torch 2.11 (seen on a GPU machine) has only
 # the old name, and the adapters must not fail there
