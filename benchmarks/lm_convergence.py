@@ -114,17 +114,10 @@ def torch_model(seed, s):
     return model, loss_of
 
 
-def train_torch(hvd, compression, corpus, seed, s, embedding_rows=False):
-    """Trains with ``hvd.DistributedOptimizer`` around ``torch.optim.Adam``; returns the run's record."""
+def torch_loop(hvd, opt, local, loss_of):
+    """(step, validation_sums, sum_over_ranks) for :func:`_train`: ``opt`` steps (``local``'s learning rate set
+    to the schedule's), ``loss_of`` evaluates, a float64 allreduce sums."""
     import torch
-    model, loss_of = torch_model(seed, s)
-    params = dict(model.named_parameters())
-    if s["optimizer"] == "adam":
-        local = torch.optim.Adam(model.parameters(), lr=s["lr"], betas=BETAS, eps=EPS)
-    else:
-        local = torch.optim.SGD(model.parameters(), lr=s["lr"], momentum=SGD_MOMENTUM)
-    opt = hvd.DistributedOptimizer(local, named_parameters=model.named_parameters(), compression=compression)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def step(batch, rate):
         for group in local.param_groups:
@@ -139,6 +132,25 @@ def train_torch(hvd, compression, corpus, seed, s, embedding_rows=False):
         with torch.no_grad():
             return loss_of(batch, "sum").item(), batch[:, 1:].size
 
+    def sum_over_ranks(values, name):
+        return hvd.allreduce(torch.tensor(values, dtype=torch.float64), name=name, op=hvd.Sum).tolist()
+    return step, validation_sums, sum_over_ranks
+
+
+def train_torch(hvd, compression, corpus, seed, s, embedding_rows=False):
+    """Trains with ``hvd.DistributedOptimizer`` around ``torch.optim.Adam``; returns the run's record."""
+    import torch
+    model, loss_of = torch_model(seed, s)
+    params = dict(model.named_parameters())
+    if s["optimizer"] == "adam":
+        local = torch.optim.Adam(model.parameters(), lr=s["lr"], betas=BETAS, eps=EPS)
+    else:
+        local = torch.optim.SGD(model.parameters(), lr=s["lr"], momentum=SGD_MOMENTUM)
+    opt = hvd.DistributedOptimizer(local, named_parameters=model.named_parameters(), compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    step, validation_sums, sum_over_ranks = torch_loop(hvd, opt, local, loss_of)
+
     def count_embedding_rows(t, record):
         if (t + 1) % s["eval_every"] and t + 1 != s["steps"]:
             return
@@ -148,9 +160,6 @@ def train_torch(hvd, compression, corpus, seed, s, embedding_rows=False):
             k = max(1, int(grad.numel() * ratio))
             counts[label] = int(torch.unique(grad.reshape(-1).topk(k).indices // grad.shape[1]).numel())
         record.setdefault("embedding_rows", []).append(counts)
-
-    def sum_over_ranks(values, name):
-        return hvd.allreduce(torch.tensor(values, dtype=torch.float64), name=name, op=hvd.Sum).tolist()
 
     return _train(hvd, corpus, s, seed, step, validation_sums, sum_over_ranks,
                   count_embedding_rows if embedding_rows else None)

@@ -19,6 +19,7 @@ from horovod_qsgd.kernels import cpu_threads, set_cpu_threads  # noqa: E402
 from horovod_qsgd.torch.elastic import register_state_handler as _register_state_handler  # noqa: E402
 from horovod_qsgd.torch.join import Join  # noqa: E402
 from horovod_qsgd.torch.swarm import SwarmOptimizer  # noqa: E402
+from horovod_qsgd.torch.diloco import DiLoCo  # noqa: E402
 
 _register_state_handler()  # hvd.elastic.TorchState(..., compression=c) commits and restores c
 
@@ -26,6 +27,6 @@ _register_state_handler()  # hvd.elastic.TorchState(..., compression=c) commits 
 NoCompression = _hvd.Compression.none
 FP16 = _hvd.Compression.fp16
 
-__all__ = ["QSGD", "TopK", "RandomK", "FP16", "NoCompression", "Join", "SwarmOptimizer",
+__all__ = ["QSGD", "TopK", "RandomK", "FP16", "NoCompression", "Join", "SwarmOptimizer", "DiLoCo",
            "CompressionMismatchError", "UnsupportedCollectiveError", "JoinUnsupportedError", "PayloadError",
            "set_cpu_threads", "cpu_threads"]

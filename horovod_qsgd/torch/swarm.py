@@ -17,6 +17,7 @@ import horovod.torch as hvd
 import torch
 
 from horovod_qsgd.common.matching import TOPOLOGIES, check_edges, random_matching
+from horovod_qsgd.torch_shared.local_sgd import named_parameters_of
 from horovod_qsgd.torch.swarm_engine import AVERAGING, Slot, SwarmEngine, SwarmStats, parse_quantization
 
 __all__ = ["SwarmOptimizer", "SwarmMixin", "SwarmStats", "random_matching", "TOPOLOGIES"]
@@ -99,18 +100,11 @@ def _named_tensors(optimizer, named_parameters, named_buffers):
         named_parameters = module.named_parameters()
         if named_buffers is None:
             named_buffers = module.named_buffers()
-    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        named_parameters = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
+        named_parameters = [(f"param.{i}", p) for i, p in
+                            enumerate(p for group in optimizer.param_groups for p in group["params"])]
     named_parameters = list(named_parameters)
-    names = [n for n, _ in named_parameters]
-    if len(set(names)) != len(names):
-        raise ValueError("horovod_qsgd: SwarmOptimizer: named_parameters has duplicate names")
-    named_ids = {id(p) for _, p in named_parameters}
-    missing = [p for p in in_optimizer if id(p) not in named_ids]
-    if missing:
-        raise ValueError(f"horovod_qsgd: SwarmOptimizer: {len(missing)} of the optimizer's parameters are not in "
-                         "named_parameters; pass model.named_parameters() or the model itself.")
+    named_parameters_of(optimizer, named_parameters, "SwarmOptimizer")  # its checks; Swarm keeps every parameter
     return named_parameters, list(named_buffers or [])
 
 

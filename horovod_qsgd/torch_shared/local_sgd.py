@@ -1,0 +1,220 @@
+"""DiLoCo's outer loop in torch tensors, whatever carries its exchange (Horovod or torch.distributed).
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (arXiv 2311.08105).
+Every rank keeps the *anchor* :math:`\\theta` (the model as of the last synchronization, the same on every
+rank) and trains its own copy :math:`x_i` with the wrapped (inner) optimizer for ``H`` steps. Then the ranks
+average the *pseudo-gradients* :math:`\\Delta_i = \\theta - x_i` through the adapter's exchange (compressed or
+not) and take one outer step of Nesterov SGD on the anchor:
+
+.. math::
+    \\Delta = \\tfrac{1}{N} \\textstyle\\sum_i \\Delta_i, \\quad
+    m \\leftarrow \\mu m + \\Delta, \\quad
+    \\theta \\leftarrow \\theta - \\eta (\\Delta + \\mu m), \\quad
+    x_i \\leftarrow \\theta.
+
+The adapter gives this loop two callables: ``exchange(tensors, purpose)`` averages a list of float32 tensors
+over the ranks (``purpose`` is ``"outer"``, ``"gradients"`` or ``"models"``; the adapter names its collectives
+by it), and ``check(record, name)`` refuses on every rank a record that differs between ranks. Everything
+the next step depends on (anchor, momentum, counters) is in :meth:`OuterLoop.state`.
+"""
+import json
+import zlib
+
+import torch
+
+STATE_FORMAT = 1
+
+
+def check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps):
+    """Raises ValueError naming a bad argument (the same on every rank: no collective has run)."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"horovod_qsgd: DiLoCo: sync_every={sync_every!r} must be an integer >= 1 "
+                         "(local steps between two outer steps; 1 averages after every step)")
+    if not isinstance(outer_lr, (int, float)) or isinstance(outer_lr, bool) or not 0 < outer_lr <= 2:
+        raise ValueError(f"horovod_qsgd: DiLoCo: outer_lr={outer_lr!r} must be a number in (0, 2]; 1 with "
+                         "outer_momentum=0 is plain model averaging")
+    if not isinstance(outer_momentum, (int, float)) or isinstance(outer_momentum, bool) or not 0 <= outer_momentum < 1:
+        raise ValueError(f"horovod_qsgd: DiLoCo: outer_momentum={outer_momentum!r} must be a number in [0, 1)")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"horovod_qsgd: DiLoCo: warmup_steps={warmup_steps!r} must be an integer >= 0")
+
+
+def named_parameters_of(optimizer, named_parameters, who):
+    """[(name, parameter)] of every parameter ``optimizer`` steps, in ``named_parameters``' order (names from
+    ``model.named_parameters()``, or ``param.<i>`` where None). ``who`` names the caller in errors."""
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
+    named_parameters = list(named_parameters)
+    names = [n for n, _ in named_parameters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"horovod_qsgd: {who}: named_parameters has duplicate names")
+    named_ids = {id(p) for _, p in named_parameters}
+    missing = [p for p in in_optimizer if id(p) not in named_ids]
+    if missing:
+        raise ValueError(f"horovod_qsgd: {who}: {len(missing)} of the optimizer's parameters are not in "
+                         "named_parameters; pass model.named_parameters() or the model itself.")
+    stepped = {id(p) for p in in_optimizer}
+    return [(n, p) for n, p in named_parameters if id(p) in stepped]
+
+
+def _digest(tensors):
+    """CRC-32 of the tensors' bytes: equal on every rank exactly when the tensors are."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().float().contiguous().cpu().numpy().tobytes(), crc)
+    return crc
+
+
+class OuterLoop:
+    """The anchor, the outer momentum, the step counters and the schedule of one DiLoCo optimizer.
+
+    ``named_parameters``: [(name, parameter)] in a fixed order (the order of the exchange's tensors).
+    """
+
+    def __init__(self, named_parameters, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps,
+                 exchange, check, exchange_settings):
+        check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
+        self.names = [name for name, _ in named_parameters]
+        self.params = [p for _, p in named_parameters]
+        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
+        self.nesterov, self.warmup_steps = bool(nesterov), warmup_steps
+        self.exchange, self.check, self.exchange_settings = exchange, check, exchange_settings
+        self.steps = 0              # step() calls, skipped ones included: the ranks advance it together
+        self.outer_steps = 0        # outer steps taken (or skipped as non-finite)
+        self.anchor = None          # float32 copies of the parameters at the last synchronization
+        self.momentum = None
+        self.verified = False
+        self.counts = dict.fromkeys(("inner_steps", "inner_steps_skipped", "warmup_steps", "outer_steps",
+                                     "outer_steps_skipped", "models_averaged", "values_exchanged"), 0)
+
+    # -- settings -----------------------------------------------------------------------------
+    def settings(self):
+        manifest = [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.names, self.params)]
+        return {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                "nesterov": self.nesterov, "warmup_steps": self.warmup_steps,
+                "model": f"{len(manifest)} tensors, digest {zlib.crc32(json.dumps(manifest).encode()):08x}",
+                "exchange": self.exchange_settings}
+
+    def handshake(self):
+        """Once per process, at the first step: every rank compares every rank's settings, counters and model
+        (the anchor, or the parameters before the first anchor); a difference is refused on every rank."""
+        if self.verified:
+            return
+        model = self.anchor if self.anchor is not None else self.params
+        self.check(dict(self.settings(), steps=self.steps, outer_steps=self.outer_steps,
+                        model_digest=f"{_digest(model):08x}"), "handshake")
+        self.verified = True
+
+    @property
+    def in_warmup(self):
+        return self.steps < self.warmup_steps
+
+    # -- the steps --------------------------------------------------------------------------------
+    def average_gradients(self):
+        """A warm-up step: every parameter's gradient replaced by its average over the ranks (through the
+        exchange). Returns whether every averaged gradient is finite (alike on every rank)."""
+        with_grad = [p for p in self.params if p.grad is not None]
+        averaged = self.exchange([p.grad.detach().float() for p in with_grad], "gradients")
+        self.counts["values_exchanged"] += sum(a.numel() for a in averaged)
+        with torch.no_grad():
+            for p, a in zip(with_grad, averaged):
+                p.grad.copy_(a.view_as(p.grad))
+        return _all_finite(averaged)
+
+    def before_local_step(self):
+        """The first local step after construction or the warm-up takes the anchor."""
+        if self.anchor is None:
+            self.anchor = [p.detach().float().clone() for p in self.params]
+            self.momentum = [torch.zeros_like(a) for a in self.anchor]
+
+    def after_step(self, took_inner_step, warmup):
+        """Counts the step; every ``sync_every`` steps after the warm-up, the outer step. Every rank calls it
+        once per ``step()``, skipped steps included, so that every rank reaches the outer step together."""
+        self.steps += 1
+        self.counts["inner_steps" if took_inner_step else "inner_steps_skipped"] += 1
+        if warmup:
+            self.counts["warmup_steps"] += 1
+            return False
+        if (self.steps - self.warmup_steps) % self.sync_every:
+            return False
+        self.outer_step()
+        return True
+
+    def outer_step(self):
+        pseudo = [a - p.detach().float() for a, p in zip(self.anchor, self.params)]
+        averaged = self.exchange(pseudo, "outer")
+        self.counts["values_exchanged"] += sum(a.numel() for a in averaged)
+        self.outer_steps += 1
+        if _all_finite(averaged):  # else: the interval's local progress is dropped on every rank
+            # One rounding per operation, no fused multiply-add (torch's alpha= may fuse): a reference written
+            # with numpy float32 operations gets the same bits.
+            mu = self.outer_momentum
+            torch._foreach_mul_(self.momentum, mu)
+            torch._foreach_add_(self.momentum, averaged)
+            if self.nesterov:
+                update = torch._foreach_mul(self.momentum, mu)
+                torch._foreach_add_(update, averaged)
+                torch._foreach_mul_(update, self.outer_lr)
+            else:
+                update = torch._foreach_mul(self.momentum, self.outer_lr)
+            torch._foreach_sub_(self.anchor, update)
+            self.counts["outer_steps"] += 1
+        else:
+            self.counts["outer_steps_skipped"] += 1
+        self._parameters_to_anchor()
+
+    def _parameters_to_anchor(self):
+        with torch.no_grad():
+            for p, a in zip(self.params, self.anchor):
+                p.copy_(a.view_as(p))
+
+    @property
+    def in_sync(self):
+        """True where every rank's parameters are the anchor: no local step since the last outer step."""
+        return self.anchor is None and self.steps <= self.warmup_steps or (
+            self.anchor is not None and self.steps > self.warmup_steps
+            and (self.steps - self.warmup_steps) % self.sync_every == 0)
+
+    def average_models(self):
+        """Every rank's parameters replaced by their exact average (full precision; nothing to send where the
+        ranks are in sync). The anchor and the outer momentum stay: the next outer step goes on from them."""
+        if self.in_sync:
+            return
+        averaged = self.exchange([p.detach().float() for p in self.params], "models")
+        self.counts["values_exchanged"] += sum(a.numel() for a in averaged)
+        self.counts["models_averaged"] += 1
+        with torch.no_grad():
+            for p, a in zip(self.params, averaged):
+                p.copy_(a.view_as(p))
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state(self):
+        return {"format": STATE_FORMAT, "settings": self.settings(), "steps": self.steps,
+                "outer_steps": self.outer_steps,
+                "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
+                "momentum": None if self.momentum is None else [m.clone() for m in self.momentum]}
+
+    def check_state(self, state):
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError("horovod_qsgd: DiLoCo: the checkpoint's 'diloco' entry is not a DiLoCo state of this "
+                             f"version (format {STATE_FORMAT}); save it with this version's state_dict()")
+        mine = self.settings()
+        differ = {k: (state["settings"].get(k), v) for k, v in mine.items() if state["settings"].get(k) != v}
+        if differ:
+            raise ValueError("horovod_qsgd: DiLoCo: the checkpoint was saved with other settings: " + ", ".join(
+                f"{k}={saved!r} there, {now!r} here" for k, (saved, now) in differ.items()) +
+                "; build the optimizer as it was built for the checkpoint")
+
+    def load(self, state):
+        self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
+        device = self.params[0].device if self.params else None
+        self.anchor = None if state["anchor"] is None else [a.to(device).clone() for a in state["anchor"]]
+        self.momentum = None if state["momentum"] is None else [m.to(device).clone() for m in state["momentum"]]
+        self.verified = False  # the loaded counters and anchor are compared across ranks at the next step
+
+
+def _all_finite(tensors):
+    if not tensors:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
