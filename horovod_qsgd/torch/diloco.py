@@ -17,7 +17,7 @@ import torch
 
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
-from horovod_qsgd.torch_shared.local_sgd import OuterLoop, named_parameters_of
+from horovod_qsgd.torch_shared.local_sgd import OuterLoop, check_arguments, named_parameters_of
 
 __all__ = ["DiLoCo", "DiLoCoMixin"]
 NAME_PREFIX = "horovod_qsgd.diloco"
@@ -87,7 +87,8 @@ class DiLoCoMixin:
         ``inner_steps`` / ``inner_steps_skipped`` (a loss scaler's overflow), ``warmup_steps`` (of those, the
         synchronous ones), ``outer_steps`` / ``outer_steps_skipped`` (a non-finite average: the interval's
         local progress dropped on every rank), ``models_averaged`` (:meth:`average_models` calls that sent),
-        ``values_exchanged``: float32 values averaged (gradients, pseudo-gradients, models);
+        ``values_exchanged``: float32 values averaged (gradients, pseudo-gradients, models; of those
+        ``values_exchanged_in_full`` by :meth:`average_models`, never compressed);
         ``bytes_uncompressed``: 4 bytes each. The compressor's own counters (``bytes_sent``,
         ``compression_ratio``, ...) come with them where it keeps any; without compression ``bytes_sent``
         is ``bytes_uncompressed``.
@@ -98,6 +99,7 @@ class DiLoCoMixin:
         if hasattr(compressor, "compression_stats"):
             own = compressor.compression_stats(reset)
             stats.update({k: v for k, v in own.items() if k not in ("bytes_uncompressed", "compression_ratio")})
+            stats["bytes_sent"] += 4 * counts["values_exchanged_in_full"]  # average_models(): float32
         else:
             stats["bytes_sent"] = stats["bytes_uncompressed"] // (2 if compressor is hvd.Compression.fp16 else 1)
         sent = stats["bytes_sent"]
@@ -205,21 +207,22 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
     the counters and the compressor's state. Settings, counters and the starting model are compared across the
     ranks at the first step (a rank that did not ``hvd.broadcast_parameters`` is refused, on every rank).
     """
+    check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
+    if isinstance(named_parameters, torch.nn.Module):
+        named_parameters = named_parameters.named_parameters()
+    named = named_parameters_of(optimizer, named_parameters, "DiLoCo")
     if not process_set.included():
         raise ValueError("horovod_qsgd: DiLoCo: this rank is not in process_set")
     if compression is None:
         compression = hvd.Compression.none
-    if isinstance(named_parameters, torch.nn.Module):
-        named_parameters = named_parameters.named_parameters()
-    named = named_parameters_of(optimizer, named_parameters, "DiLoCo")
     manifest = zlib.crc32(repr([(n, tuple(p.shape)) for n, p in named]).encode())
     prefix = f"{NAME_PREFIX}.{process_set.process_set_id}.{manifest:08x}"
 
     def exchange(tensors, purpose):
         if not tensors:
             return []
-        return hvd.grouped_allreduce(tensors, name=f"{prefix}.{purpose}", compression=compression, op=hvd.Average,
-                                     process_set=process_set)
+        return hvd.grouped_allreduce(tensors, name=f"{prefix}.{purpose}", op=hvd.Average, process_set=process_set,
+                                     compression=hvd.Compression.none if purpose == "models" else compression)
 
     def check(record, name):
         try:

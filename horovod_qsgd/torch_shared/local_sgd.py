@@ -14,7 +14,7 @@ not) and take one outer step of Nesterov SGD on the anchor:
 
 The adapter gives this loop two callables: ``exchange(tensors, purpose)`` averages a list of float32 tensors
 over the ranks (``purpose`` is ``"outer"``, ``"gradients"`` or ``"models"``; the adapter names its collectives
-by it), and ``check(record, name)`` refuses on every rank a record that differs between ranks. Everything
+by it, and averages ``"models"`` in full precision, whatever the compressor: the parameters themselves), and ``check(record, name)`` refuses on every rank a record that differs between ranks. Everything
 the next step depends on (anchor, momentum, counters) is in :meth:`OuterLoop.state`.
 """
 import json
@@ -86,7 +86,8 @@ class OuterLoop:
         self.momentum = None
         self.verified = False
         self.counts = dict.fromkeys(("inner_steps", "inner_steps_skipped", "warmup_steps", "outer_steps",
-                                     "outer_steps_skipped", "models_averaged", "values_exchanged"), 0)
+                                     "outer_steps_skipped", "models_averaged", "values_exchanged",
+                                     "values_exchanged_in_full"), 0)
 
     # -- settings -----------------------------------------------------------------------------
     def settings(self):
@@ -182,7 +183,9 @@ class OuterLoop:
         if self.in_sync:
             return
         averaged = self.exchange([p.detach().float() for p in self.params], "models")
-        self.counts["values_exchanged"] += sum(a.numel() for a in averaged)
+        numel = sum(a.numel() for a in averaged)
+        self.counts["values_exchanged"] += numel
+        self.counts["values_exchanged_in_full"] += numel
         self.counts["models_averaged"] += 1
         with torch.no_grad():
             for p, a in zip(self.params, averaged):

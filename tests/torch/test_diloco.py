@@ -1,0 +1,313 @@
+"""DiLoCo (horovod_qsgd.torch.DiLoCo) on 2, 3 and 4 Horovod ranks.
+
+The inner optimizer is SGD with lr 1 and gradients set by the test, so every rank's local model after H
+steps is known exactly (``x - g`` rounds once, in numpy as in torch). The outer step's reference is built
+from the codecs alone (``tests/two_stage_reference.py``: the allgather's payloads decoded in rank order, or
+the two stages) and numpy float32 operations; every rank's parameters must equal it bit for bit.
+"""
+import copy
+import zlib
+
+import numpy as np
+import pytest
+
+from tests.two_stage_reference import gradient
+from tests.two_stage_reference import reference as two_stage_reference
+
+SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
+RANKS_234 = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=170)) for n in (2, 3, 4)]
+SIZES = {"a": 3000, "b": 1300}  # elements; both above min_numel=0, neither a multiple of the bucket
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
+
+
+def _model(seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    for name, numel in SIZES.items():
+        model.register_parameter(name, torch.nn.Parameter(torch.randn(numel, generator=g)))
+    return model
+
+
+def _grads(rank, step):
+    return {name: gradient(rank, numel, 1000 * step + i) * np.float32(0.01) for i, (name, numel) in
+            enumerate(SIZES.items())}
+
+
+def _local_steps(opt, model, rank, steps):
+    import torch
+    for step in steps:
+        for name, g in _grads(rank, step).items():
+            getattr(model, name).grad = torch.from_numpy(g.copy())
+        opt.step()
+
+
+def _gathered(hvd, model, label):
+    import torch
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hvd.allgather(flat.reshape(1, -1), name=f"test.diloco.{label}")
+
+
+def _diloco(model, compression, **kwargs):
+    import torch
+    from horovod_qsgd.torch import DiLoCo
+    return DiLoCo(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), compression=compression,
+                  outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, **kwargs)
+
+
+class _Reference:
+    """Every rank's model through DiLoCo, in numpy: the codecs' average and the outer Nesterov step."""
+
+    def __init__(self, kind, num_ranks, prefix):
+        from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+        self.kind, self.num_ranks, self.prefix = kind, num_ranks, prefix
+        self.codec = {"qsgd": QSGDCodec(bits=4), "qsgd-two-stage": QSGDCodec(bits=4),
+                      "topk": TopKCodec(ratio=0.05), "topk-two-stage": TopKCodec(ratio=0.05)}.get(kind)
+        self.unit = 512 if kind.startswith("qsgd") else 1
+        model = _model()
+        self.anchor = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        self.momentum = {n: np.zeros_like(a) for n, a in self.anchor.items()}
+        self.residuals = {n: [np.zeros(size, np.float32) for _ in range(num_ranks)] for n, size in SIZES.items()}
+        self.owner_residuals = {}
+        self.outer = 0
+
+    def average(self, name, index, deltas):
+        key_name = f"{self.prefix}.outer.{index}"
+        if self.codec is None:
+            return None  # Horovod's own float32 average: compared with a tolerance
+        feedback = self.kind.startswith("topk")
+        residuals = self.residuals[name] if feedback else None
+        if self.kind.endswith("two-stage"):
+            from tests.two_stage_reference import bounds
+            owner = self.owner_residuals.setdefault(name, [np.zeros(e - b, np.float32) for b, e in
+                                                           bounds(SIZES[name], self.num_ranks, self.unit)])
+            total = two_stage_reference(self.codec, self.codec, key_name, deltas, self.outer, self.unit, residuals,
+                                        owner if feedback else None)
+        else:
+            total = np.zeros(SIZES[name], np.float32)
+            for rank, delta in enumerate(deltas):
+                buf = np.zeros(self.codec.max_payload_nbytes(delta.size), np.uint8)
+                used = self.codec.encode(delta, buf, step=self.outer,
+                                         key=zlib.crc32(f"{key_name}@rank{rank}".encode()),
+                                         residual=None if residuals is None else residuals[rank])
+                self.codec.decode_accumulate(buf[:used], total)
+        return total * np.float32(1.0 / self.num_ranks)
+
+    def outer_step(self, steps):
+        """The anchor after the local steps ``steps`` on every rank and one outer step; returns it, and the mean
+        of the pseudo-gradients (for the float32 exchange's tolerance)."""
+        exact = {}
+        for index, name in enumerate(SIZES):
+            local = []
+            for rank in range(self.num_ranks):
+                x = self.anchor[name].copy()
+                for step in steps:
+                    x = x - _grads(rank, step)[name]
+                local.append(x)
+            deltas = [self.anchor[name] - x for x in local]
+            exact[name] = np.mean(np.stack(deltas).astype(np.float64), 0).astype(np.float32)
+            averaged = self.average(name, index, deltas)
+            if averaged is None:
+                averaged = exact[name]
+            mu, lr = np.float32(OUTER_MOMENTUM), np.float32(OUTER_LR)
+            self.momentum[name] = self.momentum[name] * mu + averaged
+            update = (self.momentum[name] * mu + averaged) * lr
+            self.anchor[name] = self.anchor[name] - update
+        self.outer += 1
+        return np.concatenate([self.anchor[n] for n in SIZES])
+
+
+def _compressor(kind):
+    import horovod.torch as hvd
+    from horovod_qsgd.torch import QSGD, TopK
+    if kind == "none":
+        return hvd.Compression.none
+    exchange = "two_stage" if kind.endswith("two-stage") else "allgather"
+    if kind.startswith("qsgd"):
+        return QSGD(bits=4, min_numel=0, exchange=exchange)
+    return TopK(ratio=0.05, min_numel=0, exchange=exchange)
+
+
+@pytest.mark.parametrize("n", RANKS_234)
+def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n):
+    import torch
+    hvd = hvd_torch
+    assert hvd.size() == n
+    kinds = ["none", "qsgd", "topk"] + (["qsgd-two-stage", "topk-two-stage"] if n > 2 else [])
+    for kind in kinds:
+        model = _model()
+        compressor = _compressor(kind)
+        opt = _diloco(model, compressor, sync_every=3)
+        reference = _Reference(kind, n, opt._diloco_prefix)
+        for outer, steps in enumerate(([0, 1, 2], [3, 4, 5], [6, 7, 8])):
+            _local_steps(opt, model, hvd.rank(), steps)
+            assert opt.outer_steps == outer + 1
+            want = reference.outer_step(steps)
+            everyone = _gathered(hvd, model, f"{kind}.{outer}")
+            assert all(torch.equal(everyone[0], everyone[r]) for r in range(n)), kind
+            if kind == "none":  # Horovod's average sums in its own order: within float32 rounding of the mean
+                np.testing.assert_allclose(everyone[0].numpy(), want, rtol=0, atol=1e-5)
+            else:
+                assert np.array_equal(everyone[0].numpy(), want), (kind, outer,
+                                                                   np.abs(everyone[0].numpy() - want).max())
+        stats = opt.compression_stats()
+        assert stats["outer_steps"] == 3 and stats["inner_steps"] == 9 and stats["models_averaged"] == 0
+        assert stats["values_exchanged"] == 3 * sum(SIZES.values())
+        if kind == "none":
+            assert stats["bytes_sent"] == 4 * 3 * sum(SIZES.values())
+        else:  # the compressor's own count: payloads plus one placeholder per tensor
+            assert stats["tensors_compressed"] == 3 * len(SIZES) and stats["bytes_sent"] < stats["bytes_uncompressed"]
+            assert set(stats["exchanges"]) == {f"{opt._diloco_prefix}.outer.{i}" for i in range(len(SIZES))}
+
+
+@pytest.mark.parametrize("n", RANKS_234)
+def test_average_models_makes_every_rank_equal_and_sends_nothing_at_a_synchronization(hvd_torch, n):
+    import torch
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    model = _model()
+    opt = _diloco(model, QSGD(bits=4, min_numel=0), sync_every=4)
+    _local_steps(opt, model, hvd.rank(), range(6))  # an outer step at 4, then 2 local steps
+    before = _gathered(hvd, model, "before")
+    assert not torch.equal(before[0], before[1])
+    anchor = [a.clone() for a in opt._diloco.anchor]
+    opt.average_models()
+    after = _gathered(hvd, model, "after")
+    assert all(torch.equal(after[0], after[r]) for r in range(n))
+    torch.testing.assert_close(after[0], before.double().mean(0).float(), rtol=0, atol=1e-6)
+    stats = opt.compression_stats()
+    assert stats["models_averaged"] == 1 and stats["values_exchanged_in_full"] == sum(SIZES.values())
+    assert all(torch.equal(a, b) for a, b in zip(anchor, opt._diloco.anchor))  # the outer loop goes on from it
+    _local_steps(opt, model, hvd.rank(), range(6, 8))  # the next outer step, at 8
+    assert opt.outer_steps == 2
+    opt.average_models()  # in sync: nothing sent
+    assert opt.compression_stats()["models_averaged"] == 1
+
+
+@pytest.mark.parametrize("n", RANKS_234)
+def test_resume_from_each_ranks_checkpoint_is_bitwise_the_uninterrupted_run(hvd_torch, n):
+    import torch
+    from horovod_qsgd.torch import TopK
+    hvd = hvd_torch
+
+    def build():
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        from horovod_qsgd.torch import DiLoCo
+        return model, DiLoCo(inner, model.named_parameters(), sync_every=3, compression=TopK(ratio=0.05,
+                                                                                             min_numel=0))
+
+    def train(model, opt, steps):
+        for step in steps:
+            for name, g in _grads(hvd.rank(), step).items():
+                getattr(model, name).grad = torch.from_numpy(g.copy())
+            opt.step()
+
+    model, opt = build()
+    train(model, opt, range(5))  # an outer step at 3; a checkpoint between two
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, range(5, 11))
+    uninterrupted = _gathered(hvd, model, "uninterrupted")
+
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    train(model, opt, range(5, 11))
+    resumed = _gathered(hvd, model, "resumed")
+    assert torch.equal(uninterrupted, resumed)
+    assert opt.outer_steps == 3
+    assert set(saved["opt"]["diloco"]) >= {"anchor", "momentum", "steps", "outer_steps", "compression"}
+    assert saved["opt"]["diloco"]["compression"]["tensors"]  # Top-k's residuals travel with it
+
+
+@pytest.mark.parametrize("n", RANKS_234)
+def test_an_overflow_on_one_rank_is_skipped_there_and_the_ranks_stay_in_step(hvd_torch, n):
+    # torch.amp.GradScaler calls step() on every rank at every step: the overflowed rank skips its local
+    # step, counts it, and meets the others at the outer step.
+    import torch
+    from horovod_qsgd.torch import DiLoCo, QSGD
+    hvd = hvd_torch
+    model = _model()
+    opt = DiLoCo(torch.optim.AdamW(model.parameters(), lr=0.01), model.named_parameters(), sync_every=3,
+                 compression=QSGD(bits=4, min_numel=0))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(6):
+        opt.zero_grad()
+        loss = sum((p * torch.from_numpy(g)).sum() for p, g in zip(model.parameters(),
+                                                                    _grads(hvd.rank(), step).values()))
+        scaler.scale(loss).backward()
+        if step == 1 and hvd.rank() == n - 1:
+            model.a.grad[7] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    stats = opt.compression_stats()
+    assert stats["inner_steps_skipped"] == (1 if hvd.rank() == n - 1 else 0)
+    assert stats["inner_steps"] + stats["inner_steps_skipped"] == 6 and stats["outer_steps"] == 2
+    everyone = _gathered(hvd, model, "after_overflow")
+    assert all(torch.equal(everyone[0], everyone[r]) for r in range(n)) and torch.isfinite(everyone).all()
+    scales = hvd.allgather(torch.tensor([scaler.get_scale()]), name="test.diloco.scales")
+    assert scales[n - 1] == 512.0 and all(scales[r] == 1024.0 for r in range(n - 1))
+
+
+@pytest.mark.parametrize("n", RANKS_234)
+def test_settings_or_starting_models_that_differ_are_refused_on_every_rank(hvd_torch, n):
+    import torch
+    from horovod_qsgd.common.errors import CompressionMismatchError
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    model = _model()
+    opt = _diloco(model, QSGD(bits=4, min_numel=0), sync_every=4 if hvd.rank() else 8)
+    with pytest.raises(CompressionMismatchError, match=r"sync_every: rank 0=8, rank 1=4"):
+        _local_steps(opt, model, hvd.rank(), [0])
+    model = _model(seed=hvd.rank() % 2)  # as if hvd.broadcast_parameters were forgotten
+    opt = _diloco(model, QSGD(bits=4, min_numel=0), sync_every=4)
+    with pytest.raises(CompressionMismatchError, match=r"model_digest(.|\n)*hvd.broadcast_parameters"):
+        _local_steps(opt, model, hvd.rank(), [0])
+    # and a checkpoint of another step loaded on one rank
+    model = _model()
+    opt = _diloco(model, QSGD(bits=4, min_numel=0), sync_every=2)
+    _local_steps(opt, model, hvd.rank(), range(2))
+    state = opt.state_dict()
+    if hvd.rank() == 0:
+        state["diloco"]["steps"] += 2
+    opt.load_state_dict(state)
+    with pytest.raises(CompressionMismatchError, match=r"steps: rank 0=4, rank 1=2"):
+        _local_steps(opt, model, hvd.rank(), [2])
+    assert torch.isfinite(model.a).all()
+
+
+@pytest.mark.ranks(2)
+def test_warmup_steps_average_the_gradients_and_count_their_bytes(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import DiLoCo
+    hvd = hvd_torch
+    model = _model()
+    opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), sync_every=2,
+                 warmup_steps=3)
+    start = np.concatenate([p.detach().numpy() for p in model.parameters()])
+    _local_steps(opt, model, hvd.rank(), range(3))
+    everyone = _gathered(hvd, model, "warm")
+    assert torch.equal(everyone[0], everyone[1])
+    mean_grads = sum(np.concatenate(list(_grads(r, s).values())).astype(np.float64) for r in range(2)
+                     for s in range(3)) / 2
+    np.testing.assert_allclose(everyone[0].numpy(), start - mean_grads, rtol=0, atol=1e-5)
+    assert opt._diloco.anchor is None and opt.outer_steps == 0
+    _local_steps(opt, model, hvd.rank(), range(3, 5))  # the anchor at step 3, the outer step after step 4
+    stats = opt.compression_stats()
+    assert stats["warmup_steps"] == 3 and stats["outer_steps"] == 1
+    assert stats["bytes_sent"] == 4 * 4 * sum(SIZES.values())  # 3 gradients and 1 pseudo-gradient, float32
+
+
+def test_bad_arguments_name_the_fix():
+    import torch
+    from horovod_qsgd.torch import DiLoCo
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    for kwargs, message in (({"sync_every": 0}, "sync_every=0 must be an integer >= 1"),
+                            ({"outer_lr": 0.0}, r"outer_lr=0.0 must be a number in \(0, 2\]"),
+                            ({"outer_momentum": 1.0}, r"outer_momentum=1.0 must be a number in \[0, 1\)"),
+                            ({"warmup_steps": -1}, "warmup_steps=-1 must be an integer >= 0")):
+        with pytest.raises(ValueError, match=message):
+            DiLoCo(inner, model.named_parameters(), **kwargs)
+    with pytest.raises(ValueError, match="1 of the optimizer's parameters are not in named_parameters"):
+        DiLoCo(inner, [("a", model.a)])
