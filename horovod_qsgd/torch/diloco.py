@@ -17,123 +17,34 @@ import torch
 
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
-from horovod_qsgd.torch_shared.local_sgd import OuterLoop, check_arguments, named_parameters_of
+from horovod_qsgd.torch_shared import local_sgd
+from horovod_qsgd.torch_shared.local_sgd import (DiLoCoMixin, OuterLoop, check_arguments, named_parameters_of,
+                                               wrap_optimizer)
 
-__all__ = ["DiLoCo", "DiLoCoMixin"]
+__all__ = ["DiLoCo", "DiLoCoMixin"]  # isinstance(optimizer, DiLoCoMixin): either adapter's DiLoCo
 NAME_PREFIX = "horovod_qsgd.diloco"
-START_ALIKE = ("DiLoCo: every rank must also start from the same model (hvd.broadcast_parameters(model.state_dict(), "
-               "root_rank=0) before the first step) and, when resuming, load its own checkpoint of the same step.")
+START_ALIKE = local_sgd.START_ALIKE.format(broadcast="hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
 
 
-class DiLoCoMixin:
-    """Methods DiLoCo adds to a torch optimizer class; see :func:`DiLoCo`.
+class HorovodDiLoCoMixin(DiLoCoMixin):
+    """DiLoCo whose exchange is Horovod's ``grouped_allreduce`` with the compressor."""
 
-    ``isinstance(optimizer, DiLoCoMixin)`` tells a DiLoCo optimizer apart.
-    """
-
-    # torch.amp.GradScaler calls step() on every step, overflowed or not, with ``grad_scale`` and ``found_inf``
-    # set: a step skipped on one rank still counts there, so that every rank reaches the outer step together.
-    _step_supports_amp_scaling = True
-
-    def step(self, closure=None):
-        """One step of the wrapped optimizer (a warm-up step averages the gradients first); every ``sync_every``
-        steps after the warm-up, the outer step (a collective: every rank calls ``step()`` equally often)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        loop = self._diloco
-        loop.handshake()
-        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if grad_scale is not None:  # GradScaler's scale, this rank's own: gradients leave it before any exchange
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, grad_scale.double().reciprocal().float())
-        warmup = loop.in_warmup
-        if warmup:
-            take = loop.average_gradients()  # non-finite on one rank: non-finite on every rank
-        else:
-            loop.before_local_step()
-            take = found_inf is None or not bool(found_inf.item())
-        if take:
-            if grad_scale is not None or found_inf is not None:
-                self.grad_scale = self.found_inf = None  # handled here; torch's own optimizers refuse them
-                try:
-                    super().step()
-                finally:
-                    self.grad_scale, self.found_inf = grad_scale, found_inf
-            else:
-                super().step()
-        loop.after_step(take, warmup)
-        return loss
-
-    def average_models(self):
-        """Replaces every rank's parameters by their average over the ranks (a collective: call it on every rank).
-
-        At a synchronization (``step()`` calls a multiple of ``sync_every`` after the warm-up) every rank
-        already holds the same parameters and nothing is sent; elsewhere it is one full-precision allreduce
-        of the parameters. The anchor and the outer momentum stay, so training may go on after it. Use it
-        before evaluating or saving the model.
-        """
-        self._diloco.average_models()
-
-    @property
-    def outer_steps(self):
-        """Outer steps taken so far (non-finite ones included)."""
-        return self._diloco.outer_steps
-
-    def compression_stats(self, reset=False):
-        """Counters since the last reset, for a logger.
-
-        ``inner_steps`` / ``inner_steps_skipped`` (a loss scaler's overflow), ``warmup_steps`` (of those, the
-        synchronous ones), ``outer_steps`` / ``outer_steps_skipped`` (a non-finite average: the interval's
-        local progress dropped on every rank), ``models_averaged`` (:meth:`average_models` calls that sent),
-        ``values_exchanged``: float32 values averaged (gradients, pseudo-gradients, models; of those
-        ``values_exchanged_in_full`` by :meth:`average_models`, never compressed);
-        ``bytes_uncompressed``: 4 bytes each. The compressor's own counters (``bytes_sent``,
-        ``compression_ratio``, ...) come with them where it keeps any; without compression ``bytes_sent``
-        is ``bytes_uncompressed``.
-        """
-        counts = dict(self._diloco.counts)
-        stats = dict(counts, bytes_uncompressed=4 * counts["values_exchanged"])
+    def _diloco_exchange_stats(self, counts, reset):
         compressor = self._diloco_compression
-        if hasattr(compressor, "compression_stats"):
-            own = compressor.compression_stats(reset)
-            stats.update({k: v for k, v in own.items() if k not in ("bytes_uncompressed", "compression_ratio")})
-            stats["bytes_sent"] += 4 * counts["values_exchanged_in_full"]  # average_models(): float32
-        else:
-            stats["bytes_sent"] = stats["bytes_uncompressed"] // (2 if compressor is hvd.Compression.fp16 else 1)
-        sent = stats["bytes_sent"]
-        stats["compression_ratio"] = stats["bytes_uncompressed"] / sent if sent else float("nan")
-        if reset:
-            self._diloco.counts = dict.fromkeys(counts, 0)
+        if not hasattr(compressor, "compression_stats"):  # Horovod's own: float32 or, fp16, half of it
+            return {"bytes_sent": 4 * counts["values_exchanged"] // (2 if compressor is hvd.Compression.fp16 else 1)}
+        stats = {k: v for k, v in compressor.compression_stats(reset).items()
+                 if k not in ("bytes_uncompressed", "compression_ratio")}
+        stats["bytes_sent"] += 4 * counts["values_exchanged_in_full"]  # average_models(): float32
         return stats
 
-    def state_dict(self):
-        """The wrapped optimizer's state plus ``"diloco"``: the step counters, the anchor, the outer momentum,
-        the settings and the compressor's state (its residuals and step counters).
+    def _diloco_exchange_state(self):
+        compressor = self._diloco_compression
+        return compressor.state_dict() if hasattr(compressor, "state_dict") else None
 
-        Between two outer steps the parameters and the inner optimizers' states differ between ranks: save
-        every rank's (``torch.save(optimizer.state_dict(), f"opt.{hvd.rank()}.pt")``, and its model) to resume
-        bit-identically.
-        """
-        state = super().state_dict()
-        state["diloco"] = dict(self._diloco.state(), compression=_compression_state(self._diloco_compression))
-        return state
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        diloco = state_dict.pop("diloco", None)
-        if diloco is not None:
-            self._diloco.check_state(diloco)  # before anything is loaded
-        super().load_state_dict(state_dict)
-        if diloco is not None:
-            self._diloco.load(diloco)
-            if diloco.get("compression") is not None and hasattr(self._diloco_compression, "load_state_dict"):
-                self._diloco_compression.load_state_dict(diloco["compression"])
-
-
-def _compression_state(compressor):
-    return compressor.state_dict() if hasattr(compressor, "state_dict") else None
+    def _diloco_load_exchange_state(self, state):
+        if hasattr(self._diloco_compression, "load_state_dict"):
+            self._diloco_compression.load_state_dict(state)
 
 
 def _exchange_settings(compression):
@@ -168,7 +79,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
     with the error feedback they keep (Top-k: the sender's residual, and the owner's in two stages), now on
     the pseudo-gradient; ``hvd.Compression.none`` (default) averages in float32, ``hvd.Compression.fp16`` in
     float16. The collectives are ``hvd.grouped_allreduce`` calls named ``horovod_qsgd.diloco.<digest>.outer``
-    (``.gradients`` in the warm-up, ``.models`` for :meth:`~DiLoCoMixin.average_models`).
+    (``.gradients`` in the warm-up, ``.models`` for :meth:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin.average_models`).
 
     Args:
         optimizer (torch.optim.Optimizer): the inner optimizer; its hyperparameters, schedule and state stay
@@ -194,7 +105,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
     outer step one exchange of the model's size (QSGD-4: about 1/8 of a float32 allreduce at 2 ranks) and a
     few passes over the model; a host read of the averages' finiteness. Per byte sent it is ``H`` times
     cheaper than compressing every step's gradient; the price is models that differ between synchronizations
-    (call :meth:`~DiLoCoMixin.average_models` before evaluating) and, at large ``H`` or many ranks, quality.
+    (call :meth:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin.average_models` before evaluating) and, at large ``H`` or many ranks, quality.
 
     Mixed precision: with ``torch.amp.GradScaler`` its ``step(optimizer)`` calls ``step()`` on every step;
     gradients are unscaled here, an overflowed local step is skipped on its rank alone, and every rank still
@@ -202,8 +113,8 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
     diverged) skips the outer step on every rank and sets the models back to the anchor.
 
     Returns an instance of a subclass of the optimizer's class (like ``hvd.DistributedOptimizer``) sharing its
-    parameter groups and state, with :meth:`~DiLoCoMixin.average_models`, ``outer_steps``,
-    :meth:`~DiLoCoMixin.compression_stats` and a ``state_dict()`` that holds the anchor, the outer momentum,
+    parameter groups and state, with :meth:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin.average_models`, ``outer_steps``,
+    :meth:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin.compression_stats` and a ``state_dict()`` that holds the anchor, the outer momentum,
     the counters and the compressor's state. Settings, counters and the starting model are compared across the
     ranks at the first step (a rank that did not ``hvd.broadcast_parameters`` is refused, on every rank).
     """
@@ -232,12 +143,6 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
 
     loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, check,
                      _exchange_settings(compression))
-    # A subclass of the optimizer's own class sharing its parameter groups, state and hooks (the wrapped
-    # optimizer's __init__ is not called again, so any optimizer signature works).
-    cls = type(optimizer.__class__.__name__, (DiLoCoMixin, optimizer.__class__), {})
-    diloco = cls.__new__(cls)
-    diloco.__dict__.update(optimizer.__dict__)
-    diloco._diloco = loop
-    diloco._diloco_compression = compression
-    diloco._diloco_prefix = prefix  # the exchange's collectives are named f"{prefix}.{purpose}.{index}"
-    return diloco
+    # _diloco_prefix: the exchange's collectives are named f"{prefix}.{purpose}.{index}"
+    return wrap_optimizer(optimizer, HorovodDiLoCoMixin, _diloco=loop, _diloco_compression=compression,
+                          _diloco_prefix=prefix)

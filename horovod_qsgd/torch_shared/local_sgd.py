@@ -23,6 +23,8 @@ import zlib
 import torch
 
 STATE_FORMAT = 1
+START_ALIKE = ("DiLoCo: every rank must also start from the same model ({broadcast} before the first step) and, "
+               "when resuming, load its own checkpoint of the same step.")
 
 
 def check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps):
@@ -215,6 +217,130 @@ class OuterLoop:
         self.anchor = None if state["anchor"] is None else [a.to(device).clone() for a in state["anchor"]]
         self.momentum = None if state["momentum"] is None else [m.to(device).clone() for m in state["momentum"]]
         self.verified = False  # the loaded counters and anchor are compared across ranks at the next step
+
+
+class DiLoCoMixin:
+    """Methods DiLoCo adds to a torch optimizer class (:func:`horovod_qsgd.torch.DiLoCo`,
+    :func:`horovod_qsgd.ddp.DiLoCo`); each adapter's subclass says what its exchange sent and keeps.
+
+    ``isinstance(optimizer, DiLoCoMixin)`` tells a DiLoCo optimizer apart.
+    """
+
+    # torch.amp.GradScaler calls step() on every step, overflowed or not, with ``grad_scale`` and ``found_inf``
+    # set: a step skipped on one rank still counts there, so that every rank reaches the outer step together.
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        """One step of the wrapped optimizer (a warm-up step averages the gradients first); every ``sync_every``
+        steps after the warm-up, the outer step (a collective: every rank calls ``step()`` equally often)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        loop = self._diloco
+        loop.handshake()
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if grad_scale is not None:  # GradScaler's scale, this rank's own: gradients leave it before any exchange
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch._foreach_mul_(grads, grad_scale.double().reciprocal().float())
+        warmup = loop.in_warmup
+        if warmup:
+            take = loop.average_gradients()  # non-finite on one rank: non-finite on every rank
+        else:
+            loop.before_local_step()
+            take = found_inf is None or not bool(found_inf.item())
+        if take:
+            if grad_scale is not None or found_inf is not None:
+                self.grad_scale = self.found_inf = None  # handled here; torch's own optimizers refuse them
+                try:
+                    super().step()
+                finally:
+                    self.grad_scale, self.found_inf = grad_scale, found_inf
+            else:
+                super().step()
+        loop.after_step(take, warmup)
+        return loss
+
+    def average_models(self):
+        """Replaces every rank's parameters by their average over the ranks (a collective: call it on every rank).
+
+        At a synchronization (``step()`` calls a multiple of ``sync_every`` after the warm-up) every rank
+        already holds the same parameters and nothing is sent; elsewhere it is one full-precision allreduce
+        of the parameters. The anchor and the outer momentum stay, so training may go on after it. Use it
+        before evaluating or saving the model.
+        """
+        self._diloco.average_models()
+
+    @property
+    def outer_steps(self):
+        """Outer steps taken so far (non-finite ones included)."""
+        return self._diloco.outer_steps
+
+    def compression_stats(self, reset=False):
+        """Counters since the last reset, for a logger.
+
+        ``inner_steps`` / ``inner_steps_skipped`` (a loss scaler's overflow), ``warmup_steps`` (of those, the
+        synchronous ones), ``outer_steps`` / ``outer_steps_skipped`` (a non-finite average: the interval's
+        local progress dropped on every rank), ``models_averaged`` (:meth:`average_models` calls that sent),
+        ``values_exchanged``: float32 values averaged (gradients, pseudo-gradients, models; of those
+        ``values_exchanged_in_full`` by :meth:`average_models`, never compressed);
+        ``bytes_uncompressed``: 4 bytes each. The compressor's own counters (``bytes_sent``,
+        ``compression_ratio``, ...) come with them where it keeps any; without compression ``bytes_sent``
+        is ``bytes_uncompressed``.
+        """
+        counts = dict(self._diloco.counts)
+        stats = dict(counts, bytes_uncompressed=4 * counts["values_exchanged"])
+        stats.update(self._diloco_exchange_stats(counts, reset))
+        sent = stats["bytes_sent"]
+        stats["compression_ratio"] = stats["bytes_uncompressed"] / sent if sent else float("nan")
+        if reset:
+            self._diloco.counts = dict.fromkeys(counts, 0)
+        return stats
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus ``"diloco"``: the step counters, the anchor, the outer momentum,
+        the settings and the compressor's state (its residuals and step counters).
+
+        Between two outer steps the parameters and the inner optimizers' states differ between ranks: save
+        every rank's (``torch.save(optimizer.state_dict(), f"opt.{rank}.pt")``, and its model) to resume
+        bit-identically.
+        """
+        state = super().state_dict()
+        state["diloco"] = dict(self._diloco.state(), compression=self._diloco_exchange_state())
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        diloco = state_dict.pop("diloco", None)
+        if diloco is not None:
+            self._diloco.check_state(diloco)  # before anything is loaded
+        super().load_state_dict(state_dict)
+        if diloco is not None:
+            self._diloco.load(diloco)
+            if diloco.get("compression") is not None:
+                self._diloco_load_exchange_state(diloco["compression"])
+
+    # -- what each adapter says of its exchange ---------------------------------------------------------
+    def _diloco_exchange_stats(self, counts, reset):
+        """``bytes_sent`` and the compressor's own counters since the last reset."""
+        raise NotImplementedError
+
+    def _diloco_exchange_state(self):
+        """What the exchange's checkpoint holds (residuals, step counters), or None."""
+        raise NotImplementedError
+
+    def _diloco_load_exchange_state(self, state):
+        raise NotImplementedError
+
+
+def wrap_optimizer(optimizer, mixin, **attributes):
+    """An instance of a subclass of ``optimizer``'s class with ``mixin``'s methods, sharing its parameter groups,
+    state and hooks (the optimizer's ``__init__`` is not called again, so any optimizer signature works)."""
+    cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped.__dict__.update(attributes)
+    return wrapped
 
 
 def _all_finite(tensors):

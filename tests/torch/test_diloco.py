@@ -6,40 +6,16 @@ from the codecs alone (``tests/two_stage_reference.py``: the allgather's payload
 the two stages) and numpy float32 operations; every rank's parameters must equal it bit for bit.
 """
 import copy
-import zlib
 
 import numpy as np
 import pytest
 
-from tests.two_stage_reference import gradient
-from tests.two_stage_reference import reference as two_stage_reference
+from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, grads as _grads
+from tests.diloco_reference import local_steps as _local_steps
+from tests.diloco_reference import model as _model
 
 SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 RANKS_234 = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=170)) for n in (2, 3, 4)]
-SIZES = {"a": 3000, "b": 1300}  # elements; both above min_numel=0, neither a multiple of the bucket
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
-
-
-def _model(seed=0):
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Module()
-    for name, numel in SIZES.items():
-        model.register_parameter(name, torch.nn.Parameter(torch.randn(numel, generator=g)))
-    return model
-
-
-def _grads(rank, step):
-    return {name: gradient(rank, numel, 1000 * step + i) * np.float32(0.01) for i, (name, numel) in
-            enumerate(SIZES.items())}
-
-
-def _local_steps(opt, model, rank, steps):
-    import torch
-    for step in steps:
-        for name, g in _grads(rank, step).items():
-            getattr(model, name).grad = torch.from_numpy(g.copy())
-        opt.step()
 
 
 def _gathered(hvd, model, label):
@@ -53,70 +29,6 @@ def _diloco(model, compression, **kwargs):
     from horovod_qsgd.torch import DiLoCo
     return DiLoCo(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), compression=compression,
                   outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, **kwargs)
-
-
-class _Reference:
-    """Every rank's model through DiLoCo, in numpy: the codecs' average and the outer Nesterov step."""
-
-    def __init__(self, kind, num_ranks, prefix):
-        from horovod_qsgd.codecs import QSGDCodec, TopKCodec
-        self.kind, self.num_ranks, self.prefix = kind, num_ranks, prefix
-        self.codec = {"qsgd": QSGDCodec(bits=4), "qsgd-two-stage": QSGDCodec(bits=4),
-                      "topk": TopKCodec(ratio=0.05), "topk-two-stage": TopKCodec(ratio=0.05)}.get(kind)
-        self.unit = 512 if kind.startswith("qsgd") else 1
-        model = _model()
-        self.anchor = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-        self.momentum = {n: np.zeros_like(a) for n, a in self.anchor.items()}
-        self.residuals = {n: [np.zeros(size, np.float32) for _ in range(num_ranks)] for n, size in SIZES.items()}
-        self.owner_residuals = {}
-        self.outer = 0
-
-    def average(self, name, index, deltas):
-        key_name = f"{self.prefix}.outer.{index}"
-        if self.codec is None:
-            return None  # Horovod's own float32 average: compared with a tolerance
-        feedback = self.kind.startswith("topk")
-        residuals = self.residuals[name] if feedback else None
-        if self.kind.endswith("two-stage"):
-            from tests.two_stage_reference import bounds
-            owner = self.owner_residuals.setdefault(name, [np.zeros(e - b, np.float32) for b, e in
-                                                           bounds(SIZES[name], self.num_ranks, self.unit)])
-            total = two_stage_reference(self.codec, self.codec, key_name, deltas, self.outer, self.unit, residuals,
-                                        owner if feedback else None)
-        else:
-            total = np.zeros(SIZES[name], np.float32)
-            for rank, delta in enumerate(deltas):
-                buf = np.zeros(self.codec.max_payload_nbytes(delta.size), np.uint8)
-                used = self.codec.encode(delta, buf, step=self.outer,
-                                         key=zlib.crc32(f"{key_name}@rank{rank}".encode()),
-                                         residual=None if residuals is None else residuals[rank])
-                self.codec.decode_accumulate(buf[:used], total)
-        return total * np.float32(1.0 / self.num_ranks)
-
-    def outer_step(self, steps):
-        """The anchor after the local steps ``steps`` on every rank and one outer step; returns it, and the mean
-        of the pseudo-gradients (for the float32 exchange's tolerance)."""
-        exact = {}
-        for index, name in enumerate(SIZES):
-            local = []
-            for rank in range(self.num_ranks):
-                x = self.anchor[name].copy()
-                for step in steps:
-                    x = x - _grads(rank, step)[name]
-                local.append(x)
-            deltas = [self.anchor[name] - x for x in local]
-            exact[name] = np.mean(np.stack(deltas).astype(np.float64), 0).astype(np.float32)
-            averaged = self.average(name, index, deltas)
-            if averaged is None:
-                averaged = exact[name]
-            mu, lr = np.float32(OUTER_MOMENTUM), np.float32(OUTER_LR)
-            self.momentum[name] = self.momentum[name] * mu + averaged
-            update = (self.momentum[name] * mu + averaged) * lr
-            self.anchor[name] = self.anchor[name] - update
-        self.outer += 1
-        return np.concatenate([self.anchor[n] for n in SIZES])
-
-
 def _compressor(kind):
     import horovod.torch as hvd
     from horovod_qsgd.torch import QSGD, TopK
@@ -138,7 +50,7 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n
         model = _model()
         compressor = _compressor(kind)
         opt = _diloco(model, compressor, sync_every=3)
-        reference = _Reference(kind, n, opt._diloco_prefix)
+        reference = Reference(kind, n, [(f"{opt._diloco_prefix}.outer.{i}", [name]) for i, name in enumerate(SIZES)])
         for outer, steps in enumerate(([0, 1, 2], [3, 4, 5], [6, 7, 8])):
             _local_steps(opt, model, hvd.rank(), steps)
             assert opt.outer_steps == outer + 1

@@ -1,0 +1,151 @@
+"""DiLoCo over ``torch.distributed`` (torchrun, Gloo or NCCL; no Horovod): the optimizer of
+:mod:`horovod_qsgd.torch.diloco` with the DDP hooks' compressors carrying its outer exchange.
+
+    from horovod_qsgd.ddp import DiLoCo, QSGDState
+    optimizer = DiLoCo(torch.optim.AdamW(model.parameters(), lr=3e-3), model.named_parameters(),
+                       sync_every=16, compression=QSGDState(bits=4))
+
+Use it on the plain model, *not* on a ``DistributedDataParallel`` one: DDP would average every step's
+gradient. The pseudo-gradients go as one flat tensor through the compressor's exchange (an allgather of the
+payloads at 2 ranks, the two stages from 3 for 65,536 elements or more), with Top-k's error feedback on the
+sender's and the owner's side; without ``compression`` one float32 ``all_reduce``. The algorithm, the
+defaults and the costs: :func:`horovod_qsgd.torch.diloco.DiLoCo`.
+"""
+import torch
+import torch.distributed as dist
+
+from horovod_qsgd.common.collectives import drive
+from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.ddp.hooks import _PayloadState
+from horovod_qsgd.torch_shared.arrays import as_array
+from horovod_qsgd.torch_shared.distributed import DistributedTransport
+from horovod_qsgd.torch_shared.local_sgd import (START_ALIKE, DiLoCoMixin, OuterLoop, check_arguments,
+                                               named_parameters_of, wrap_optimizer)
+
+__all__ = ["DiLoCo"]
+START_ALIKE_HERE = START_ALIKE.format(broadcast="torch.distributed.broadcast(p.data, 0) of every parameter")
+
+
+class _Exchange:
+    """Averages a list of float32 tensors over ``group`` as one flat tensor: float32 ``all_reduce``, or the
+    payloads of ``compression`` (a :class:`~horovod_qsgd.ddp.QSGDState` or :class:`~horovod_qsgd.ddp.TopKState`:
+    its codecs, exchange setting and statistics) with residuals of its own, per purpose."""
+
+    def __init__(self, compression, group):
+        self.compression, self.group = compression, group
+        self.steps = {}      # purpose -> exchanges so far (the codecs' random streams)
+        self.residuals = {}  # purpose -> [sender residual, owner residual or None] (error feedback)
+        self.full_precision_bytes = 0
+
+    def __call__(self, tensors, purpose):
+        if not tensors:
+            return []
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if self.compression is None or purpose == "models":
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.group.size())
+            self.full_precision_bytes += 4 * flat.numel()
+        else:
+            flat = self._compressed(flat, purpose)
+        return [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
+
+    def _compressed(self, flat, purpose):
+        state, group = self.compression, self.group
+        num_ranks, rank = group.size(), group.rank()
+        step = self.steps.get(purpose, 0)
+        plan = state.engine.plan(f"diloco.{purpose}", flat.numel(), num_ranks, rank, 4 * flat.numel(), 0)
+        kept = None
+        if state.error_feedback:
+            residual, owner = self.residuals.setdefault(purpose, [torch.zeros_like(flat), None])
+            if owner is None and plan.own_numel():
+                owner = self.residuals[purpose][1] = torch.zeros(plan.own_numel(), device=flat.device)
+            kept = [residual.clone(), None if owner is None else owner.clone()]
+        transport = DistributedTransport(group, rank, flat.device)
+        conduct = plan.conduct(transport, flat, step, as_array(residual) if kept else None,
+                               (lambda: as_array(owner)) if kept and owner is not None else None)
+        gathered, refusal = drive(conduct, transport.run)
+        if refusal is not None:
+            raise refusal
+        total = torch.zeros_like(flat)
+        plan.decode(as_array(gathered), as_array(total))
+        total.mul_(1.0 / num_ranks)
+        self.steps[purpose] = step + 1
+        if kept and not bool(torch.isfinite(total).all()):  # a skipped outer step keeps nothing of it
+            self.residuals[purpose] = kept
+        return total
+
+    def state(self):
+        return {"steps": dict(self.steps), "residuals": {k: [None if r is None else r.clone() for r in v]
+                                                         for k, v in self.residuals.items()}}
+
+    def load(self, state):
+        self.steps = dict(state["steps"])
+        self.residuals = {k: [None if r is None else r.clone() for r in v] for k, v in state["residuals"].items()}
+
+
+class DistributedDiLoCoMixin(DiLoCoMixin):
+    """DiLoCo whose exchange is :class:`_Exchange`."""
+
+    def _diloco_exchange_stats(self, counts, reset):
+        exchange = self._diloco_exchange
+        stats = {"bytes_sent": exchange.full_precision_bytes}
+        if exchange.compression is not None:  # its plans counted the payloads
+            own = exchange.compression.compression_stats(reset)
+            stats.update({k: v for k, v in own.items() if k not in ("bytes_uncompressed", "compression_ratio",
+                                                                   "bytes_sent")})
+            stats["bytes_sent"] += own["bytes_sent"]
+        if reset:
+            exchange.full_precision_bytes = 0
+        return stats
+
+    def _diloco_exchange_state(self):
+        return self._diloco_exchange.state()
+
+    def _diloco_load_exchange_state(self, state):
+        self._diloco_exchange.load(state)
+
+
+def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=0.7, outer_momentum=0.5,
+           nesterov=True, warmup_steps=0, process_group=None):
+    r"""DiLoCo over ``torch.distributed``: :func:`horovod_qsgd.torch.diloco.DiLoCo`'s algorithm, defaults and
+    methods (``average_models()``, ``compression_stats()``, ``state_dict()``), without Horovod.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer (AdamW), on the plain model (not DDP's).
+        named_parameters: ``model.named_parameters()`` or the model (default: ``param.<i>``).
+        sync_every (int): ``H``, steps between outer steps (default 16).
+        compression: None (default; float32 ``all_reduce``), or a :class:`~horovod_qsgd.ddp.QSGDState` /
+            :class:`~horovod_qsgd.ddp.TopKState` built for this optimizer alone (its codec and exchange
+            settings; its ``min_numel`` does not apply: the model goes as one flat tensor).
+        outer_lr (float): default 0.7. outer_momentum (float): default 0.5. nesterov (bool): default True.
+        warmup_steps (int): synchronous steps first, their gradients averaged through the same exchange
+            (default 0).
+        process_group: the group whose ranks train together (default: the default group).
+    """
+    check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
+    if isinstance(named_parameters, torch.nn.Module):
+        named_parameters = named_parameters.named_parameters()
+    named = named_parameters_of(optimizer, named_parameters, "DiLoCo")
+    if compression is not None and not isinstance(compression, _PayloadState):
+        raise TypeError(f"horovod_qsgd: DiLoCo (torch.distributed) takes compression=None, QSGDState(...) or "
+                        f"TopKState(...) from horovod_qsgd.ddp, not a {type(compression).__name__}; "
+                        "horovod_qsgd.torch's compressors are Horovod's (use horovod_qsgd.torch.DiLoCo there)")
+    if not dist.is_initialized():
+        raise RuntimeError("horovod_qsgd: DiLoCo (torch.distributed) needs torch.distributed.init_process_group() "
+                           "first (torchrun sets its environment)")
+    group = process_group if process_group is not None else dist.group.WORLD
+    exchange = _Exchange(compression, group)
+
+    def check(record, name):
+        records = [None] * group.size()
+        dist.all_gather_object(records, settings_record("DiLoCo", record), group=group)
+        try:
+            check_settings(records)
+        except CompressionMismatchError as exc:
+            raise CompressionMismatchError(f"{exc}\n{START_ALIKE_HERE}") from None
+
+    settings = {"compression": None} if compression is None else {"compression": type(compression).__name__,
+                                                                  **compression.settings()}
+    loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, check, settings)
+    return wrap_optimizer(optimizer, DistributedDiLoCoMixin, _diloco=loop, _diloco_exchange=exchange)

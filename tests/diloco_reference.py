@@ -1,0 +1,102 @@
+"""DiLoCo's outer steps from the codecs alone, for the tests of both its forms (Horovod and torch.distributed).
+
+The inner optimizer is SGD with lr 1 and gradients set by the test, so every rank's local model after H steps
+is known exactly (``x - g`` rounds once, in numpy as in torch). Each exchanged tensor (``groups``: its
+collective's name and the parameters it holds, concatenated) is averaged as the exchange does it: the
+allgather's payloads decoded in rank order, or the two stages of ``tests/two_stage_reference.py``; the outer
+Nesterov step follows in numpy float32 operations.
+"""
+import zlib
+
+import numpy as np
+
+from tests.two_stage_reference import bounds, gradient
+from tests.two_stage_reference import reference as two_stage_reference
+
+# 70,001 elements in all: the torch.distributed form's one flat tensor takes the two stages from 3 ranks
+# (65,536 and up); neither size is a multiple of QSGD's bucket.
+SIZES = {"a": 40_000, "b": 30_001}
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
+
+
+def model(seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    module = torch.nn.Module()
+    for name, numel in SIZES.items():
+        module.register_parameter(name, torch.nn.Parameter(torch.randn(numel, generator=g)))
+    return module
+
+
+def grads(rank, step):
+    return {name: gradient(rank, numel, 1000 * step + i) * np.float32(0.01) for i, (name, numel) in
+            enumerate(SIZES.items())}
+
+
+def local_steps(opt, module, rank, steps):
+    import torch
+    for step in steps:
+        for name, g in grads(rank, step).items():
+            getattr(module, name).grad = torch.from_numpy(g.copy())
+        opt.step()
+
+
+class Reference:
+    """Every rank's model through DiLoCo, in numpy. ``kind``: "none", "qsgd", "topk" (allgather; Top-k 5% with
+    error feedback), "qsgd-two-stage", "topk-two-stage"."""
+
+    def __init__(self, kind, num_ranks, groups):
+        from horovod_qsgd.codecs import QSGDCodec, TopKCodec
+        self.kind, self.num_ranks, self.groups = kind, num_ranks, groups
+        self.codec = {"qsgd": QSGDCodec(bits=4), "topk": TopKCodec(ratio=0.05)}.get(kind.split("-")[0])
+        self.unit = 512 if kind.startswith("qsgd") else 1
+        self.anchor = {n: p.detach().numpy().copy() for n, p in model().named_parameters()}
+        self.momentum = {n: np.zeros_like(a) for n, a in self.anchor.items()}
+        self.residuals, self.owner_residuals = {}, {}
+        self.outer = 0
+
+    def _average(self, key_name, deltas):
+        numel = deltas[0].size
+        feedback = self.kind.startswith("topk")
+        residuals = self.residuals.setdefault(key_name, [np.zeros(numel, np.float32)
+                                                         for _ in range(self.num_ranks)]) if feedback else None
+        if self.kind.endswith("two-stage"):
+            owner = self.owner_residuals.setdefault(key_name, [np.zeros(e - b, np.float32) for b, e in
+                                                               bounds(numel, self.num_ranks, self.unit)])
+            total = two_stage_reference(self.codec, self.codec, key_name, deltas, self.outer, self.unit, residuals,
+                                        owner if feedback else None)
+        else:
+            total = np.zeros(numel, np.float32)
+            for rank, delta in enumerate(deltas):
+                buf = np.zeros(self.codec.max_payload_nbytes(numel), np.uint8)
+                used = self.codec.encode(delta, buf, step=self.outer, key=zlib.crc32(f"{key_name}@rank{rank}".encode()),
+                                         residual=None if residuals is None else residuals[rank])
+                self.codec.decode_accumulate(buf[:used], total)
+        return total * np.float32(1.0 / self.num_ranks)
+
+    def outer_step(self, steps):
+        """The models (concatenated in SIZES' order) after the local steps ``steps`` on every rank and one outer
+        step. With ``kind="none"`` the average is the exact mean (the exchange's float32 sum has its own order:
+        compare with a tolerance)."""
+        for key_name, names in self.groups:
+            anchor = np.concatenate([self.anchor[n] for n in names])
+            deltas = []
+            for rank in range(self.num_ranks):
+                local = [self.anchor[n].copy() for n in names]
+                for step in steps:
+                    g = grads(rank, step)
+                    local = [x - g[n] for x, n in zip(local, names)]
+                deltas.append(anchor - np.concatenate(local))
+            if self.codec is None:
+                averaged = np.mean(np.stack(deltas).astype(np.float64), 0).astype(np.float32)
+            else:
+                averaged = self._average(key_name, deltas)
+            mu, lr = np.float32(OUTER_MOMENTUM), np.float32(OUTER_LR)
+            offset = 0
+            for n in names:
+                part = averaged[offset:offset + SIZES[n]]
+                offset += SIZES[n]
+                self.momentum[n] = self.momentum[n] * mu + part
+                self.anchor[n] = self.anchor[n] - (self.momentum[n] * mu + part) * lr
+        self.outer += 1
+        return np.concatenate([self.anchor[n] for n in SIZES])
