@@ -129,6 +129,7 @@ def run_study(args):
             start = time.perf_counter()
             run = train(hvd, compressors, name, corpus, seed, settings, args.lr)
             run["seconds"] = time.perf_counter() - start
+            run["commit"] = _commit()
             results.setdefault(name, []).append(run)
             if hvd.rank() == 0:
                 print(f"{name:>28} seed {seed}: validation {run['validation'][-1]:.4f}, wire "
