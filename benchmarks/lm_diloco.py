@@ -39,7 +39,7 @@ from benchmarks.compressors import SPECS, build  # noqa: E402
 
 STEPS = 800
 WEIGHT_DECAY = 0.01
-NAME = re.compile(r"^(?P<kind>adamw|diloco-h(?P<h>\d+))(?:-(?P<codec>[a-z0-9%.-]+?))?"
+NAME = re.compile(r"^(?P<kind>adamw|diloco-h(?P<h>\d+))(?:-(?!(?:lr|m|w)[0-9])(?P<codec>[a-z0-9%.-]+?))?"
                   r"(?:-lr(?P<olr>[0-9.]+))?(?:-m(?P<mom>[0-9.]+))?(?:-w(?P<warm>\d+))?(?:@(?P<lr>[0-9.e-]+))?$")
 
 
