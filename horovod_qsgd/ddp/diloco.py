@@ -20,8 +20,8 @@ from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.ddp.hooks import _PayloadState
 from horovod_qsgd.torch_shared.arrays import as_array
 from horovod_qsgd.torch_shared.distributed import DistributedTransport
-from horovod_qsgd.torch_shared.local_sgd import (START_ALIKE, DiLoCoMixin, OuterLoop, check_arguments,
-                                               named_parameters_of, wrap_optimizer)
+from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, START_ALIKE, DiLoCoMixin, OuterLoop,
+                                               check_arguments, named_parameters_of, wrap_optimizer)
 
 __all__ = ["DiLoCo"]
 START_ALIKE_HERE = START_ALIKE.format(broadcast="torch.distributed.broadcast(p.data, 0) of every parameter")
@@ -107,7 +107,7 @@ class DistributedDiLoCoMixin(DiLoCoMixin):
 
 
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=0.7, outer_momentum=0.5,
-           nesterov=True, warmup_steps=0, process_group=None):
+           nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, process_group=None):
     r"""DiLoCo over ``torch.distributed``: :func:`horovod_qsgd.torch.diloco.DiLoCo`'s algorithm, defaults and
     methods (``average_models()``, ``compression_stats()``, ``state_dict()``), without Horovod.
 
@@ -120,7 +120,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
             settings; its ``min_numel`` does not apply: the model goes as one flat tensor).
         outer_lr (float): default 0.7. outer_momentum (float): default 0.5. nesterov (bool): default True.
         warmup_steps (int): synchronous steps first, their gradients averaged through the same exchange
-            (default 0).
+            (default 80; why: :func:`horovod_qsgd.torch.diloco.DiLoCo`).
         process_group: the group whose ranks train together (default: the default group).
     """
     check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)

@@ -18,8 +18,8 @@ import torch
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch_shared import local_sgd
-from horovod_qsgd.torch_shared.local_sgd import (DiLoCoMixin, OuterLoop, check_arguments, named_parameters_of,
-                                               wrap_optimizer)
+from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, DiLoCoMixin, OuterLoop, check_arguments,
+                                               named_parameters_of, wrap_optimizer)
 
 __all__ = ["DiLoCo", "DiLoCoMixin"]  # isinstance(optimizer, DiLoCoMixin): either adapter's DiLoCo
 NAME_PREFIX = "horovod_qsgd.diloco"
@@ -54,58 +54,63 @@ def _exchange_settings(compression):
 
 
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Compression.none, outer_lr=0.7,
-           outer_momentum=0.5, nesterov=True, warmup_steps=0, process_set=hvd.global_process_set):
+           outer_momentum=0.5, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS,
+           process_set=hvd.global_process_set):
     r"""DiLoCo: local steps of ``optimizer`` and, every ``sync_every`` steps, an outer step on the averaged change.
 
     Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (arXiv 2311.08105).
     Use it *instead of* ``hvd.DistributedOptimizer``: it wraps the local (inner) optimizer, typically AdamW.
 
-    Algorithm. Every rank keeps the anchor :math:`\theta` (the model at the last synchronization, the same on
-    every rank) and trains its own copy :math:`x_i` on its own data with the inner optimizer, without
-    communicating. Every ``H = sync_every`` steps the ranks average the pseudo-gradients
-    :math:`\Delta_i = \theta - x_i` through ``compression``'s exchange and take one step of Nesterov SGD on the
-    anchor:
+    Algorithm. The first ``warmup_steps`` steps are synchronous: each averages the gradients through
+    ``compression``'s exchange before the inner step, as ``hvd.DistributedOptimizer`` would. Then every rank
+    keeps the anchor :math:`\theta` (the model at the last synchronization, the same on every rank) and trains
+    its own copy :math:`x_i` on its own data with the inner optimizer, without communicating. Every
+    ``H = sync_every`` steps the ranks average the pseudo-gradients :math:`\Delta_i = \theta - x_i` through the
+    same exchange and take one step of Nesterov SGD on the anchor:
 
     .. math::
         \Delta = \tfrac{1}{N}\textstyle\sum_i \Delta_i, \quad m \leftarrow \mu m + \Delta, \quad
         \theta \leftarrow \theta - \eta\,(\Delta + \mu m), \quad x_i \leftarrow \theta.
 
-    The inner optimizers' states (AdamW's moments) stay local. With ``warmup_steps`` > 0 the first steps are
-    synchronous: each averages the gradients through the same exchange before the inner step, as
-    ``hvd.DistributedOptimizer`` would.
+    The inner optimizers' states (AdamW's moments) stay local.
 
     The exchange is ``compression``'s, as ``hvd.DistributedOptimizer`` runs it: :class:`QSGD` and
-    :class:`TopK` send payloads (two stages from 3 ranks, fused, node-aware where the compressor says so),
-    with the error feedback they keep (Top-k: the sender's residual, and the owner's in two stages), now on
-    the pseudo-gradient; ``hvd.Compression.none`` (default) averages in float32, ``hvd.Compression.fp16`` in
+    :class:`TopK` send payloads (two stages from 3 ranks, fused, node-aware where the compressor is), with the
+    error feedback they keep (Top-k: the sender's residual, and the owner's in two stages), here on the
+    pseudo-gradient; ``hvd.Compression.none`` (default) averages in float32, ``hvd.Compression.fp16`` in
     float16. The collectives are ``hvd.grouped_allreduce`` calls named ``horovod_qsgd.diloco.<digest>.outer``
-    (``.gradients`` in the warm-up, ``.models`` for :meth:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin.average_models`).
+    (``.gradients`` in the warm-up, ``.models`` for ``average_models()``).
 
     Args:
         optimizer (torch.optim.Optimizer): the inner optimizer; its hyperparameters, schedule and state stay
             in use.
         named_parameters: ``model.named_parameters()`` (stable names for the exchange and the checkpoint) or
             the model. Default: the optimizer's parameters as ``param.<i>``.
-        sync_every (int): ``H``, steps between outer steps (default 16). Bytes fall as ``1/H``; the quality
-            cost grows with ``H`` and with the number of ranks (each inner optimizer sees ``1/N`` of the
-            batch). 16 kept the byte-level language model of ``benchmarks/results/diloco/`` within 0.02 nats
-            of per-step AdamW at 2 and 4 ranks; see there before going higher.
-        compression: a horovod_qsgd compressor (``QSGD(bits=4)``, ``TopK(...)``) or Horovod's
-            ``hvd.Compression.none`` (default) / ``fp16``. Its own instance: its state is this optimizer's.
-        outer_lr (float): :math:`\eta`, the outer learning rate (default 0.7, DiLoCo's).
+        sync_every (int): ``H``, steps between outer steps (default 16). The outer exchanges' bytes fall as
+            ``1/H``; quality falls with ``H`` and with the number of ranks (each inner optimizer sees ``1/N``
+            of the batch): on ``benchmarks/results/diloco/``'s language model H = 32 ended 0.03 nats behind
+            where 16 did not.
+        compression: a horovod_qsgd compressor (``QSGD(bits=4)``, ``QSGD(bits=2)``, ``TopK(...)``) or
+            Horovod's ``hvd.Compression.none`` (default) / ``fp16``: its own instance, whose state (Top-k's
+            residuals) is this optimizer's. QSGD's error is small against a pseudo-gradient: 2 bits ended no
+            worse than 4 there, at 1.7 times fewer bytes.
+        outer_lr (float): :math:`\eta` (default 0.7, DiLoCo's).
         outer_momentum (float): :math:`\mu` (default 0.5). DiLoCo's paper uses 0.9 with 8 workers and
-            ``H`` = 500; on 2-4 ranks and a few hundred outer steps 0.9 overshot here (+0.2 nats), 0.5 did not.
+            ``H`` = 500 from a pretrained model; from scratch on 2 ranks with 50 outer steps 0.9 diverged
+            (+0.8 nats) and 0.3 or an outer lr of 1.0 did worse than 0.5.
         nesterov (bool): Nesterov momentum (default True); False: heavy ball, :math:`\theta \leftarrow
             \theta - \eta m`.
-        warmup_steps (int): synchronous steps before the first local one (default 0). They send a gradient
-            each (compressed by ``compression``) and so cost ``H`` times an outer step's bytes apiece.
+        warmup_steps (int): synchronous steps first (default 80). Each sends a gradient, compressed, so it
+            costs as much as an outer step. Without them the language model's early local models drifted
+            apart and ended 0.07-0.45 nats behind (whatever H, outer lr and momentum); 40 left +0.03, 80 none.
+            Longer trainings of larger models warm up longer: set about the learning rate's warm-up or more.
         process_set: the Horovod process set whose ranks train together (default global).
 
     Costs: two float32 copies of the model (anchor and outer momentum) beside the inner optimizer's state; per
-    outer step one exchange of the model's size (QSGD-4: about 1/8 of a float32 allreduce at 2 ranks) and a
-    few passes over the model; a host read of the averages' finiteness. Per byte sent it is ``H`` times
-    cheaper than compressing every step's gradient; the price is models that differ between synchronizations
-    (call :meth:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin.average_models` before evaluating) and, at large ``H`` or many ranks, quality.
+    outer step one exchange of the model's size and a few passes over it; a host read of the averages'
+    finiteness. Bytes: ``warmup_steps + (steps - warmup_steps) / H`` exchanges against one per step, each
+    compressed as the compressor compresses a gradient. The price: the models differ between outer steps
+    (call ``average_models()`` before evaluating or saving) and quality at large ``H`` or many ranks.
 
     Mixed precision: with ``torch.amp.GradScaler`` its ``step(optimizer)`` calls ``step()`` on every step;
     gradients are unscaled here, an overflowed local step is skipped on its rank alone, and every rank still
@@ -113,10 +118,11 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
     diverged) skips the outer step on every rank and sets the models back to the anchor.
 
     Returns an instance of a subclass of the optimizer's class (like ``hvd.DistributedOptimizer``) sharing its
-    parameter groups and state, with :meth:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin.average_models`, ``outer_steps``,
-    :meth:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin.compression_stats` and a ``state_dict()`` that holds the anchor, the outer momentum,
-    the counters and the compressor's state. Settings, counters and the starting model are compared across the
-    ranks at the first step (a rank that did not ``hvd.broadcast_parameters`` is refused, on every rank).
+    parameter groups and state, with ``average_models()``, ``outer_steps``, ``compression_stats()`` and a
+    ``state_dict()`` that holds the anchor, the outer momentum, the counters and the compressor's state
+    (:class:`~horovod_qsgd.torch_shared.local_sgd.DiLoCoMixin`). Settings, counters and the starting model
+    are compared across the ranks at the first step (a rank that did not ``hvd.broadcast_parameters`` is
+    refused, on every rank).
     """
     check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
     if isinstance(named_parameters, torch.nn.Module):

@@ -22,6 +22,7 @@ def _gathered(dist, module):
 
 def _diloco(module, compression, inner=None, **kwargs):
     import torch
+    kwargs.setdefault("warmup_steps", 0)  # local steps from the first
     from horovod_qsgd.ddp import DiLoCo
     inner = inner or torch.optim.SGD(module.parameters(), lr=1.0)
     return DiLoCo(inner, module.named_parameters(), compression=compression, outer_lr=OUTER_LR,

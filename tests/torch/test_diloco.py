@@ -26,6 +26,7 @@ def _gathered(hvd, model, label):
 
 def _diloco(model, compression, **kwargs):
     import torch
+    kwargs.setdefault("warmup_steps", 0)  # local steps from the first
     from horovod_qsgd.torch import DiLoCo
     return DiLoCo(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), compression=compression,
                   outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, **kwargs)
@@ -106,8 +107,8 @@ def test_resume_from_each_ranks_checkpoint_is_bitwise_the_uninterrupted_run(hvd_
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         from horovod_qsgd.torch import DiLoCo
-        return model, DiLoCo(inner, model.named_parameters(), sync_every=3, compression=TopK(ratio=0.05,
-                                                                                             min_numel=0))
+        return model, DiLoCo(inner, model.named_parameters(), sync_every=3, warmup_steps=0,
+                                                 compression=TopK(ratio=0.05, min_numel=0))
 
     def train(model, opt, steps):
         for step in steps:
@@ -141,7 +142,7 @@ def test_an_overflow_on_one_rank_is_skipped_there_and_the_ranks_stay_in_step(hvd
     hvd = hvd_torch
     model = _model()
     opt = DiLoCo(torch.optim.AdamW(model.parameters(), lr=0.01), model.named_parameters(), sync_every=3,
-                 compression=QSGD(bits=4, min_numel=0))
+                 warmup_steps=0, compression=QSGD(bits=4, min_numel=0))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     for step in range(6):
         opt.zero_grad()
