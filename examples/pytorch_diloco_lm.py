@@ -18,7 +18,7 @@ Choosing the settings
   model of ``benchmarks/results/diloco/`` within 0.02 nats of per-step AdamW at 2 ranks, not at 4; more ranks
   or a larger H cost quality (each inner AdamW sees 1/N of the batch).
 * ``compression=QSGD(bits=4)``: the outer exchange at about 1/7 of float32's bytes; ``QSGD(bits=2)`` ended
-  better still there, at 1/12.
+  better still there, at 1/11.
 * ``outer_lr`` / ``outer_momentum``: 0.7 / 0.5 by default; raise the momentum only with many outer steps.
 * ``warmup_steps`` (default 80): synchronous steps first, each costing an outer step's bytes; without them
   the copies drift apart early and the model ends far behind.
