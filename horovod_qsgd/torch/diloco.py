@@ -89,7 +89,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         sync_every (int): ``H``, steps between outer steps (default 16). The outer exchanges' bytes fall as
             ``1/H``; quality falls with ``H`` and with the number of ranks (each inner optimizer sees ``1/N``
             of the batch): on ``benchmarks/results/diloco/``'s language model H = 16 ended within 0.02 nats of
-            per-step AdamW at 2 ranks (3 seeds), H = 32 0.03 behind (one seed), and at 4 ranks H = 16 0.11.
+            per-step AdamW at 2 ranks (3 seeds), H = 32 0.03 behind (one seed), and at 4 ranks H = 16 0.10 (2 seeds).
         compression: a horovod_qsgd compressor (``QSGD(bits=4)``, ``QSGD(bits=2)``, ``TopK(...)``) or
             Horovod's ``hvd.Compression.none`` (default) / ``fp16``: its own instance, whose state (Top-k's
             residuals) is this optimizer's. QSGD's error is small against a pseudo-gradient: there 2 bits
