@@ -10,8 +10,6 @@
 
 See :func:`DiLoCo` for the algorithm, the defaults and the costs.
 """
-import zlib
-
 import horovod.torch as hvd
 import torch
 
@@ -19,7 +17,7 @@ from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch_shared import local_sgd
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, DiLoCoMixin, OuterLoop, check_arguments,
-                                               named_parameters_of, wrap_optimizer)
+                                               manifest_digest, named_parameters_of, wrap_optimizer)
 
 __all__ = ["DiLoCo", "DiLoCoMixin"]  # isinstance(optimizer, DiLoCoMixin): either adapter's DiLoCo
 NAME_PREFIX = "horovod_qsgd.diloco"
@@ -132,8 +130,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         raise ValueError("horovod_qsgd: DiLoCo: this rank is not in process_set")
     if compression is None:
         compression = hvd.Compression.none
-    manifest = zlib.crc32(repr([(n, tuple(p.shape)) for n, p in named]).encode())
-    prefix = f"{NAME_PREFIX}.{process_set.process_set_id}.{manifest:08x}"
+    prefix = f"{NAME_PREFIX}.{process_set.process_set_id}.{manifest_digest(named):08x}"
 
     def exchange(tensors, purpose):
         if not tensors:

@@ -100,11 +100,7 @@ def _named_tensors(optimizer, named_parameters, named_buffers):
         named_parameters = module.named_parameters()
         if named_buffers is None:
             named_buffers = module.named_buffers()
-    if named_parameters is None:
-        named_parameters = [(f"param.{i}", p) for i, p in
-                            enumerate(p for group in optimizer.param_groups for p in group["params"])]
-    named_parameters = list(named_parameters)
-    named_parameters_of(optimizer, named_parameters, "SwarmOptimizer")  # its checks; Swarm keeps every parameter
+    named_parameters = named_parameters_of(optimizer, named_parameters, "SwarmOptimizer", keep_unstepped=True)
     return named_parameters, list(named_buffers or [])
 
 

@@ -47,9 +47,10 @@ def check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps):
         raise ValueError(f"horovod_qsgd: DiLoCo: warmup_steps={warmup_steps!r} must be an integer >= 0")
 
 
-def named_parameters_of(optimizer, named_parameters, who):
+def named_parameters_of(optimizer, named_parameters, who, keep_unstepped=False):
     """[(name, parameter)] of every parameter ``optimizer`` steps, in ``named_parameters``' order (names from
-    ``model.named_parameters()``, or ``param.<i>`` where None). ``who`` names the caller in errors."""
+    ``model.named_parameters()``, or ``param.<i>`` where None); ``keep_unstepped``: the named parameters the
+    optimizer does not step too. ``who`` names the caller in errors."""
     in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
         return [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
@@ -62,8 +63,16 @@ def named_parameters_of(optimizer, named_parameters, who):
     if missing:
         raise ValueError(f"horovod_qsgd: {who}: {len(missing)} of the optimizer's parameters are not in "
                          "named_parameters; pass model.named_parameters() or the model itself.")
+    if keep_unstepped:
+        return named_parameters
     stepped = {id(p) for p in in_optimizer}
     return [(n, p) for n, p in named_parameters if id(p) in stepped]
+
+
+def manifest_digest(named_parameters):
+    """CRC-32 of the parameters' names, shapes and dtypes: equal on every rank that built the same model."""
+    manifest = [(n, list(p.shape), str(p.dtype)) for n, p in named_parameters]
+    return zlib.crc32(json.dumps(manifest).encode())
 
 
 def _digest(tensors):
@@ -82,9 +91,8 @@ class OuterLoop:
 
     def __init__(self, named_parameters, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps,
                  exchange, check, exchange_settings):
-        check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
-        self.names = [name for name, _ in named_parameters]
         self.params = [p for _, p in named_parameters]
+        self.manifest_digest = manifest_digest(named_parameters)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.nesterov, self.warmup_steps = bool(nesterov), warmup_steps
         self.exchange, self.check, self.exchange_settings = exchange, check, exchange_settings
@@ -99,10 +107,9 @@ class OuterLoop:
 
     # -- settings -----------------------------------------------------------------------------
     def settings(self):
-        manifest = [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.names, self.params)]
         return {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                 "nesterov": self.nesterov, "warmup_steps": self.warmup_steps,
-                "model": f"{len(manifest)} tensors, digest {zlib.crc32(json.dumps(manifest).encode()):08x}",
+                "model": f"{len(self.params)} tensors, digest {self.manifest_digest:08x}",
                 "exchange": self.exchange_settings}
 
     def handshake(self):
@@ -144,11 +151,11 @@ class OuterLoop:
         self.counts["inner_steps" if took_inner_step else "inner_steps_skipped"] += 1
         if warmup:
             self.counts["warmup_steps"] += 1
-            return False
-        if (self.steps - self.warmup_steps) % self.sync_every:
-            return False
-        self.outer_step()
-        return True
+        elif self._at_synchronization():
+            self.outer_step()
+
+    def _at_synchronization(self):
+        return (self.steps - self.warmup_steps) % self.sync_every == 0
 
     def outer_step(self):
         pseudo = [a - p.detach().float() for a, p in zip(self.anchor, self.params)]
@@ -171,19 +178,18 @@ class OuterLoop:
             self.counts["outer_steps"] += 1
         else:
             self.counts["outer_steps_skipped"] += 1
-        self._parameters_to_anchor()
+        self._write_parameters(self.anchor)
 
-    def _parameters_to_anchor(self):
+    def _write_parameters(self, values):
         with torch.no_grad():
-            for p, a in zip(self.params, self.anchor):
-                p.copy_(a.view_as(p))
+            for p, value in zip(self.params, values):
+                p.copy_(value.view_as(p))
 
     @property
     def in_sync(self):
-        """True where every rank's parameters are the anchor: no local step since the last outer step."""
-        return self.anchor is None and self.steps <= self.warmup_steps or (
-            self.anchor is not None and self.steps > self.warmup_steps
-            and (self.steps - self.warmup_steps) % self.sync_every == 0)
+        """True where every rank holds the same parameters: in the warm-up (no anchor yet: each step averaged the
+        gradients), or with no local step since the last outer step."""
+        return self.anchor is None or self._at_synchronization()
 
     def average_models(self):
         """Every rank's parameters replaced by their exact average (full precision; nothing to send where the
@@ -195,9 +201,7 @@ class OuterLoop:
         self.counts["values_exchanged"] += numel
         self.counts["values_exchanged_in_full"] += numel
         self.counts["models_averaged"] += 1
-        with torch.no_grad():
-            for p, a in zip(self.params, averaged):
-                p.copy_(a.view_as(p))
+        self._write_parameters(averaged)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state(self):
