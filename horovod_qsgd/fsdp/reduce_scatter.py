@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor, Shard
 from horovod_qsgd.codecs import TopKCodec
 from horovod_qsgd.common.chunks import chunk_unit
 from horovod_qsgd.common.collectives import drive
+from horovod_qsgd.common.engine import PayloadEngine
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.common.node_aware import NODE_AWARE, looks_for_nodes
 from horovod_qsgd.common.reduce_scatter import REDUCE_SCATTER, ReduceScatterPlan, RowLayout
@@ -81,7 +82,9 @@ from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import qsgd_codecs
 from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
 from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, check_payload_settings
-from horovod_qsgd.torch_shared.feedback import TensorFeedback, scaled_and_finite
+from horovod_qsgd.fsdp.verdict import StepFlags
+from horovod_qsgd.kernels import finish_sum
+from horovod_qsgd.torch_shared.feedback import TensorFeedback
 
 
 EXCHANGES = ("auto", REDUCE_SCATTER, NODE_AWARE)
@@ -110,8 +113,6 @@ class ModuleReduceScatter(ReduceScatter):
         self.compressor, self.name, self.module = compressor, name, module
         compressor._feedback.entry(name)  # every module is in the state from the start
         self._verified = None  # the row layout every rank agreed on at the first call
-        # (work, flag, kept, written): the last step's residual, until every rank's verdict is in
-        self._verdict = None
 
     @property
     def state(self):
@@ -125,7 +126,7 @@ class ModuleReduceScatter(ReduceScatter):
         compressor, stats = self.compressor, self.compressor._stats
         num_ranks = group.size()
         scale = reduction_scale(op, num_ranks)
-        if self._verdict is not None:  # the module's last step is over: so is every module's
+        if compressor._flags.pending(self.name):  # the module's last step is over: so is every module's
             compressor._settle()
         rows = input_tensor.view(num_ranks, -1)
         pieces = self._pieces(rows.shape[1])
@@ -137,46 +138,35 @@ class ModuleReduceScatter(ReduceScatter):
         if nodes is None:
             name, cross, exchange = self.name, group, REDUCE_SCATTER
         else:  # the node's sum of the rows this rank's counterparts on every node own, at full precision
-            rows = _sum_in_node(rows, nodes, stats)
+            rows = _sum_in_node(rows, nodes, stats, compressor._owner_index(nodes, rows.device))
             name, cross, exchange = f"{self.name}.shard{nodes.local_rank}", nodes.cross, NODE_AWARE
         layout = RowLayout(pieces, chunk_unit(compressor.codec))
-        staged = _stage(rows, layout)
+        staged = stage_rows(rows, layout)
         plan = ReduceScatterPlan(compressor.codec, name, layout.staged_numel, cross.size(), cross.rank(), stats,
                                  (num_ranks - 1) * rows.shape[1] * input_tensor.element_size())
         stats.note_exchange(self.name, exchange)
-        state, kept, written = self.state, None, None
+        state, kept, written, stamps = self.state, None, None, None
         if compressor.error_feedback:  # the staged rows change size where parameters got no gradient
+            stamps = state.stamps_on(staged.device)
             kept = compressor._feedback.checked_residual(self.name, staged.numel(), staged.device,
                                                          resized="the module's staged rows").to(staged.device)
-            written = kept.for_step()
+            written = kept.for_step(stamps, state.step)
         transport = DistributedTransport(cross, cross.rank(), staged.device)
         with kernel_stream(staged.device):
             total, refusal = drive(plan.conduct(transport, staged, state.step, as_array(written)), transport.run)
-        stats.add(collectives_started=transport.started)
-        if refusal is not None:
-            raise refusal
-        finite = scaled_and_finite(total, scale)
-        if not finite:
-            stats.add(tensors_nonfinite=1)
-        _unstage(total, layout, output_tensor)
-        if written is not None:
-            flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=staged.device)
-            self._verdict = (dist.all_reduce(flag, op=ReduceOp.MAX, group=group, async_op=True), flag, kept, written)
+            stats.add(collectives_started=transport.started)
+            if refusal is not None:
+                raise refusal
+            scale_sum(total, scale)
+        unstage_row(total, layout, output_tensor)
+        compressor._flags.note(self.name, output_tensor, [group],
+                               None if written is None else [(kept, written)], stamps, state.step + 1)
         state.step += 1
         return None
 
     # -- the parts of a call ----------------------------------------------------------------
     def _pieces(self, row_numel):
-        """Each parameter's piece of a row (its padded shard), in FSDP2's order; one piece where they do not add
-        up to the row (some parameters got no gradient this step)."""
-        pieces = [fsdp_param.padded_sharded_param_size.numel() for fsdp_param in _param_group(self.module).fsdp_params]
-        if sum(pieces) == row_numel:
-            return pieces
-        warnings.warn(f"horovod_qsgd: FSDP2 module {self.name!r}: the reduce-scatter's rows ({row_numel} elements) "
-                      f"are not the shards of all its parameters ({sum(pieces)}): some got no gradient this step. "
-                      "They are compressed as one piece (a QSGD scale may span two parameters); call "
-                      "set_reduce_scatter_unused_params(True) on the model to keep every parameter's place.")
-        return [row_numel]
+        return row_pieces(self.module, self.name, row_numel, "reduce-scatter's rows")
 
     def _handshake(self, group, input_tensor, pieces):
         """At the module's first call, and again where its row layout changed (parameters without a gradient in
@@ -203,24 +193,15 @@ class ModuleReduceScatter(ReduceScatter):
         nbytes = (rows.shape[0] - 1) * rows.shape[1] * rows.element_size()
         self.compressor._stats.add(tensors_passed_through=1, bytes_uncompressed=nbytes, bytes_sent=nbytes)
 
-    def take_verdict(self):
-        """(whether the module's last step summed finite rows on every rank, which waits for their verdicts; what
-        keeps its new residual), once; None where none is pending."""
-        verdict, self._verdict = self._verdict, None
-        if verdict is None:
-            return None
-        work, flag, kept, written = verdict
-        work.wait()
-        return int(flag.item()) == 0, lambda: kept.keep(written)
-
     def residual_to_save(self):
         """This rank's residual for a distributed checkpoint: the one kept, or zeros of the size its steps will
         keep (a module not run yet, as in a job about to load one); None for a module that passes through."""
         self.compressor._settle()
+        self.state.settle_on_host()
         if self.state.residual is not None:
             return self.state.residual.kept
-        group = _param_group(self.module)
-        pieces = [p.padded_sharded_param_size.numel() for p in group.fsdp_params]
+        group = param_group(self.module)
+        pieces = trainable_pieces(self.module)
         if group.mesh_info.shard_mesh_size * sum(pieces) < self.compressor.min_numel:
             return None
         nodes = self.compressor._nodes_of(group.mesh_info.shard_process_group, group.device)
@@ -229,17 +210,45 @@ class ModuleReduceScatter(ReduceScatter):
         return torch.zeros(rows * staged, dtype=torch.float32, device=group.device)
 
 
-def _param_group(module):
+def param_group(module):
     return module._get_fsdp_state()._fsdp_param_groups[0]
 
 
-def _sum_in_node(rows, nodes, stats):
+def trainable_pieces(module):
+    """Each trainable parameter's padded shard size, in FSDP2's order (FSDP2 never reduces a frozen one's)."""
+    return [fsdp_param.padded_sharded_param_size.numel() for fsdp_param in param_group(module).fsdp_params
+            if fsdp_param.sharded_param.requires_grad]
+
+
+def row_pieces(module, name, row_numel, what):
+    """Each parameter's piece of a row (its padded shard), in FSDP2's order, for the parameters that take
+    gradients (FSDP2 leaves frozen ones out of its reduce-scatter); one piece, with a warning, where they do not
+    add up to the row (some parameters got no gradient this step). ``what``: the row, as the warning names it."""
+    pieces = trainable_pieces(module)
+    if sum(pieces) == row_numel:
+        return pieces
+    warnings.warn(f"horovod_qsgd: FSDP2 module {name!r}: the {what} ({row_numel} elements) are not the shards of "
+                  f"all its trainable parameters ({sum(pieces)}): some got no gradient this step. They are "
+                  "compressed as one piece (a QSGD scale may span two parameters); call "
+                  "set_reduce_scatter_unused_params(True) on the model to keep every parameter's place.")
+    return [row_numel]
+
+
+def scale_sum(total, scale):
+    """Multiplies a decoded float32 sum by ``scale`` (FSDP2's op), as the Horovod adapter scales: the same bits."""
+    if total.is_cuda:
+        total.mul_(scale)
+    else:
+        finish_sum(as_array(total), scale)
+
+
+def _sum_in_node(rows, nodes, stats, owners):
     """Step 1 of the node-aware reduce-scatter: each of the node's L ranks sends every other the rows that rank's
     counterparts on every node own (M rows, full precision, one ``all_to_all_single`` in the node) and adds what
-    arrives in local-rank order: returns this node's sum of the M rows this rank's counterparts own, float32, in
+    arrives in local-rank order (``owners``: the rows to send, in order, as :meth:`_ReduceScatterCompressor._owner_index`
+    gives them): returns this node's sum of the M rows this rank's counterparts own, float32, in
     the order of its ``cross`` group's ranks."""
-    owners = [sorted(ranks[j] for ranks in nodes.members) for j in range(nodes.local_size)]
-    send = rows[torch.tensor([owner for counterparts in owners for owner in counterparts], device=rows.device)]
+    send = rows[owners]
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=nodes.local)
     received = received.view(nodes.local_size, nodes.num_nodes, -1)
@@ -250,7 +259,7 @@ def _sum_in_node(rows, nodes, stats):
     return total
 
 
-def _stage(rows, layout):
+def stage_rows(rows, layout):
     """The N rows as one flat float32 tensor, each parameter's piece where ``layout`` places it: ``rows``
     themselves where they are float32 already and nothing moves."""
     if layout.in_place and rows.dtype == torch.float32:
@@ -261,7 +270,7 @@ def _stage(rows, layout):
     return staged.reshape(-1)
 
 
-def _unstage(total, layout, output_tensor):
+def unstage_row(total, layout, output_tensor):
     """This rank's staged row of the sum into FSDP2's output (in its dtype)."""
     out = output_tensor.reshape(-1)
     for at, offset, numel in layout.runs():
@@ -282,28 +291,47 @@ class _ReduceScatterCompressor(CodecSettings):
         self._stats = CompressionStats()
         self._feedback = TensorFeedback()  # by module name: its step and residual
         self._modules = {}  # name -> ModuleReduceScatter
-        self._nodes = ()    # not looked for yet; then None (flat) or DistributedNodes
+        self._replicas = {}  # name -> ReplicaAllReduce (custom HSDP)
+        self._nodes = {}    # the ranks of a group -> None (flat) or DistributedNodes
+        self._owner_indices = {}  # (nodes, device) -> the row index _sum_in_node sends
+        self._flags = StepFlags()
+        self.engine = PayloadEngine(codec, codec, "auto", self._stats)  # the replicas' all-reduce (HSDP)
 
     def settings(self):
         return dict(self.codec.config(), min_numel=self.min_numel, exchange=self.exchange)
 
     def _nodes_of(self, group, device):
-        """The job's nodes where the exchange is node-aware (found at the first compressed reduce-scatter, on
-        every rank alike), else None. Only for FSDP2's whole world (not HSDP's shard groups)."""
-        if self._nodes == ():
-            self._nodes = None
-            whole = group.size() == dist.get_world_size()
+        """The job's nodes where ``group``'s exchange is node-aware, else None: found at the group's first
+        compressed reduce-scatter, on every rank of it alike, and kept per group (a module on a smaller mesh, as
+        torchtitan shards MoE experts, has a layout of its own). Only a group of every rank looks for nodes
+        (their groups are made by every rank): a smaller one, as HSDP's shard groups, is flat."""
+        key = tuple(dist.get_process_group_ranks(group))
+        if key not in self._nodes:
+            nodes, whole = None, group.size() == dist.get_world_size()
             if looks_for_nodes(self.exchange, device.type == "cuda", whole):
-                self._nodes = DistributedNodes.of_this_job(group, None, quiet=self.exchange != NODE_AWARE)
+                nodes = DistributedNodes.of_this_job(group, None, quiet=self.exchange != NODE_AWARE)
             elif self.exchange == NODE_AWARE:
                 warnings.warn("horovod_qsgd: exchange='node_aware' needs FSDP2's reduce-scatter over every rank "
                               f"(its group has {group.size()} of {dist.get_world_size()}): it is flat instead.")
-        return self._nodes
+            self._nodes[key] = nodes
+        return self._nodes[key]
+
+    def _owner_index(self, nodes, device):
+        """The rows a rank sends its node's other ranks in the node-aware exchange, in order (the rows their
+        counterparts on every node own), as an index on ``device``: made once, not copied to the device at every
+        call."""
+        index = self._owner_indices.get((id(nodes), device))
+        if index is None:
+            owners = [sorted(ranks[j] for ranks in nodes.members) for j in range(nodes.local_size)]
+            index = self._owner_indices[(id(nodes), device)] = torch.tensor(
+                [owner for counterparts in owners for owner in counterparts], device=device)
+        return index
 
     def compression_stats(self, reset=False):
         """Counters since the last reset: modules' reduce-scatters compressed (``tensors_compressed``) and passed
         through, bytes an ideal reduce-scatter would have sent (``bytes_uncompressed``) and sent
         (``bytes_sent``), collectives, non-finite sums (see ``horovod_qsgd.torch.QSGD.compression_stats``)."""
+        self._flags.nonfinite.drain_into(self._stats)
         return self._stats.snapshot(reset)
 
     def rescale_residuals(self, factor):
@@ -332,25 +360,23 @@ class _ReduceScatterCompressor(CodecSettings):
 
     def load_state_dict(self, state):
         check_loadable(state, type(self).__name__, self.settings())
-        unknown = sorted(set(state["modules"]) - set(self._modules))
+        known = set(self._modules) | {hook.key for hook in self._replicas.values()}
+        unknown = sorted(set(state["modules"]) - known)
         if unknown:
-            raise ValueError(f"horovod_qsgd: the state holds FSDP2 modules {unknown} that this model has not; "
-                             f"it has {sorted(self._modules)}. Call compress_reduce_scatter(model, compressor) "
-                             "on the same model before loading.")
+            raise ValueError(f"horovod_qsgd: the state holds FSDP2 exchanges {unknown} that this model has not; "
+                             f"it has {sorted(known)}. Call compress_reduce_scatter(model, compressor) with the "
+                             "same arguments on the same model before loading.")
         self._load_modules(state["modules"])
 
     def _settle(self):
-        """Decides the last step for every module at once: a loss scaler skips the whole step where any module's
-        sum was not finite, so each module's new residual is kept only where every module's was finite."""
-        verdicts = [v for v in (module.take_verdict() for module in list(self._modules.values())) if v is not None]
-        if all(finite for finite, _ in verdicts):
-            for _, keep in verdicts:
-                keep()
+        """Decides the last step for every exchange at once (:mod:`horovod_qsgd.fsdp.verdict`): a loss scaler
+        skips the whole step where any rank's gradient was not finite, so each new residual is kept only where
+        every exchange's output was finite on every rank."""
+        self._flags.settle(self._feedback.verdict)
 
     def _load_modules(self, entries):
         """Every module's state from ``entries`` (by module name); a step's verdict still out is dropped."""
-        for module in self._modules.values():
-            module._verdict = None
+        self._flags.drop()
         self._feedback.load_feedback_entries(entries)
 
 
@@ -363,9 +389,11 @@ class _Checkpointable(Stateful):
 
     def state_dict(self):
         compressor, modules, meshes = self.compressor, {}, {}
-        for name, module in compressor._modules.items():
-            modules[name] = {"step": torch.tensor(module.state.step, dtype=torch.int64)}
-            local = module.residual_to_save() if compressor.error_feedback else None
+        exchanges = [(name, module) for name, module in compressor._modules.items()]
+        exchanges += [(hook.key, hook) for hook in compressor._replicas.values()]
+        for name, exchange in exchanges:
+            modules[name] = {"step": torch.tensor(exchange.state.step, dtype=torch.int64)}
+            local = exchange.residual_to_save() if compressor.error_feedback else None
             if local is not None:
                 kind = local.device.type
                 mesh = meshes.get(kind) or meshes.setdefault(kind, init_device_mesh(kind, (dist.get_world_size(),)))
@@ -422,25 +450,3 @@ class TopK(_ReduceScatterCompressor):
         super().__init__(TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype,
                                    error_feedback=error_feedback, seed=seed, sample_ratio=sample_ratio), min_numel,
                          exchange)
-
-
-def compress_reduce_scatter(model, compressor):
-    """Installs ``compressor`` (:class:`QSGD` or :class:`TopK`) as the gradient reduce-scatter of every
-    ``fully_shard`` module of ``model`` with parameters of its own, each module with its own state
-    (named ``fsdp.<module path>``, ``fsdp.root`` for ``model``); returns ``compressor``. Call it on every rank,
-    after ``fully_shard`` and before the first backward pass."""
-    if not isinstance(compressor, _ReduceScatterCompressor):
-        raise TypeError(f"horovod_qsgd: compress_reduce_scatter takes horovod_qsgd.fsdp.QSGD or TopK, got "
-                        f"{type(compressor).__name__}.")
-    installed = 0
-    for path, module in model.named_modules():
-        if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
-            continue
-        name = f"fsdp.{path or 'root'}"
-        reduce_scatter = compressor._modules[name] = ModuleReduceScatter(compressor, name, module)
-        module.set_custom_reduce_scatter(reduce_scatter)
-        installed += 1
-    if not installed:
-        raise ValueError("horovod_qsgd: compress_reduce_scatter found no fully_shard module with parameters in "
-                         "the model; call fully_shard(module) on its layers and the model first.")
-    return compressor
