@@ -84,7 +84,7 @@ class ReplicaAllReduce:
         if compressor._flags.pending(self.key):
             compressor._settle()
         pieces = row_pieces(self.module, self.name, reduce_output.numel(), "reduce-scatter output's shards")
-        self._handshake(reduce_output, pieces)
+        self._handshake(reduce_output, pieces, shard_group)
         num_replicas, rank = replicas.size(), replicas.rank()
         divide = param_group(self.module).gradient_divide_factor is None
         scale = 1.0 / num_replicas if divide else 1.0
@@ -157,15 +157,17 @@ class ReplicaAllReduce:
         staged = RowLayout(pieces, chunk_unit(self.compressor.codec)).staged_numel
         return torch.zeros(staged, dtype=torch.float32, device=group.device)
 
-    def _handshake(self, reduce_output, pieces):
-        """At the module's first call and where its layout changed: every replica checks every replica's settings
-        and shard layout (raises on all)."""
+    def _handshake(self, reduce_output, pieces, shard_group):
+        """At the module's first call and where its layout changed, every rank of the mesh checks every rank's
+        settings and shard layout (raises on all): gathered in the shard group, then across the replicas."""
         if self._verified == pieces:
             return
-        records = [None] * self.replicas.size()
         mine = settings_record(type(self.compressor).__name__, dict(
             self.compressor.settings(), module=self.key, pieces=pieces, dtype=str(reduce_output.dtype),
             device=reduce_output.device.type))
-        dist.all_gather_object(records, mine, group=self.replicas)
-        check_settings(records)
+        in_node = [None] * shard_group.size()
+        dist.all_gather_object(in_node, mine, group=shard_group)
+        everywhere = [None] * self.replicas.size()
+        dist.all_gather_object(everywhere, in_node, group=self.replicas)
+        check_settings([record for node in everywhere for record in node])
         self._verified = list(pieces)

@@ -24,7 +24,7 @@ def _gradients(name, rank, step):
     return [rng.standard_normal(n).astype(np.float32) for n in MODULES[name]]
 
 
-def _model(torch, mp_policy=None):
+def _model(torch, mp_policy=None, frozen=None):
     """loss = sum_i <w_i, g_i> over every module: the gradient of w_i is exactly g_i (rounded to the param dtype)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -45,6 +45,8 @@ def _model(torch, mp_policy=None):
             return self.a(grads["fsdp.a"]) + self.small(grads["fsdp.small"]) + self.b(grads["fsdp.root"])
 
     model = Model()
+    if frozen is not None:  # (module attribute, parameter index): trained by no one
+        getattr(model, frozen[0]).w[frozen[1]].requires_grad_(False)
     policy = mp_policy or MixedPrecisionPolicy()
     fully_shard(model.a, mp_policy=policy)
     fully_shard(model.small, mp_policy=policy)
@@ -125,11 +127,12 @@ class _Reference:
             for residual in kept.values():
                 residual *= np.float32(factor)
 
-    def step(self, step, rank, finish, rounding=None, poisoned=None, unused=None, zero_unused=False):
+    def step(self, step, rank, finish, rounding=None, poisoned=None, unused=None, zero_unused=False, frozen=None):
         """{name: this rank's shards}; ``finish(total)``: the scaling FSDP2's op and divide factor give;
         ``rounding``: the reduce dtype's rounding of the gradients; ``poisoned``: (module, rank) with an inf;
         ``unused``: (module, parameter index) without a gradient, left out of the rows, which are then
-        compressed as one piece (or, ``zero_unused``, a zero gradient in its place)."""
+        compressed as one piece (or, ``zero_unused``, a zero gradient in its place); ``frozen``: (module,
+        parameter index) that takes no gradient, left out of the rows, every other parameter its own piece."""
         rounding = rounding or (lambda a: a)
         codec, unit, out = self.compressor.codec, getattr(self.compressor.codec, "bucket_size", 1), {}
         saved, finite = {}, True  # every module's residuals before the step; whether every module's sums are finite
@@ -142,7 +145,12 @@ class _Reference:
                 for g in grads:
                     g[unused[1]] = np.zeros_like(g[unused[1]]) if zero_unused else None
                 left_out = not zero_unused
-            kept_sizes = [n for i, n in enumerate(sizes) if not (left_out and i == unused[1])]
+            missing = {unused[1]} if left_out else set()
+            if frozen is not None and frozen[0] == name:
+                missing.add(frozen[1])
+                for g in grads:
+                    g[frozen[1]] = None
+            kept_sizes = [n for i, n in enumerate(sizes) if i not in missing]
             rows = [_rows([g for g in gs if g is not None], self.num_ranks) for gs in grads]
             pieces = rows[0][1]
             stage_pieces = [sum(pieces)] if left_out else pieces
@@ -165,7 +173,7 @@ class _Reference:
             finite = finite and all(np.isfinite(s).all() for s in sums)
             own = _shards(rounding(finish(unstage(sums[holders.index(rank)], stage_pieces, unit))), pieces,
                           kept_sizes, rank)
-            out[name] = [own.pop(0) if not (left_out and i == unused[1]) else None for i in range(len(sizes))]
+            out[name] = [None if i in missing else own.pop(0) for i in range(len(sizes))]
         if not finite:  # a non-finite sum of any module, on any rank: the step is skipped, every residual stays
             for name, before in saved.items():
                 for r, residual in before.items():
@@ -430,3 +438,110 @@ def test_other_settings_on_one_rank_are_refused_on_every_rank(num_ranks, dist_gl
     compress_reduce_scatter(model, QSGD(bits=8 if rank == 1 else 4, min_numel=MIN_NUMEL))
     with pytest.raises(CompressionMismatchError, match=r"settings.bits: rank 0=4, rank 1=8, rank 2=4"):
         _step(torch, model, rank, 0)
+
+
+@pytest.mark.parametrize("num_ranks", [pytest.param(4, marks=pytest.mark.ranks(4, timeout=300,
+                                                                            launcher="torchrun-nodes:2x2"))])
+def test_a_unit_on_a_smaller_mesh_has_a_node_layout_of_its_own(num_ranks, dist_gloo):
+    """exchange="node_aware" on two nodes of two ranks, a unit "e" sharded on its node's two ranks (as torchtitan
+    shards MoE experts) beside whole-world units, its reduce-scatter first and last in the backward pass: the
+    whole-world units are node-aware, "e" is flat among its two ranks and bitwise the codec's reduce-scatter of
+    their rows (a layout cached for the first group had indexed "e"'s 2 rows with world ranks, or turned
+    node-aware off everywhere)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+    node_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))["local"]
+    sizes = {"fsdp.a": (20_000, 3001), "fsdp.e": (9_000, 7), "fsdp.root": (12_345,)}
+
+    def grads(name, r, step):
+        rng = np.random.default_rng([r, step, len(name), sum(sizes[name])])
+        return [rng.standard_normal(n).astype(np.float32) for n in sizes[name]]
+
+    class Weights(torch.nn.Module):
+        def __init__(self, numels):
+            super().__init__()
+            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in numels])
+
+        def forward(self, grads):
+            return sum((w * g).sum() for w, g in zip(self.w, grads))
+
+    class Model(torch.nn.Module):
+        def __init__(self, order):
+            super().__init__()
+            self.a, self.e, self.b = Weights(sizes["fsdp.a"]), Weights(sizes["fsdp.e"]), Weights(sizes["fsdp.root"])
+            self.order = order
+
+        def forward(self, grads):  # the backward pass runs the units in the reverse order
+            return sum(getattr(self, unit)(grads[unit]) for unit in self.order)
+
+    for e_first_in_backward in (True, False):
+        model = Model(["a", "b", "e"] if e_first_in_backward else ["e", "a", "b"])
+        fully_shard(model.a)
+        fully_shard(model.e, mesh=node_mesh)
+        fully_shard(model)
+        compressor = compress_reduce_scatter(model, _compressor("qsgd", "node_aware"))
+        for step in range(2):
+            given = {unit: [torch.from_numpy(g) for g in grads(name, rank, step)]
+                     for unit, name in (("a", "fsdp.a"), ("e", "fsdp.e"), ("b", "fsdp.root"))}
+            model.zero_grad(set_to_none=True)
+            model(given).backward()
+            group = [2 * (rank // 2), 2 * (rank // 2) + 1]
+            rows = [_rows(grads("fsdp.e", r, step), 2) for r in group]
+            pieces = rows[0][1]
+            xs = [stage(r, pieces, 512) for r, _ in rows]
+            sums = reduce_scatter_reference(compressor.codec, "fsdp.e", xs, step)
+            own = _shards(unstage(sums[rank % 2], pieces, 512) * np.float32(0.5), pieces, sizes["fsdp.e"], rank % 2)
+            for p, want in zip(model.e.w, own):
+                np.testing.assert_array_equal(p.grad.to_local().numpy(), want)
+        assert compressor.compression_stats()["exchanges"] == {
+            "fsdp.a": "node_aware", "fsdp.e": "reduce_scatter", "fsdp.root": "node_aware"}, e_first_in_backward
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_a_frozen_parameter_keeps_every_other_parameter_on_its_own_scales(num_ranks, dist_gloo):
+    """Module "a"'s middle parameter frozen (requires_grad=False, as LoRA or a frozen embedding): FSDP2 leaves it
+    out of the reduce-scatter, and the other two keep their own pieces of the row (their own QSGD scales),
+    bitwise the codecs', with no warning, for 2 steps."""
+    import warnings
+
+    import torch
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+    for kind in ("qsgd", "topk"):
+        model = _model(torch, frozen=("a", 1))
+        compressor = compress_reduce_scatter(model, _compressor(kind))
+        reference = _Reference(compressor, num_ranks)
+        for step in range(2):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="horovod_qsgd")
+                ours = _step(torch, model, rank, step)
+            _assert_equal(ours, reference.step(step, rank, lambda t: t * (1.0 / num_ranks), frozen=("fsdp.a", 1)))
+            _assert_residuals(compressor, reference, rank)
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_an_overflow_of_the_cast_to_float16_skips_the_step(num_ranks, dist_gloo):
+    """float16 reduce dtype (FSDP2: pre-divide by 2, sum, post-divide by 1.5 at 3 ranks), Top-k: 50,000 at one
+    coordinate on every rank sums to 75,000 in float32, finite, which the cast to float16 makes inf on its
+    owner only: every rank's residuals stay as the step before left them, and the owner counts it."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+    model = _model(torch, MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16))
+    compressor = compress_reduce_scatter(model, _compressor("topk"))
+    _step(torch, model, rank, 0)
+    before = {name: entry["residual"].clone() for name, entry in compressor.state_dict()["modules"].items()
+              if entry["residual"] is not None}
+    grads = {name: [torch.from_numpy(g) for g in _gradients(name, rank, 1)] for name in MODULES}
+    grads["fsdp.a"][0][3] = 50_000.0
+    model.zero_grad(set_to_none=True)
+    model(grads).backward()
+    assert torch.isfinite(model.a.w[0].grad.to_local()).all() == (rank != 0)
+    after = compressor.state_dict()["modules"]
+    for name, residual in before.items():
+        assert torch.equal(after[name]["residual"], residual), name
+    assert compressor.compression_stats()["tensors_nonfinite"] == (1 if rank == 0 else 0)
