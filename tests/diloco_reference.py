@@ -6,11 +6,10 @@ collective's name and the parameters it holds, concatenated) is averaged as the 
 allgather's payloads decoded in rank order, or the two stages of ``tests/two_stage_reference.py``; the outer
 Nesterov step follows in numpy float32 operations.
 """
-import zlib
 
 import numpy as np
 
-from tests.two_stage_reference import bounds, gradient
+from tests.two_stage_reference import allgather_reference, bounds, gradient
 from tests.two_stage_reference import reference as two_stage_reference
 
 # 70,001 elements in all: the torch.distributed form's one flat tensor takes the two stages from 3 ranks
@@ -66,12 +65,7 @@ class Reference:
             total = two_stage_reference(self.codec, self.codec, key_name, deltas, self.outer, self.unit, residuals,
                                         owner if feedback else None)
         else:
-            total = np.zeros(numel, np.float32)
-            for rank, delta in enumerate(deltas):
-                buf = np.zeros(self.codec.max_payload_nbytes(numel), np.uint8)
-                used = self.codec.encode(delta, buf, step=self.outer, key=zlib.crc32(f"{key_name}@rank{rank}".encode()),
-                                         residual=None if residuals is None else residuals[rank])
-                self.codec.decode_accumulate(buf[:used], total)
+            total = allgather_reference(self.codec, key_name, deltas, self.outer, residuals)
         return total * np.float32(1.0 / self.num_ranks)
 
     def outer_step(self, steps):

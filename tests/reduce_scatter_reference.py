@@ -62,3 +62,26 @@ def owner_sum(codec, name, xs, owner, begin, end, step, residuals=None):
                             residual=None if residuals is None else residuals[sender][begin:end])
         codec.decode_accumulate(buf[:used], total)
     return total
+
+
+def fsdp_rows(grads, num_ranks):
+    """FSDP2's reduce-scatter input for a module: row j holds every parameter's j-th dim-0 shard, padded."""
+    pieces = [-(-g.size // num_ranks) for g in grads]
+    rows = np.zeros((num_ranks, sum(pieces)), np.float32)
+    at = 0
+    for g, piece in zip(grads, pieces):
+        padded = np.zeros(piece * num_ranks, np.float32)
+        padded[:g.size] = g
+        rows[:, at:at + piece] = padded.reshape(num_ranks, piece)
+        at += piece
+    return rows, pieces
+
+
+def fsdp_shards(row, pieces, sizes, rank):
+    """A module's row of the sum split into each parameter's shard on ``rank`` (the padding dropped)."""
+    shards, at = [], 0
+    for piece, n in zip(pieces, sizes):
+        valid = max(0, min(piece, n - rank * piece))
+        shards.append(row[at:at + valid])
+        at += piece
+    return shards

@@ -53,6 +53,19 @@ def reference(first, second, name, grads, step, unit, residuals=None, owner_resi
     return result
 
 
+def allgather_reference(codec, name, xs, step, residuals=None):
+    """The allgather exchange's sum (unscaled): every rank's payload, encoded with its key, decoded in rank order;
+    ``residuals[r]``: rank r's error-feedback residual, updated in place."""
+    import zlib
+    total = np.zeros(xs[0].size, np.float32)
+    for rank, x in enumerate(xs):
+        buf = np.zeros(codec.max_payload_nbytes(x.size), np.uint8)
+        used = codec.encode(x, buf, step=step, key=zlib.crc32(f"{name}@rank{rank}".encode()),
+                            residual=None if residuals is None else residuals[rank])
+        codec.decode_accumulate(buf[:used], total)
+    return total
+
+
 def node_aware_reference(first, second, name, grads, step, unit, per_node, residuals=None, owner_residuals=None):
     """The summed result of the node-aware exchange (``horovod_qsgd.common.node_aware``), from the codecs alone.
 

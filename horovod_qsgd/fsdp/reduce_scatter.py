@@ -245,9 +245,9 @@ def scale_sum(total, scale):
 def _sum_in_node(rows, nodes, stats, owners):
     """Step 1 of the node-aware reduce-scatter: each of the node's L ranks sends every other the rows that rank's
     counterparts on every node own (M rows, full precision, one ``all_to_all_single`` in the node) and adds what
-    arrives in local-rank order (``owners``: the rows to send, in order, as :meth:`_ReduceScatterCompressor._owner_index`
-    gives them): returns this node's sum of the M rows this rank's counterparts own, float32, in
-    the order of its ``cross`` group's ranks."""
+    arrives in local-rank order (``owners``: the rows to send, in order, an index made once per layout): returns
+    this node's sum of the M rows this rank's counterparts own, float32, in the order of its ``cross`` group's
+    ranks."""
     send = rows[owners]
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=nodes.local)

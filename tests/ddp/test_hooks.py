@@ -5,7 +5,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.two_stage_reference import bounds
+from tests.two_stage_reference import allgather_reference, bounds
 from tests.two_stage_reference import reference as two_stage_reference
 
 SHARED_LAUNCHES = "torch.distributed"  # one launch per rank count and env with the group's modules (tests/multirank.py)
@@ -139,12 +139,7 @@ class _Reference:
             total = two_stage_reference(state.codec, state.second_codec, name, xs, step,
                                         getattr(state.codec, "bucket_size", 1), residuals, owners)
         else:
-            total = np.zeros(numel, np.float32)
-            for rank, x in enumerate(xs):
-                out = np.zeros(state.codec.max_payload_nbytes(numel), np.uint8)
-                used = state.codec.encode(x, out, step=step, key=zlib.crc32(f"{name}@rank{rank}".encode()),
-                                          residual=None if residuals is None else residuals[rank])
-                state.codec.decode_accumulate(out[:used], total)
+            total = allgather_reference(state.codec, name, xs, step, residuals)
         for rank in range(num_ranks if residuals is not None else 0):
             _unbucket(residuals[rank], positions, self.residuals[rank])
         return _unstaged(total * np.float32(1.0 / num_ranks), positions, alignment), exchange

@@ -2,13 +2,11 @@
 (``compress_reduce_scatter(..., replicate=mesh["replicate"])``). Every rank's sharded gradients and residuals
 against the codecs alone, a non-finite step on one replica, the refusals (native HSDP, a wrong group, settings
 that differ), and the bytes between two network-namespace nodes."""
-import zlib
-
 import numpy as np
 import pytest
 
-from tests.reduce_scatter_reference import stage, staged, unstage
-from tests.two_stage_reference import bounds
+from tests.reduce_scatter_reference import fsdp_rows, fsdp_shards, stage, staged, unstage
+from tests.two_stage_reference import allgather_reference, bounds
 from tests.two_stage_reference import reference as two_stage_reference
 
 SHARED_LAUNCHES = "torch.distributed"
@@ -95,7 +93,7 @@ class _Reference:
             grads = _gradients(name, replica * self.shards + s, step)
             if poisoned == (name, replica * self.shards + s):
                 grads[0][3] = np.inf
-            rows.append(_padded_rows(grads, self.shards))
+            rows.append(fsdp_rows(grads, self.shards))
         pieces = rows[0][1]
         total = [sum(r[s] for r, _ in rows[1:]) + rows[0][0][s] if self.shards > 1 else rows[0][0][s]
                  for s in range(self.shards)]
@@ -131,15 +129,10 @@ class _Reference:
                         saved[(name, s, "owners")] = [o.copy() for o in owners]
                     total = two_stage_reference(self.codec, self.codec, key, xs, step, self.unit, residuals, owners)
                 else:
-                    total = np.zeros(numel, np.float32)
-                    for r, x in enumerate(xs):
-                        buf = np.zeros(self.codec.max_payload_nbytes(numel), np.uint8)
-                        used = self.codec.encode(x, buf, step=step, key=zlib.crc32(f"{key}@rank{r}".encode()),
-                                                 residual=None if residuals is None else residuals[r])
-                        self.codec.decode_accumulate(buf[:used], total)
+                    total = allgather_reference(self.codec, key, xs, step, residuals)
                 results.append(unstage(total * np.float32(1.0 / self.replicas), pieces, self.unit))
             finite = finite and all(np.isfinite(r).all() for r in results)
-            out[name] = _shards(results[shard], pieces, sizes, shard)
+            out[name] = fsdp_shards(results[shard], pieces, sizes, shard)
         if not finite:  # a loss scaler skips the step on every rank: no residual keeps anything of it
             for key, value in saved.items():
                 if len(key) == 3:
@@ -148,28 +141,6 @@ class _Reference:
                 else:
                     self.residuals[key][:] = value
         return out
-
-
-def _padded_rows(grads, num_ranks):
-    """FSDP2's reduce-scatter input: row j holds every parameter's j-th dim-0 shard, padded."""
-    pieces = [-(-g.size // num_ranks) for g in grads]
-    rows = np.zeros((num_ranks, sum(pieces)), np.float32)
-    at = 0
-    for g, piece in zip(grads, pieces):
-        padded = np.zeros(piece * num_ranks, np.float32)
-        padded[:g.size] = g
-        rows[:, at:at + piece] = padded.reshape(num_ranks, piece)
-        at += piece
-    return rows, pieces
-
-
-def _shards(row, pieces, sizes, shard):
-    shards, at = [], 0
-    for piece, n in zip(pieces, sizes):
-        valid = max(0, min(piece, n - shard * piece))
-        shards.append(row[at:at + valid])
-        at += piece
-    return shards
 
 
 def _assert_equal(ours, expected, replicas):
@@ -313,7 +284,7 @@ def test_hsdp_between_two_nodes_sends_only_compressed_shards(replicas, shards, d
     for kind in ("qsgd", "topk"):
         _, compressor, _ = _check_hsdp(torch, dist_gloo, replicas, shards, kind)
         unit = getattr(compressor.codec, "bucket_size", 1)
-        payloads = sum(compressor.codec.max_payload_nbytes(staged(_padded_rows(_gradients(n, 0, 0), shards)[1],
+        payloads = sum(compressor.codec.max_payload_nbytes(staged(fsdp_rows(_gradients(n, 0, 0), shards)[1],
                                                                   unit)[1]) for n in ("fsdp.a", "fsdp.root"))
         small = 2 * (replicas - 1) * -(-50 // shards) * 4 // replicas
         assert compressor.compression_stats()["bytes_sent"] == 3 * (payloads + small)

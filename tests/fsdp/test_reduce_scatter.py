@@ -5,7 +5,8 @@ import io
 import numpy as np
 import pytest
 
-from tests.reduce_scatter_reference import reduce_scatter_reference, stage, staged, unstage
+from tests.reduce_scatter_reference import (fsdp_rows, fsdp_shards, reduce_scatter_reference, stage, staged,
+                                           unstage)
 
 SHARED_LAUNCHES = "torch.distributed"  # one launch per rank count and env with the group's modules (tests/multirank.py)
 
@@ -74,29 +75,6 @@ def _step(torch, model, rank, step, poison=None, unused=None):
             for name, ps in params.items()}
 
 
-def _rows(grads, num_ranks):
-    """FSDP2's reduce-scatter input for a module: row j holds every parameter's j-th dim-0 shard, padded."""
-    pieces = [-(-g.size // num_ranks) for g in grads]
-    rows = np.zeros((num_ranks, sum(pieces)), np.float32)
-    at = 0
-    for g, piece in zip(grads, pieces):
-        padded = np.zeros(piece * num_ranks, np.float32)
-        padded[:g.size] = g
-        rows[:, at:at + piece] = padded.reshape(num_ranks, piece)
-        at += piece
-    return rows, pieces
-
-
-def _shards(row, pieces, sizes, rank):
-    """A module's row of the sum split into each parameter's shard on ``rank`` (the padding dropped)."""
-    shards, at = [], 0
-    for piece, n in zip(pieces, sizes):
-        valid = max(0, min(piece, n - rank * piece))
-        shards.append(row[at:at + valid])
-        at += piece
-    return shards
-
-
 class _Reference:
     """Every rank's sharded gradients and residuals, from the codecs alone; ``per_node``: the node-aware exchange
     on nodes of that many ranks (rank = node * per_node + local rank, as torchrun numbers them)."""
@@ -151,12 +129,12 @@ class _Reference:
                 for g in grads:
                     g[frozen[1]] = None
             kept_sizes = [n for i, n in enumerate(sizes) if i not in missing]
-            rows = [_rows([g for g in gs if g is not None], self.num_ranks) for gs in grads]
+            rows = [fsdp_rows([g for g in gs if g is not None], self.num_ranks) for gs in grads]
             pieces = rows[0][1]
             stage_pieces = [sum(pieces)] if left_out else pieces
             if sum(pieces) * self.num_ranks < MIN_NUMEL:
                 total = sum((r[rank] for r, _ in rows[1:]), rows[0][0][rank].copy())
-                out[name] = _shards(rounding(finish(total)), pieces, sizes, rank)
+                out[name] = fsdp_shards(rounding(finish(total)), pieces, sizes, rank)
                 continue
             holders, inputs, suffix = self._crossing([r for r, _ in rows], rank)
             xs = [stage(x, stage_pieces, unit) for x in inputs]
@@ -171,7 +149,7 @@ class _Reference:
             sums = reduce_scatter_reference(codec, name + suffix, xs, self.steps.get(name, 0), residuals)
             self.steps[name] = self.steps.get(name, 0) + 1
             finite = finite and all(np.isfinite(s).all() for s in sums)
-            own = _shards(rounding(finish(unstage(sums[holders.index(rank)], stage_pieces, unit))), pieces,
+            own = fsdp_shards(rounding(finish(unstage(sums[holders.index(rank)], stage_pieces, unit))), pieces,
                           kept_sizes, rank)
             out[name] = [None if i in missing else own.pop(0) for i in range(len(sizes))]
         if not finite:  # a non-finite sum of any module, on any rank: the step is skipped, every residual stays
@@ -234,7 +212,7 @@ def test_sharded_gradients_are_the_codecs_alone_on_every_rank(num_ranks, dist_gl
         assert (stats["tensors_compressed"], stats["tensors_passed_through"]) == (6, 3)
         assert stats["exchanges"] == {"fsdp.a": "reduce_scatter", "fsdp.root": "reduce_scatter"}
         unit = getattr(compressor.codec, "bucket_size", 1)
-        rows = {n: staged(_rows(_gradients(n, 0, 0), num_ranks)[1], unit)[1] for n in ("fsdp.a", "fsdp.root")}
+        rows = {n: staged(fsdp_rows(_gradients(n, 0, 0), num_ranks)[1], unit)[1] for n in ("fsdp.a", "fsdp.root")}
         payloads = sum(compressor.codec.max_payload_nbytes(rows[n]) for n in rows)
         small = (num_ranks - 1) * -(-50 // num_ranks) * 4
         assert stats["bytes_sent"] == 3 * ((num_ranks - 1) * payloads + small)
@@ -256,7 +234,7 @@ def test_node_aware_across_two_nodes(num_ranks, dist_gloo):
         stats = compressor.compression_stats()
         assert stats["exchanges"] == {"fsdp.a": "node_aware", "fsdp.root": "node_aware"}
         unit = getattr(compressor.codec, "bucket_size", 1)
-        pieces = {n: _rows(_gradients(n, 0, 0), num_ranks)[1] for n in ("fsdp.a", "fsdp.root")}
+        pieces = {n: fsdp_rows(_gradients(n, 0, 0), num_ranks)[1] for n in ("fsdp.a", "fsdp.root")}
         between = sum(compressor.codec.max_payload_nbytes(staged(p, unit)[1]) for p in pieces.values())
         in_node = sum(2 * sum(p) * 4 for p in pieces.values())  # 2 nodes' rows to the node's other rank
         small = 3 * -(-50 // num_ranks) * 4
@@ -382,7 +360,8 @@ def test_a_parameter_without_a_gradient(num_ranks, dist_gloo):
                     warnings.simplefilter("always")
                     ours = _step(torch, model, rank, step, unused=unused)
                 said = " ".join(str(w.message) for w in caught if "horovod_qsgd" in str(w.message))
-                assert ("are not the shards of all its trainable parameters" in said) == (step == 1 and not zero_unused), said
+                warned = "are not the shards of all its trainable parameters" in said
+                assert warned == (step == 1 and not zero_unused), said
                 # top-k's residual changes length with the rows, into step 1 and back in step 2
                 resized = kind == "topk" and not zero_unused and step > 0
                 assert ("'fsdp.a': the residual has" in said and "reset to zeros" in said) == resized, said
@@ -489,11 +468,11 @@ def test_a_unit_on_a_smaller_mesh_has_a_node_layout_of_its_own(num_ranks, dist_g
             model.zero_grad(set_to_none=True)
             model(given).backward()
             group = [2 * (rank // 2), 2 * (rank // 2) + 1]
-            rows = [_rows(grads("fsdp.e", r, step), 2) for r in group]
+            rows = [fsdp_rows(grads("fsdp.e", r, step), 2) for r in group]
             pieces = rows[0][1]
             xs = [stage(r, pieces, 512) for r, _ in rows]
             sums = reduce_scatter_reference(compressor.codec, "fsdp.e", xs, step)
-            own = _shards(unstage(sums[rank % 2], pieces, 512) * np.float32(0.5), pieces, sizes["fsdp.e"], rank % 2)
+            own = fsdp_shards(unstage(sums[rank % 2], pieces, 512) * np.float32(0.5), pieces, sizes["fsdp.e"], rank % 2)
             for p, want in zip(model.e.w, own):
                 np.testing.assert_array_equal(p.grad.to_local().numpy(), want)
         assert compressor.compression_stats()["exchanges"] == {
