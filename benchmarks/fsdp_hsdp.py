@@ -12,7 +12,12 @@ nodes, with the mesh ``init_device_mesh("cpu", (M, L), mesh_dim_names=("replicat
   all-reduce at full precision (bf16: ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``);
 - ``qsgd-4bit``, ``qsgd-4bit-bf16``, ``topk-1%``: custom HSDP (``fully_shard(mesh=mesh["shard"])``) with
   ``compress_reduce_scatter(model, ..., replicate=mesh["replicate"])``: FSDP2's own reduce-scatter inside
-  the node, our exchange across the replicas.
+  the node, our exchange across the replicas;
+- ``topk-1%-1d``: for the memory, 1-D FSDP2 over every rank with the compressed reduce-scatter (Top-k's residual
+  is then the module's whole staged input; under HSDP only this rank's staged shard); ``topk-1%-1d-lean``
+  the same with ``residual_dtype="bfloat16"``.
+
+Each run reports the bytes this rank's error-feedback residuals hold (both buffers; Top-k only).
 
 The bytes between nodes are the NICs' (every node's, summed) between a barrier before the backward pass and
 one after it: no all-gather runs there. The formula: every rank sends (M-1) payloads of its staged shard per
@@ -32,7 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-VARIANTS = ["hsdp-fp32", "hsdp-bf16", "qsgd-4bit", "qsgd-4bit-bf16", "topk-1%"]
+VARIANTS = ["hsdp-fp32", "hsdp-bf16", "qsgd-4bit", "qsgd-4bit-bf16", "topk-1%", "topk-1%-1d", "topk-1%-1d-lean"]
 WARMUP, MEASURED = 2, 3
 
 
@@ -41,7 +46,7 @@ def _compressor(variant):
     if variant.startswith("qsgd"):
         return QSGD(bits=int(variant.split("-")[1][0]))
     if variant.startswith("topk"):
-        return TopK(ratio=0.01)
+        return TopK(ratio=0.01, residual_dtype="bfloat16" if variant.endswith("-lean") else "float32")
     return None
 
 
@@ -61,7 +66,8 @@ def worker(args):
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if args.variant.endswith("bf16") \
         else MixedPrecisionPolicy()
     compressor = _compressor(args.variant)
-    on = mesh if compressor is None else mesh["shard"]
+    flat = "-1d" in args.variant
+    on = None if flat else mesh if compressor is None else mesh["shard"]
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=on, mp_policy=policy, reshard_after_forward=False)
@@ -70,7 +76,7 @@ def worker(args):
     for module in modules:
         module.set_force_sum_reduction_for_comms(True)  # Gloo's collectives take no AVG
     if compressor is not None:
-        compress_reduce_scatter(model, compressor, replicate=mesh["replicate"])
+        compress_reduce_scatter(model, compressor, replicate=None if flat else mesh["replicate"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, model[0].in_features)
     y = torch.randint(0, 1000, (8,))
@@ -89,9 +95,17 @@ def worker(args):
         if step >= WARMUP:
             times.append(time.perf_counter() - start)
             between.append(_sent(nodelab.link_bytes, before))
+    residual_bytes = 0
+    if compressor is not None:
+        compressor.state_dict()  # settles the last step
+        for state in compressor._feedback._states.values():
+            for residual in state.residuals():
+                residual_bytes += sum(t.numel() * t.element_size() for t in (residual.kept, residual._spare)
+                                      if t is not None)
     if dist.get_rank() == 0:
         with open(args.json_out, "w") as f:
             json.dump({"between_nodes_bytes_per_step": sum(between) / MEASURED, "each_step": between,
+                       "residual_bytes": residual_bytes, "parameters": sum(p.numel() for p in model.parameters()),
                        "step_seconds": sorted(times)[MEASURED // 2], "shards": shards,
                        "stats": None if compressor is None else compressor.compression_stats()}, f)
     dist.destroy_process_group()
@@ -105,6 +119,8 @@ def formula(variant, shards, nodes, per_node):
     ring = 2 * (nodes - 1) / nodes
     for pieces in shards:
         numel = sum(pieces)
+        if "-1d" in variant:
+            return None
         if variant.startswith("hsdp"):
             total += ring * numel * (2 if variant.endswith("bf16") else 4)
             continue
@@ -151,14 +167,18 @@ def main():
                                            rate=args.rate, timeout=1800)
             sent = measured[variant] = result["between_nodes_bytes_per_step"]
             expected = formula(variant, result["shards"], nodes, per_node)
-            row = dict(layout=layout, variant=variant, between_mb=sent / 1e6, formula_mb=expected / 1e6,
-                       step_seconds=result["step_seconds"])
+            row = dict(layout=layout, variant=variant, between_mb=sent / 1e6,
+                       formula_mb=None if expected is None else expected / 1e6, step_seconds=result["step_seconds"],
+                       residual_mb=result["residual_bytes"] / 1e6,
+                       residual_bytes_per_parameter=result["residual_bytes"] / result["parameters"])
             for base in ("hsdp-fp32", "hsdp-bf16"):
                 if base in measured and variant != base:
                     row[f"fewer_than_{base}"] = measured[base] / sent
             rows.append(row)
-            print(f"{layout} {variant:16s} between nodes {sent / 1e6:8.2f} MB/step  formula {expected / 1e6:8.2f} MB "
-                  f"({100 * (sent / expected - 1):+.1f}%)  step {result['step_seconds']:.3f} s", flush=True)
+            vs = "" if expected is None else \
+                f"  formula {expected / 1e6:8.2f} MB ({100 * (sent / expected - 1):+.1f}%)"
+            print(f"{layout} {variant:16s} between nodes {sent / 1e6:8.2f} MB/step{vs}  step "
+                  f"{result['step_seconds']:.3f} s  residuals {row['residual_mb']:.1f} MB/rank", flush=True)
     os.makedirs(args.out, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
@@ -182,13 +202,15 @@ def write_record(out, record):
              "oversubscribe it; bytes do not depend on that" + (", step times do: compare within a layout" if rate
              else "") + ").", "", "```bash", command, "```", "",
              "| nodes x ranks | variant | between nodes MB/step | formula MB | fewer than HSDP fp32 | fewer than "
-             "HSDP bf16 |" + (" step s (median) |" if rate else ""),
-             "|---|---|---|---|---|---|" + ("---|" if rate else "")]
+             "HSDP bf16 | residuals MB per rank (bytes per parameter) |" + (" step s (median) |" if rate else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if rate else "")]
     for row in record["rows"]:
         def ratio(key):
             return f"{row[key]:.2f}x" if key in row else ""
-        lines.append(f"| {row['layout']} | {row['variant']} | {row['between_mb']:.2f} | {row['formula_mb']:.2f} | "
-                     f"{ratio('fewer_than_hsdp-fp32')} | {ratio('fewer_than_hsdp-bf16')} |"
+        formula_mb = "" if row["formula_mb"] is None else f"{row['formula_mb']:.2f}"
+        held = f"{row['residual_mb']:.1f} ({row['residual_bytes_per_parameter']:.2f})" if row["residual_mb"] else ""
+        lines.append(f"| {row['layout']} | {row['variant']} | {row['between_mb']:.2f} | {formula_mb} | "
+                     f"{ratio('fewer_than_hsdp-fp32')} | {ratio('fewer_than_hsdp-bf16')} | {held} |"
                      + (f" {row['step_seconds']:.3f} |" if rate else ""))
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

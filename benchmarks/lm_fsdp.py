@@ -12,7 +12,8 @@ parameter's shard on its own QSGD scales) on Gloo:
   Gloo takes no AVG; FSDP2 then divides the sum itself);
 - ``qsgd-8bit`` / ``qsgd-4bit`` / ``topk-1%``: ``horovod_qsgd.fsdp`` with
   ``compress_reduce_scatter`` (``min_numel`` 10,000: the module's 0.48M
-  elements are compressed, biases and norms too, each in its own buckets).
+  elements are compressed, biases and norms too, each in its own buckets);
+  ``topk-1%-lean``: Top-k's residual kept in one bfloat16 buffer (``residual_dtype="bfloat16"``).
 
 ``--hsdp MxL`` (M nodes of L ranks, on ``benchmarks/nodelab.py``'s nodes): HSDP, the model sharded inside a
 node and replicated across nodes (mesh ``(M, L)``, dimensions ``("replicate", "shard")``): ``none`` is
@@ -39,7 +40,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.lm_convergence import STUDY  # noqa: E402
 from benchmarks.lm_ddp import byte_lm_module, run_study, train_module  # noqa: E402
 
-CONFIGS = ["none", "qsgd-8bit", "qsgd-4bit", "topk-1%"]
+CONFIGS = ["none", "qsgd-8bit", "qsgd-4bit", "topk-1%", "topk-1%-lean"]
 
 
 def compressor_of(name, seed):
@@ -47,8 +48,8 @@ def compressor_of(name, seed):
     from horovod_qsgd.fsdp import QSGD, TopK
     if name.startswith("qsgd-") and name.endswith("bit"):
         return QSGD(bits=int(name[len("qsgd-"):-len("bit")]), seed=seed)
-    if name == "topk-1%":
-        return TopK(ratio=0.01, seed=seed)
+    if name in ("topk-1%", "topk-1%-lean"):
+        return TopK(ratio=0.01, seed=seed, residual_dtype="bfloat16" if name.endswith("lean") else "float32")
     if name == "none":
         return None
     raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")

@@ -55,9 +55,10 @@ def test_node_aware_exchange_is_offered_by_every_payload_compressor_and_document
 
 def test_fsdp_compressors_take_the_horovod_compressors_arguments_need_no_horovod_and_refuse_what_they_cannot():
     """horovod_qsgd.fsdp's QSGD and TopK take the Horovod compressors' arguments with their defaults, less the
-    fusion and second-stage ones (a reduce-scatter has one stage) and QSGD's encoding (fixed sizes only); their
-    exchanges are the flat reduce-scatter and the node-aware one; it imports without Horovod; a compressor of
-    another adapter or a model without fully_shard is refused."""
+    fusion and second-stage ones (a reduce-scatter has one stage) and QSGD's encoding (fixed sizes only), plus
+    TopK's residual_dtype (float32 by default, or the lean bfloat16 form); their exchanges are the flat
+    reduce-scatter and the node-aware one; it imports without Horovod; a compressor of another adapter, a bad
+    residual_dtype or a model without fully_shard is refused."""
     import inspect
 
     import torch
@@ -67,7 +68,10 @@ def test_fsdp_compressors_take_the_horovod_compressors_arguments_need_no_horovod
     for ours, compressor in [(fsdp.QSGD, hvd_adapter.QSGD), (fsdp.TopK, hvd_adapter.TopK)]:
         theirs = {k: p.default for k, p in inspect.signature(compressor).parameters.items()
                   if k not in ("second_stage_bits", "fusion_threshold", "encoding")}
-        assert {k: p.default for k, p in inspect.signature(ours).parameters.items()} == theirs, ours
+        extra = {"residual_dtype": "float32"} if ours is fsdp.TopK else {}
+        assert {k: p.default for k, p in inspect.signature(ours).parameters.items()} == dict(theirs, **extra), ours
+    with pytest.raises(ValueError, match="residual_dtype='float16'; allowed values: 'float32', 'bfloat16'"):
+        fsdp.TopK(residual_dtype="float16")
     with pytest.raises(ValueError, match="allowed values: 'auto', 'reduce_scatter', 'node_aware'"):
         fsdp.TopK(exchange="two_stage")
     with pytest.raises(TypeError, match="takes horovod_qsgd.fsdp.QSGD or TopK, got QSGD"):

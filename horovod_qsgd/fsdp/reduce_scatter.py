@@ -24,11 +24,12 @@ sender's: what a row did not send stays in this rank's residual of that row.
 Every rank checks every rank's settings and each module's row layout at the
 module's first reduce-scatter and whenever the layout changes
 (``CompressionMismatchError`` on every rank).
-With error feedback, a step whose sum holds inf or NaN on any rank (a loss
-scaler's overflow) leaves every rank's residual as it was: the owners'
-verdicts meet in a one-element all-reduce, started after the alltoall and
-read at the module's next reduce-scatter (or checkpoint), so nothing waits
-for it. QSGD keeps no state but the step counter of its RNG.
+With error feedback, a step whose output holds inf or NaN on any rank (a loss
+scaler's overflow, also one that only the cast to float16 makes) leaves every
+rank's residual as it was: the owners' verdicts meet in a one-element
+all-reduce on the device, chained through the step's modules, and decide the
+step when the next one begins (:mod:`horovod_qsgd.fsdp.verdict`); nothing is
+read on the host. QSGD keeps no state but the step counter of its RNG.
 
 Modules whose input has fewer than ``min_numel`` elements go through an
 uncompressed ``all_to_all_single`` of the rows, summed in rank order: an
@@ -47,15 +48,16 @@ of equal size, else the flat exchange (``"reduce_scatter"``): on CPU nodes
 the full-precision sum in the node costs about what it saves (as measured
 for the DDP hooks).
 
-A module whose parameters do not all get a gradient in a step (without
-``set_reduce_scatter_unused_params(True)``) is compressed as one piece that
-step, with a warning: FSDP2 does not tell its reduce-scatter which
-parameters it left out, so their places in the row are unknown here.
+A module whose trainable parameters do not all get a gradient in a step
+(without ``set_reduce_scatter_unused_params(True)``) is compressed as one
+piece that step, with a warning: FSDP2 does not tell its reduce-scatter which
+parameters it left out, so their places in the row are unknown here. Frozen
+parameters (``requires_grad=False``) are never in the rows, and do not count.
 
-Costs and limits of this first version: the exchange runs synchronously in
-FSDP2's reduce-scatter call, on its stream; one alltoall per module, not
-fused across modules; on a GPU the verdict is read on the host at the next
-call.
+Costs and limits: the exchange runs synchronously in FSDP2's reduce-scatter
+call, on its stream; one alltoall per module, not fused across modules.
+Top-k's residual is the module's whole staged input, twice (the kept residual
+and the one a step writes until its verdict): 8 bytes per parameter.
 """
 import json
 import warnings
@@ -88,6 +90,7 @@ from horovod_qsgd.torch_shared.feedback import TensorFeedback
 
 
 EXCHANGES = ("auto", REDUCE_SCATTER, NODE_AWARE)
+RESIDUAL_DTYPES = ("float32", "bfloat16")
 
 
 def reduction_scale(op, num_ranks):
@@ -145,12 +148,16 @@ class ModuleReduceScatter(ReduceScatter):
         plan = ReduceScatterPlan(compressor.codec, name, layout.staged_numel, cross.size(), cross.rank(), stats,
                                  (num_ranks - 1) * rows.shape[1] * input_tensor.element_size())
         stats.note_exchange(self.name, exchange)
-        state, kept, written, stamps = self.state, None, None, None
+        state, kept, written, stamps, lean = self.state, None, None, None, None
         if compressor.error_feedback:  # the staged rows change size where parameters got no gradient
-            stamps = state.stamps_on(staged.device)
             kept = compressor._feedback.checked_residual(self.name, staged.numel(), staged.device,
                                                          resized="the module's staged rows").to(staged.device)
-            written = kept.for_step(stamps, state.step)
+            if compressor.residual_dtype == "bfloat16":  # one buffer, widened for the step, narrowed after it
+                lean = _narrowed(kept)
+                written = lean.float()
+            else:
+                stamps = state.stamps_on(staged.device)
+                written = kept.for_step(stamps, state.step)
         transport = DistributedTransport(cross, cross.rank(), staged.device)
         with kernel_stream(staged.device):
             total, refusal = drive(plan.conduct(transport, staged, state.step, as_array(written)), transport.run)
@@ -159,8 +166,11 @@ class ModuleReduceScatter(ReduceScatter):
                 raise refusal
             scale_sum(total, scale)
         unstage_row(total, layout, output_tensor)
+        if lean is not None:
+            lean.copy_(written)
         compressor._flags.note(self.name, output_tensor, [group],
-                               None if written is None else [(kept, written)], stamps, state.step + 1)
+                               None if kept is None else [] if lean is not None else [(kept, written)], stamps,
+                               state.step + 1, zeroed=lean)
         state.step += 1
         return None
 
@@ -199,7 +209,8 @@ class ModuleReduceScatter(ReduceScatter):
         self.compressor._settle()
         self.state.settle_on_host()
         if self.state.residual is not None:
-            return self.state.residual.kept
+            return self.state.residual.kept if self.compressor.residual_dtype != "bfloat16" else \
+                _narrowed(self.state.residual)
         group = param_group(self.module)
         pieces = trainable_pieces(self.module)
         if group.mesh_info.shard_mesh_size * sum(pieces) < self.compressor.min_numel:
@@ -207,7 +218,16 @@ class ModuleReduceScatter(ReduceScatter):
         nodes = self.compressor._nodes_of(group.mesh_info.shard_process_group, group.device)
         rows = group.mesh_info.shard_mesh_size if nodes is None else nodes.num_nodes
         staged = RowLayout(pieces, chunk_unit(self.compressor.codec)).staged_numel
-        return torch.zeros(rows * staged, dtype=torch.float32, device=group.device)
+        return torch.zeros(rows * staged, dtype=getattr(torch, self.compressor.residual_dtype), device=group.device)
+
+
+def _narrowed(kept):
+    """A KeptResidual as one bfloat16 buffer (the lean residual): converted once where it was loaded or made in
+    float32; its spare dropped."""
+    if kept.kept.dtype != torch.bfloat16:
+        kept.kept = kept.kept.to(torch.bfloat16)
+    kept._spare = None
+    return kept.kept
 
 
 def param_group(module):
@@ -282,8 +302,12 @@ def unstage_row(total, layout, output_tensor):
 class _ReduceScatterCompressor(CodecSettings):
     """What the modules of one model share: settings, statistics, checkpoints."""
 
-    def __init__(self, codec, min_numel, exchange):
+    def __init__(self, codec, min_numel, exchange, residual_dtype="float32"):
         check_payload_settings(codec, min_numel, "the FSDP2 reduce-scatter")
+        if residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"horovod_qsgd: residual_dtype={residual_dtype!r}; allowed values: "
+                             + ", ".join(repr(d) for d in RESIDUAL_DTYPES))
+        self.residual_dtype = residual_dtype
         if exchange not in EXCHANGES:
             raise ValueError(f"horovod_qsgd: exchange={exchange!r} is not an FSDP2 reduce-scatter's; allowed "
                              "values: " + ", ".join(repr(e) for e in EXCHANGES))
@@ -298,7 +322,10 @@ class _ReduceScatterCompressor(CodecSettings):
         self.engine = PayloadEngine(codec, codec, "auto", self._stats)  # the replicas' all-reduce (HSDP)
 
     def settings(self):
-        return dict(self.codec.config(), min_numel=self.min_numel, exchange=self.exchange)
+        settings = dict(self.codec.config(), min_numel=self.min_numel, exchange=self.exchange)
+        if self.residual_dtype != "float32":  # checkpoints of the default form keep their header
+            settings["residual_dtype"] = self.residual_dtype
+        return settings
 
     def _nodes_of(self, group, device):
         """The job's nodes where ``group``'s exchange is node-aware, else None: found at the group's first
@@ -443,10 +470,17 @@ class TopK(_ReduceScatterCompressor):
     ``ratio=0.01`` sends about 8% of fp32's bytes (4-byte index and 4-byte value per kept coordinate); raise it
     if the loss stalls. ``exchange``: as :class:`QSGD`'s. The residuals (one per module, this rank's rows) are
     ``state_dict()`` on every rank; a step whose sum is not finite on any rank leaves them as they were.
+
+    Memory: the residual of a module's reduce-scatter is its whole staged input (N rows), kept twice (the
+    residual and the one a step writes until its verdict): 8 bytes per parameter, on every rank.
+    ``residual_dtype="bfloat16"`` keeps one bfloat16 buffer instead (2 bytes per parameter; a float32 copy
+    lives only during the module's own reduce-scatter): each step's residual is rounded to bfloat16, and a
+    skipped step (inf or NaN on any rank) zeroes it, its unsent mass lost once, where the default restores it.
+    Under HSDP the residual across replicas is this rank's shard only (1/L of it) and stays float32.
     """
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
-                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
+                 sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto", residual_dtype="float32"):
         super().__init__(TopKCodec(ratio=ratio, selector=selector, value_dtype=value_dtype,
                                    error_feedback=error_feedback, seed=seed, sample_ratio=sample_ratio), min_numel,
-                         exchange)
+                         exchange, residual_dtype)

@@ -29,14 +29,15 @@ class StepFlags:
 
     def __init__(self):
         self._chain = None    # (work, flag): the step's latest all-reduced flag
-        self._pending = {}    # key -> (work, flag, [(kept, written)], stamps, stamp)
+        self._pending = {}    # key -> (work, flag, [(kept, written)], stamps, stamp, zeroed)
         self.nonfinite = DeviceNonfiniteCounts()  # this rank's non-finite outputs, on the device
 
-    def note(self, key, output, groups, writes=None, stamps=None, stamp=0):
+    def note(self, key, output, groups, writes=None, stamps=None, stamp=0, zeroed=None):
         """Exchange ``key`` wrote ``output`` (FSDP2's tensor, in its dtype). ``writes``: [(KeptResidual, the
         CarriedResidual its step wrote through)], None where it keeps no residual (then only counted);
         ``groups``: the process groups its flag is all-reduced over, in order; ``stamps``/``stamp``: its
-        residuals' device verdict (None: the host decides)."""
+        residuals' device verdict (None: the host decides); ``zeroed``: a residual the step updated in place
+        (one buffer), set to zeros where the step does not count."""
         bad = torch.logical_not(torch.isfinite(output).all()).reshape(1).to(torch.int32)
         self.nonfinite.on(output.device).add_(bad)
         if writes is None:
@@ -52,7 +53,7 @@ class StepFlags:
                 work.wait()
             work = dist.all_reduce(flag, op=ReduceOp.MAX, group=group, async_op=True)
         self._chain = (work, flag)
-        self._pending[key] = (work, flag, writes, stamps, stamp)
+        self._pending[key] = (work, flag, writes, stamps, stamp, zeroed)
 
     def pending(self, key):
         return key in self._pending
@@ -62,13 +63,19 @@ class StepFlags:
         :class:`~horovod_qsgd.common.feedback.StepVerdict`) and decides the step: the new residuals are kept where
         no exchange of the step, on any rank its flags reached, wrote inf or NaN."""
         pending, self._pending, self._chain = self._pending, {}, None
-        for key, (work, flag, writes, stamps, stamp) in pending.items():
+        for work, *_ in pending.values():
             work.wait()
+        zeroed = [entry[5] for entry in pending.values() if entry[5] is not None]
+        if zeroed:  # on the device: whether any exchange of the step, on any rank its flags reached, overflowed
+            skipped = torch.stack([entry[1] for entry in pending.values()]).amax().reshape(1) > 0
+            for residual in zeroed:
+                residual.masked_fill_(skipped, 0)
+        for key, (_, flag, writes, stamps, stamp, _) in pending.items():
             if stamps is not None:
                 stamps[0].fill_(stamp)
                 stamps[1:].copy_(torch.where(flag > 0, torch.full_like(stamps[1:], stamp), stamps[1:]))
                 verdict.defer_on_device(key, (stamps, stamp))
-            else:
+            elif writes:
                 verdict.defer(key, int(flag.item()) == 0, _keeper(writes))
         verdict.settle()
 

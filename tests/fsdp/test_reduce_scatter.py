@@ -82,6 +82,7 @@ class _Reference:
     def __init__(self, compressor, num_ranks, per_node=None):
         self.compressor, self.num_ranks, self.per_node, self.steps = compressor, num_ranks, per_node, {}
         self.residuals = {} if compressor.error_feedback else None  # name -> {rank: staged residual}
+        self.lean = compressor.residual_dtype == "bfloat16"  # residuals rounded to bfloat16, zeroed when skipped
 
     def _crossing(self, rows, rank):
         """(the ranks whose exchange ``rank`` is in, their rows as it compresses them, its name's suffix): every
@@ -147,6 +148,9 @@ class _Reference:
                 residuals = [kept[r] for r in holders]
                 saved[name] = {r: kept[r].copy() for r in holders}
             sums = reduce_scatter_reference(codec, name + suffix, xs, self.steps.get(name, 0), residuals)
+            if self.lean:
+                for residual in residuals:
+                    residual[:] = _bf16(residual)
             self.steps[name] = self.steps.get(name, 0) + 1
             finite = finite and all(np.isfinite(s).all() for s in sums)
             own = fsdp_shards(rounding(finish(unstage(sums[holders.index(rank)], stage_pieces, unit))), pieces,
@@ -155,14 +159,20 @@ class _Reference:
         if not finite:  # a non-finite sum of any module, on any rank: the step is skipped, every residual stays
             for name, before in saved.items():
                 for r, residual in before.items():
-                    self.residuals[name][r][:] = residual
+                    self.residuals[name][r][:] = 0 if self.lean else residual
         return out
 
 
 def _compressor(kind, exchange="auto"):
     from horovod_qsgd.fsdp import QSGD, TopK
     return QSGD(bits=4, min_numel=MIN_NUMEL, exchange=exchange) if kind == "qsgd" else \
-        TopK(ratio=0.02, min_numel=MIN_NUMEL, exchange=exchange)
+        TopK(ratio=0.02, min_numel=MIN_NUMEL, exchange=exchange,
+             residual_dtype="bfloat16" if kind == "topk-lean" else "float32")
+
+
+def _bf16(a):
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16).float().numpy()
 
 
 def _assert_equal(ours, expected):
@@ -178,7 +188,7 @@ def _assert_residuals(compressor, reference, rank):
     if reference.residuals is None:
         return
     for name in ("fsdp.a", "fsdp.root"):
-        saved = compressor.state_dict()["modules"][name]["residual"].numpy()
+        saved = compressor.state_dict()["modules"][name]["residual"].float().numpy()
         np.testing.assert_array_equal(saved, reference.residuals[name][rank], err_msg=name)
 
 
@@ -252,9 +262,6 @@ def test_fsdp_ops_and_bfloat16(num_ranks, dist_gloo):
     from horovod_qsgd.fsdp import compress_reduce_scatter
     rank = dist_gloo.get_rank()
 
-    def bf16(a):
-        return torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16).float().numpy()
-
     for kind in ("qsgd", "topk"):
         model = _model(torch)
         for module in _fsdp_modules(model):
@@ -273,7 +280,7 @@ def test_fsdp_ops_and_bfloat16(num_ranks, dist_gloo):
         reference = _Reference(compressor, num_ranks)
         for step in range(2):
             _assert_equal(_step(torch, model, rank, step),
-                          reference.step(step, rank, lambda t: t * (1.0 / num_ranks), rounding=bf16))
+                          reference.step(step, rank, lambda t: t * (1.0 / num_ranks), rounding=_bf16))
         _assert_residuals(compressor, reference, rank)
 
 
@@ -524,3 +531,41 @@ def test_an_overflow_of_the_cast_to_float16_skips_the_step(num_ranks, dist_gloo)
     for name, residual in before.items():
         assert torch.equal(after[name]["residual"], residual), name
     assert compressor.compression_stats()["tensors_nonfinite"] == (1 if rank == 0 else 0)
+
+
+@pytest.mark.parametrize("num_ranks", _on(3))
+def test_the_lean_top_k_residual(num_ranks, dist_gloo):
+    """TopK(residual_dtype="bfloat16"): one bfloat16 buffer per module (2 bytes per staged element, no spare), each
+    step's residual rounded to it: 3 steps bitwise the reference that rounds alike; a job resumed from step 1's
+    state gives step 2's bits again; then an inf on one rank: every rank's residuals are zeros (the step's
+    unsent mass is lost), the next step goes on from zeros as the reference does."""
+    import torch
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    rank = dist_gloo.get_rank()
+
+    def average(t):
+        return t * (1.0 / num_ranks)
+
+    model = _model(torch)
+    compressor = compress_reduce_scatter(model, _compressor("topk-lean"))
+    reference = _Reference(compressor, num_ranks)
+    saved = io.BytesIO()
+    for step in range(3):
+        _assert_equal(_step(torch, model, rank, step), reference.step(step, rank, average))
+        _assert_residuals(compressor, reference, rank)
+        if step == 1:
+            torch.save(compressor.state_dict(), saved)
+    for name in ("fsdp.a", "fsdp.root"):
+        residual = compressor._feedback.entry(name).residual
+        assert (residual.kept.dtype, residual._spare) == (torch.bfloat16, None), name
+    ours = _step(torch, model, rank, 3, poison="fsdp.a" if rank == 1 else None)
+    _assert_equal(ours, reference.step(3, rank, average, poisoned=("fsdp.a", 1)))
+    for name in ("fsdp.a", "fsdp.root"):
+        assert not compressor.state_dict()["modules"][name]["residual"].any(), name
+    _assert_equal(_step(torch, model, rank, 4), reference.step(4, rank, average))
+    _assert_residuals(compressor, reference, rank)
+
+    resumed_reference = _Reference(compressor, num_ranks)  # never skipped: step 2's bits as the first job had them
+    for step in range(3):
+        expected = resumed_reference.step(step, rank, average)
+    _assert_equal(_resumed(torch, "topk-lean", saved, rank, 2), expected)
