@@ -65,7 +65,6 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -82,10 +81,10 @@ from horovod_qsgd.common.settings import CodecSettings
 from horovod_qsgd.common.state import check_loadable, state_header
 from horovod_qsgd.common.stats import CompressionStats
 from horovod_qsgd.common.two_stage import qsgd_codecs
-from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
-from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, check_payload_settings
 from horovod_qsgd.fsdp.verdict import StepFlags
 from horovod_qsgd.kernels import finish_sum
+from horovod_qsgd.torch_shared.arrays import as_array, kernel_stream
+from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, check_payload_settings
 from horovod_qsgd.torch_shared.feedback import TensorFeedback
 
 
