@@ -5,7 +5,7 @@ that differ), and the bytes between two network-namespace nodes."""
 import numpy as np
 import pytest
 
-from tests.reduce_scatter_reference import fsdp_rows, fsdp_shards, stage, staged, unstage
+from tests.reduce_scatter_reference import fsdp_rows, fsdp_shards, reduce_scatter_reference, stage, staged, unstage
 from tests.two_stage_reference import allgather_reference, bounds
 from tests.two_stage_reference import reference as two_stage_reference
 
@@ -80,8 +80,9 @@ class _Reference:
     65,536 elements or more), averaged; error feedback per rank, kept only where the step was finite
     everywhere."""
 
-    def __init__(self, compressor, replicas, shards):
+    def __init__(self, compressor, replicas, shards, in_node_compressed=False):
         self.codec, self.replicas, self.shards = compressor.codec, replicas, shards
+        self.in_node_compressed = in_node_compressed  # QSGD only: our reduce-scatter in the node too
         self.unit = getattr(self.codec, "bucket_size", 1)
         self.feedback = compressor.error_feedback
         self.residuals, self.owners = {}, {}  # (name, rank) -> sender residual; (name, shard) -> owner residuals
@@ -95,6 +96,10 @@ class _Reference:
                 grads[0][3] = np.inf
             rows.append(fsdp_rows(grads, self.shards))
         pieces = rows[0][1]
+        if self.in_node_compressed and sum(pieces) * self.shards >= MIN_NUMEL:
+            xs = [stage(r, pieces, self.unit) for r, _ in rows]
+            sums = reduce_scatter_reference(self.codec, name, xs, step)
+            return [unstage(t, pieces, self.unit) * np.float32(1.0 / self.shards) for t in sums], pieces
         total = [sum(r[s] for r, _ in rows[1:]) + rows[0][0][s] if self.shards > 1 else rows[0][0][s]
                  for s in range(self.shards)]
         return [t * np.float32(0.5) if self.shards == 2 else t for t in total], pieces
@@ -160,13 +165,14 @@ def _assert_residuals(compressor, reference, rank):
         np.testing.assert_array_equal(saved, reference.residuals[(name, rank)], err_msg=name)
 
 
-def _check_hsdp(torch, dist, replicas, shards, kind):
+def _check_hsdp(torch, dist, replicas, shards, kind, compress_in_node=None):
     from horovod_qsgd.fsdp import compress_reduce_scatter
     rank = dist.get_rank()
     mesh = _mesh(dist, replicas, shards)
     model = _model(torch, mesh["shard"])
-    compressor = compress_reduce_scatter(model, _compressor(kind), replicate=mesh["replicate"])
-    reference = _Reference(compressor, replicas, shards)
+    compressor = compress_reduce_scatter(model, _compressor(kind), replicate=mesh["replicate"],
+                                         compress_in_node=compress_in_node)
+    reference = _Reference(compressor, replicas, shards, bool(compress_in_node))
     for step in range(3):
         _assert_equal(_step(torch, model, rank, step), reference.step(step, rank), replicas)
         _assert_residuals(compressor, reference, rank)
@@ -288,3 +294,32 @@ def test_hsdp_between_two_nodes_sends_only_compressed_shards(replicas, shards, d
                                                                   unit)[1]) for n in ("fsdp.a", "fsdp.root"))
         small = 2 * (replicas - 1) * -(-50 // shards) * 4 // replicas
         assert compressor.compression_stats()["bytes_sent"] == 3 * (payloads + small)
+
+
+@pytest.mark.parametrize("replicas, shards", _on((2, 2)))
+def test_hsdp_compressing_the_reduce_scatter_in_the_node_too(replicas, shards, dist_gloo):
+    """compress_in_node=True: QSGD-4's reduce-scatter inside the node (each shard's sum from the codec's rows,
+    averaged over the node's 2 ranks), then QSGD-4 across the replicas on that: bitwise the codecs alone, 3
+    steps; both exchanges counted."""
+    import torch
+    _, compressor, _ = _check_hsdp(torch, dist_gloo, replicas, shards, "qsgd", compress_in_node=True)
+    stats = compressor.compression_stats()
+    assert (stats["tensors_compressed"], stats["tensors_passed_through"]) == (12, 6)
+
+
+@pytest.mark.parametrize("replicas, shards", _on((3, 1)))
+def test_a_distributed_checkpoint_of_owner_residuals_is_refused_naming_the_fix(replicas, shards, dist_gloo):
+    """Top-k across 3 replicas keeps owner residuals of different sizes on different ranks: checkpointable()
+    refuses them on every rank, naming the per-rank state_dict(), which holds them (and loads them back)."""
+    import torch
+    from horovod_qsgd.fsdp import compress_reduce_scatter
+    model, compressor, _ = _check_hsdp(torch, dist_gloo, replicas, shards, "topk")
+    with pytest.raises(ValueError, match=r"cannot save yet: save compressor.state_dict\(\) on every rank"):
+        compressor.checkpointable().state_dict()
+    state = compressor.state_dict()
+    assert state["modules"]["fsdp.a.replicas"]["owner_residual"] is not None
+    mesh = _mesh(dist_gloo, replicas, shards)
+    rebuilt = compress_reduce_scatter(_model(torch, mesh["shard"]), _compressor("topk"), replicate=mesh["replicate"])
+    rebuilt.load_state_dict(state)
+    again = rebuilt.state_dict()["modules"]["fsdp.a.replicas"]
+    assert torch.equal(again["owner_residual"], state["modules"]["fsdp.a.replicas"]["owner_residual"])
