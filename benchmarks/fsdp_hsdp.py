@@ -99,9 +99,7 @@ def worker(args):
     if compressor is not None:
         compressor.state_dict()  # settles the last step
         for state in compressor._feedback._states.values():
-            for residual in state.residuals():
-                residual_bytes += sum(t.numel() * t.element_size() for t in (residual.kept, residual._spare)
-                                      if t is not None)
+            residual_bytes += sum(residual.nbytes() for residual in state.residuals())
     if dist.get_rank() == 0:
         with open(args.json_out, "w") as f:
             json.dump({"between_nodes_bytes_per_step": sum(between) / MEASURED, "each_step": between,

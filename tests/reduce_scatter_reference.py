@@ -85,3 +85,33 @@ def fsdp_shards(row, pieces, sizes, rank):
         shards.append(row[at:at + valid])
         at += piece
     return shards
+
+
+def weights_module(sizes):
+    """A module of zero parameters of ``sizes`` whose loss given gradients g_i is sum_i <w_i, g_i>: the gradient
+    of w_i is exactly g_i (rounded to the parameter dtype); a None gradient leaves its parameter out."""
+    import torch
+
+    class Weights(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
+
+        def forward(self, grads):
+            return sum((w * g.to(w.dtype)).sum() for w, g in zip(self.w, grads) if g is not None)
+    return Weights()
+
+
+def three_unit_model(modules):
+    """Units ``a``, ``small`` and ``b`` (:func:`weights_module`) of the sizes ``modules`` gives "fsdp.a",
+    "fsdp.small" and "fsdp.root"; its forward takes {module name: gradients}."""
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.small, self.b = (weights_module(modules[n]) for n in ("fsdp.a", "fsdp.small", "fsdp.root"))
+
+        def forward(self, grads):
+            return self.a(grads["fsdp.a"]) + self.small(grads["fsdp.small"]) + self.b(grads["fsdp.root"])
+    return Model()

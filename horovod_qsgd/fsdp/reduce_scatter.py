@@ -152,7 +152,7 @@ class ModuleReduceScatter(ReduceScatter):
             kept = compressor._feedback.checked_residual(self.name, staged.numel(), staged.device,
                                                          resized="the module's staged rows").to(staged.device)
             if compressor.residual_dtype == "bfloat16":  # one buffer, widened for the step, narrowed after it
-                lean = _narrowed(kept)
+                lean = kept.single_buffer(torch.bfloat16)
                 written = lean.float()
             else:
                 stamps = state.stamps_on(staged.device)
@@ -209,7 +209,7 @@ class ModuleReduceScatter(ReduceScatter):
         self.state.settle_on_host()
         if self.state.residual is not None:
             return self.state.residual.kept if self.compressor.residual_dtype != "bfloat16" else \
-                _narrowed(self.state.residual)
+                self.state.residual.single_buffer(torch.bfloat16)
         group = param_group(self.module)
         pieces = trainable_pieces(self.module)
         if group.mesh_info.shard_mesh_size * sum(pieces) < self.compressor.min_numel:
@@ -218,15 +218,6 @@ class ModuleReduceScatter(ReduceScatter):
         rows = group.mesh_info.shard_mesh_size if nodes is None else nodes.num_nodes
         staged = RowLayout(pieces, chunk_unit(self.compressor.codec)).staged_numel
         return torch.zeros(rows * staged, dtype=getattr(torch, self.compressor.residual_dtype), device=group.device)
-
-
-def _narrowed(kept):
-    """A KeptResidual as one bfloat16 buffer (the lean residual): converted once where it was loaded or made in
-    float32; its spare dropped."""
-    if kept.kept.dtype != torch.bfloat16:
-        kept.kept = kept.kept.to(torch.bfloat16)
-    kept._spare = None
-    return kept.kept
 
 
 def param_group(module):

@@ -86,11 +86,11 @@ class ReplicaAllReduce:
         pieces = row_pieces(self.module, self.name, reduce_output.numel(), "reduce-scatter output's shards")
         self._handshake(reduce_output, pieces, shard_group)
         num_replicas, rank = replicas.size(), replicas.rank()
+        if num_replicas == 1:
+            return
         divide = param_group(self.module).gradient_divide_factor is None
         scale = 1.0 / num_replicas if divide else 1.0
         uncompressed = 2 * (num_replicas - 1) * reduce_output.numel() * reduce_output.element_size() // num_replicas
-        if num_replicas == 1:
-            return
         if reduce_output.numel() < compressor.min_numel:
             dist.all_reduce(reduce_output, group=replicas)
             reduce_output.mul_(scale)

@@ -142,6 +142,18 @@ class KeptResidual:
         if self._spare is not None and self._taken is not None and last_step_counted(stamps, self._taken + 1):
             self.kept, self._spare = self._spare, self.kept
 
+    def single_buffer(self, dtype):
+        """The residual as one buffer of ``dtype`` that steps update in place (no spare; FSDP2's lean Top-k):
+        converted once where it was made or loaded in another dtype."""
+        if self.kept.dtype != dtype:
+            self.kept = self.kept.to(dtype)
+        self._spare = None
+        return self.kept
+
+    def nbytes(self):
+        """Bytes its buffers hold (the spare's too, once a step made it)."""
+        return sum(t.numel() * t.element_size() for t in (self.kept, self._spare) if t is not None)
+
     def scale(self, factor):
         """Multiplies the residual by ``factor``: ``kept``, and where stamps decide, ``spare`` too, which may
         hold it."""

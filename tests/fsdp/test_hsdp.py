@@ -5,7 +5,8 @@ that differ), and the bytes between two network-namespace nodes."""
 import numpy as np
 import pytest
 
-from tests.reduce_scatter_reference import fsdp_rows, fsdp_shards, reduce_scatter_reference, stage, staged, unstage
+from tests.reduce_scatter_reference import (fsdp_rows, fsdp_shards, reduce_scatter_reference, stage, staged,
+                                           three_unit_model, unstage)
 from tests.two_stage_reference import allgather_reference, bounds
 from tests.two_stage_reference import reference as two_stage_reference
 
@@ -35,24 +36,7 @@ def _mesh(dist, replicas, shards):
 def _model(torch, mesh):
     """loss = sum_i <w_i, g_i>: the gradient of w_i is g_i. ``mesh``: what each module is sharded on."""
     from torch.distributed.fsdp import fully_shard
-
-    class Weights(torch.nn.Module):
-        def __init__(self, sizes):
-            super().__init__()
-            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
-
-        def forward(self, grads):
-            return sum((w * g).sum() for w, g in zip(self.w, grads))
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.small, self.b = (Weights(MODULES[n]) for n in ("fsdp.a", "fsdp.small", "fsdp.root"))
-
-        def forward(self, grads):
-            return self.a(grads["fsdp.a"]) + self.small(grads["fsdp.small"]) + self.b(grads["fsdp.root"])
-
-    model = Model()
+    model = three_unit_model(MODULES)
     for module in (model.a, model.small, model):
         fully_shard(module, mesh=mesh)
     return model

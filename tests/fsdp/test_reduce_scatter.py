@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.reduce_scatter_reference import (fsdp_rows, fsdp_shards, reduce_scatter_reference, stage, staged,
-                                           unstage)
+                                           three_unit_model, unstage, weights_module)
 
 SHARED_LAUNCHES = "torch.distributed"  # one launch per rank count and env with the group's modules (tests/multirank.py)
 
@@ -28,24 +28,7 @@ def _gradients(name, rank, step):
 def _model(torch, mp_policy=None, frozen=None):
     """loss = sum_i <w_i, g_i> over every module: the gradient of w_i is exactly g_i (rounded to the param dtype)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    class Weights(torch.nn.Module):
-        def __init__(self, sizes):
-            super().__init__()
-            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
-
-        def forward(self, grads):  # a None gradient: that parameter is left out of this step's loss
-            return sum((w * g.to(w.dtype)).sum() for w, g in zip(self.w, grads) if g is not None)
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.small, self.b = (Weights(MODULES[n]) for n in ("fsdp.a", "fsdp.small", "fsdp.root"))
-
-        def forward(self, grads):
-            return self.a(grads["fsdp.a"]) + self.small(grads["fsdp.small"]) + self.b(grads["fsdp.root"])
-
-    model = Model()
+    model = three_unit_model(MODULES)
     if frozen is not None:  # (module attribute, parameter index): trained by no one
         getattr(model, frozen[0]).w[frozen[1]].requires_grad_(False)
     policy = mp_policy or MixedPrecisionPolicy()
@@ -446,18 +429,10 @@ def test_a_unit_on_a_smaller_mesh_has_a_node_layout_of_its_own(num_ranks, dist_g
         rng = np.random.default_rng([r, step, len(name), sum(sizes[name])])
         return [rng.standard_normal(n).astype(np.float32) for n in sizes[name]]
 
-    class Weights(torch.nn.Module):
-        def __init__(self, numels):
-            super().__init__()
-            self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in numels])
-
-        def forward(self, grads):
-            return sum((w * g).sum() for w, g in zip(self.w, grads))
-
     class Model(torch.nn.Module):
         def __init__(self, order):
             super().__init__()
-            self.a, self.e, self.b = Weights(sizes["fsdp.a"]), Weights(sizes["fsdp.e"]), Weights(sizes["fsdp.root"])
+            self.a, self.e, self.b = (weights_module(sizes[n]) for n in ("fsdp.a", "fsdp.e", "fsdp.root"))
             self.order = order
 
         def forward(self, grads):  # the backward pass runs the units in the reverse order
