@@ -11,14 +11,16 @@ name says what runs:
 
 - ``adamw`` / ``adamw-<compressor>``: ``hvd.DistributedOptimizer`` around AdamW, every step's gradient
   averaged (``<compressor>`` a name of ``benchmarks/compressors.py``, e.g. ``adamw-qsgd-4bit``);
-- ``diloco-h<H>[-<compressor>][-lr<outer lr>][-m<outer momentum>][-w<warm-up steps>]``:
+- ``diloco-h<H>[-<compressor>][-lr<outer lr>][-m<outer momentum>][-w<warm-up steps>][-hier]``:
   :func:`horovod_qsgd.torch.DiLoCo` around AdamW, ``sync_every=H``, the outer exchange (and warm-up) through
-  the compressor (none: float32), the other settings at DiLoCo's defaults unless named;
+  the compressor (none: float32), the other settings at DiLoCo's defaults unless named (``-hier``:
+  ``hierarchical=True``, on nodes of several ranks);
 - ``@<lr>`` after any name: the inner learning rate (default ``--lr``), for the baseline's sweep.
 
-Every run ends with ``average_models()`` and a validation pass. Bytes: on nodelab's nodes (one rank per node)
-each rank reads its NIC's transmit counter before and after the run and the job sums them: every byte that
-crossed between nodes, Horovod's coordination included; ``payload_bytes`` sums what the compressors (or, for
+Every run ends with ``average_models()`` and a validation pass. Bytes: on nodelab's nodes each node's local
+rank 0 reads its NIC's transmit counter before and after the run and the job sums them: every byte that
+crossed between nodes, Horovod's coordination included (``in_node_bytes``, on nodes of several ranks: the
+loopback's); ``payload_bytes`` sums what the compressors (or, for
 float32, the tensors) contributed. Rank 0 writes ``<N>ranks.json`` under ``--out`` and prints the table:
 final validation loss against the baseline (paired over seeds, ± standard error) and bytes against it.
 """
@@ -40,7 +42,8 @@ from benchmarks.compressors import SPECS, build  # noqa: E402
 STEPS = 800
 WEIGHT_DECAY = 0.01
 NAME = re.compile(r"^(?P<kind>adamw|diloco-h(?P<h>\d+))(?:-(?!(?:lr|m|w)[0-9])(?P<codec>[a-z0-9%.-]+?))?"
-                  r"(?:-lr(?P<olr>[0-9.]+))?(?:-m(?P<mom>[0-9.]+))?(?:-w(?P<warm>\d+))?(?:@(?P<lr>[0-9.e-]+))?$")
+                  r"(?:-lr(?P<olr>[0-9.]+))?(?:-m(?P<mom>[0-9.]+))?(?:-w(?P<warm>\d+))?(?P<hier>-hier)?"
+                  r"(?:@(?P<lr>[0-9.e-]+))?$")
 
 
 def parse(name):
@@ -65,7 +68,8 @@ def train(hvd, compressors, name, corpus, seed, s, base_lr):
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression)
     else:
         extra = {k: cast(match[g]) for k, g, cast in (("outer_lr", "olr", float), ("outer_momentum", "mom", float),
-                                                       ("warmup_steps", "warm", int)) if match[g]}
+                                                       ("warmup_steps", "warm", int), ("hierarchical", "hier", bool))
+                 if match[g]}
         opt = DiLoCo(inner, model.named_parameters(), sync_every=int(match["h"]), compression=compression, **extra)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     numel = sum(p.numel() for p in model.parameters())
@@ -76,16 +80,19 @@ def train(hvd, compressors, name, corpus, seed, s, base_lr):
         if t + 1 == settings["steps"] and hasattr(opt, "average_models"):
             opt.average_models()  # before the last evaluation, which _train runs after this
 
-    nic_before = _nic_bytes()
+    nic_before = _node_bytes(hvd)
     record = lm_convergence._train(hvd, corpus, settings, seed, step, validation_sums, sum_over_ranks, finish)
-    nic = _nic_bytes() - nic_before if nic_before is not None else float("nan")
+    nic, in_node = np.subtract(_node_bytes(hvd), nic_before) if nic_before is not None else (float("nan"),) * 2
     if hasattr(opt, "compression_stats"):
         payload = opt.compression_stats()["bytes_sent"]
     elif hasattr(compression, "compression_stats"):
         payload = compression.compression_stats()["bytes_sent"]
     else:  # Horovod's float32 (or fp16) allreduce of every parameter, every step
         payload = settings["steps"] * numel * (2 if codec == "fp16" else 4)
-    record["wire_bytes"], record["payload_bytes"] = sum_over_ranks([nic, payload], f"lm.bytes.{name}.{seed}")
+    record["wire_bytes"], record["payload_bytes"], in_node = sum_over_ranks([nic, payload, in_node],
+                                                                            f"lm.bytes.{name}.{seed}")
+    if hvd.local_size() > 1:
+        record["in_node_bytes"] = in_node
     record["lr"] = lr
     if hasattr(opt, "average_models"):
         record["diloco"] = opt._diloco.settings()
@@ -100,9 +107,13 @@ def _commit():
     return head.stdout.strip() + ("+changes" if dirty else "")
 
 
-def _nic_bytes():
+def _node_bytes(hvd):
+    """(NIC, loopback) bytes this rank's node sent so far, counted on its local rank 0 (the others: 0), or None
+    off nodelab's nodes."""
     from benchmarks import nodelab
-    return nodelab.link_bytes()[0] if nodelab.on_a_node() else None
+    if not nodelab.on_a_node():
+        return None
+    return nodelab.link_bytes() if hvd.local_rank() == 0 else (0, 0)
 
 
 def run_study(args):

@@ -9,7 +9,7 @@ Nesterov step follows in numpy float32 operations.
 
 import numpy as np
 
-from tests.two_stage_reference import allgather_reference, bounds, gradient
+from tests.two_stage_reference import allgather_reference, bounds, gradient, node_aware_reference
 from tests.two_stage_reference import reference as two_stage_reference
 
 # 70,001 elements in all: the torch.distributed form's one flat tensor takes the two stages from 3 ranks
@@ -40,13 +40,26 @@ def local_steps(opt, module, rank, steps):
         opt.step()
 
 
+def node_average(rank, step, per_node):
+    """Hierarchical DiLoCo's in-node average of the gradients of ``rank``'s node: summed in local-rank order,
+    divided by the node's size (``horovod_qsgd.torch_shared.in_node``)."""
+    first = rank - rank % per_node
+    each = [grads(r, step) for r in range(first, first + per_node)]
+    total = {n: each[0][n].copy() for n in SIZES}
+    for g in each[1:]:
+        for n in SIZES:
+            total[n] += g[n]
+    return {n: total[n] / np.float32(per_node) for n in SIZES}
+
+
 class Reference:
     """Every rank's model through DiLoCo, in numpy. ``kind``: "none", "qsgd", "topk" (allgather; Top-k 5% with
-    error feedback), "qsgd-two-stage", "topk-two-stage"."""
+    error feedback), "qsgd-two-stage", "topk-two-stage"; with ``per_node`` (nodes of that many ranks) the
+    hierarchical form: each local step with the node's average gradient, the outer exchange node-aware."""
 
-    def __init__(self, kind, num_ranks, groups):
+    def __init__(self, kind, num_ranks, groups, per_node=None):
         from horovod_qsgd.codecs import QSGDCodec, TopKCodec
-        self.kind, self.num_ranks, self.groups = kind, num_ranks, groups
+        self.kind, self.num_ranks, self.groups, self.per_node = kind, num_ranks, groups, per_node
         self.codec = {"qsgd": QSGDCodec(bits=4), "topk": TopKCodec(ratio=0.05)}.get(kind.split("-")[0])
         self.unit = 512 if kind.startswith("qsgd") else 1
         self.anchor = {n: p.detach().numpy().copy() for n, p in model().named_parameters()}
@@ -59,7 +72,10 @@ class Reference:
         feedback = self.kind.startswith("topk")
         residuals = self.residuals.setdefault(key_name, [np.zeros(numel, np.float32)
                                                          for _ in range(self.num_ranks)]) if feedback else None
-        if self.kind.endswith("two-stage"):
+        if self.per_node is not None:
+            total = node_aware_reference(self.codec, self.codec, key_name, deltas, self.outer, self.unit,
+                                         self.per_node, residuals)
+        elif self.kind.endswith("two-stage"):
             owner = self.owner_residuals.setdefault(key_name, [np.zeros(e - b, np.float32) for b, e in
                                                                bounds(numel, self.num_ranks, self.unit)])
             total = two_stage_reference(self.codec, self.codec, key_name, deltas, self.outer, self.unit, residuals,
@@ -78,7 +94,7 @@ class Reference:
             for rank in range(self.num_ranks):
                 local = [self.anchor[n].copy() for n in names]
                 for step in steps:
-                    g = grads(rank, step)
+                    g = grads(rank, step) if self.per_node is None else node_average(rank, step, self.per_node)
                     local = [x - g[n] for x, n in zip(local, names)]
                 deltas.append(anchor - np.concatenate(local))
             if self.codec is None:

@@ -14,8 +14,10 @@ import horovod.torch as hvd
 import torch
 
 from horovod_qsgd.common.errors import CompressionMismatchError
+from horovod_qsgd.common.naming import HANDSHAKE_NAME
+from horovod_qsgd.common.node_aware import NODE_AWARE, NodeLayout
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
-from horovod_qsgd.torch_shared import local_sgd
+from horovod_qsgd.torch_shared import in_node, local_sgd
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, DiLoCoMixin, OuterLoop, check_arguments,
                                                manifest_digest, named_parameters_of, wrap_optimizer)
 
@@ -36,6 +38,16 @@ class HorovodDiLoCoMixin(DiLoCoMixin):
         stats["bytes_sent"] += 4 * counts["values_exchanged_in_full"]  # average_models(): float32
         return stats
 
+    def compression_stats(self, reset=False):
+        exchange = self._diloco_exchange
+        in_node_bytes = exchange.bytes_sent_in_node  # before a reset
+        stats = super().compression_stats(reset)
+        if exchange.hierarchical:
+            stats["bytes_sent_in_node"] = stats.get("bytes_sent_in_node", 0) + in_node_bytes
+        if reset:
+            exchange.bytes_sent_in_node = 0
+        return stats
+
     def _diloco_exchange_state(self):
         compressor = self._diloco_compression
         return compressor.state_dict() if hasattr(compressor, "state_dict") else None
@@ -51,8 +63,70 @@ def _exchange_settings(compression):
     return {"compression": type(compression).__name__, **compression.settings()}
 
 
+class _Exchange:
+    """:class:`OuterLoop`'s exchange over Horovod: ``hvd.grouped_allreduce`` through the compressor, named
+    ``<prefix>.<purpose>``; hierarchical, the in-node averages (:mod:`horovod_qsgd.torch_shared.in_node`) by
+    global alltoalls whose splits are zero outside the node (no process set to declare in ``hvd.init()``)."""
+
+    def __init__(self, compression, prefix, process_set, hierarchical):
+        self.compression, self.prefix, self.process_set = compression, prefix, process_set
+        self.hierarchical = hierarchical
+        self.nodes = None  # the NodeLayout, found at the handshake where hierarchical
+        self.bytes_sent_in_node = 0
+
+    def __call__(self, tensors, purpose):
+        if not tensors:
+            return []
+        if purpose == "node":
+            self.bytes_sent_in_node += in_node.bytes_sent(sum(t.numel() for t in tensors), self.nodes.local_size)
+            return in_node.average_in_node(tensors, self.nodes, self._in_node_alltoall, "DiLoCo(hierarchical=True)")
+        return hvd.grouped_allreduce(tensors, name=f"{self.prefix}.{purpose}", op=hvd.Average,
+                                     process_set=self.process_set,
+                                     compression=hvd.Compression.none if purpose == "models" else self.compression)
+
+    def _in_node_alltoall(self, send, splits, step):
+        return hvd.alltoall(send, splits=torch.tensor(splits, dtype=torch.int32), name=f"{self.prefix}.node.{step}")
+
+    def check(self, record, name):
+        """Refuses on every rank a record that differs between ranks; hierarchical, then finds the nodes."""
+        try:
+            check_settings_across_ranks("DiLoCo", record, f"{self.prefix}.{name}", self.process_set)
+        except CompressionMismatchError as exc:
+            raise CompressionMismatchError(f"{exc}\n{START_ALIKE}") from None
+        if self.hierarchical and self.nodes is None:
+            self.nodes = _find_nodes(self.prefix, self.process_set)
+
+
+def _node_aware(compression):
+    """The compressor whose exchange a hierarchical DiLoCo takes between nodes: ``compression`` with
+    ``exchange='node_aware'`` where it had ``'auto'`` (a new instance: the optimizer owns its state)."""
+    if isinstance(compression, type):  # Horovod's none / fp16: its allreduce, whose ring crosses each node once
+        return compression
+    exchange = getattr(compression, "exchange", None)
+    if exchange == NODE_AWARE:
+        return compression
+    if exchange != "auto":
+        raise ValueError(f"horovod_qsgd: DiLoCo(hierarchical=True) sends the outer exchange between nodes through "
+                         f"the node-aware exchange, but the compressor is {type(compression).__name__} with "
+                         f"exchange={exchange!r}; pass QSGD(...) or TopK(...) with exchange='auto' (the default) or "
+                         "'node_aware', or Horovod's Compression.none / fp16")
+    return type(compression)(**dict(compression.settings(), exchange=NODE_AWARE))
+
+
+def _find_nodes(prefix, process_set):
+    """The job's NodeLayout, alike on every rank, or ValueError on every rank naming why it has none."""
+    mine = torch.tensor([[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]])
+    records = hvd.allgather(mine, name=f"{HANDSHAKE_NAME}.{prefix}.nodes", process_set=process_set).tolist()
+    layout, why_not = NodeLayout.from_records(records, hvd.rank())
+    if layout is None:
+        raise ValueError(f"horovod_qsgd: DiLoCo(hierarchical=True) averages every step inside each node and "
+                         f"runs the outer exchange between nodes, so it needs several nodes of equal size, more "
+                         f"than one rank each, but this job: {why_not}; use hierarchical=False")
+    return layout
+
+
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Compression.none, outer_lr=0.7,
-           outer_momentum=0.5, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS,
+           outer_momentum=0.5, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False,
            process_set=hvd.global_process_set):
     r"""DiLoCo: local steps of ``optimizer`` and, every ``sync_every`` steps, an outer step on the averaged change.
 
@@ -102,6 +176,14 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
             costs as much as an outer step. Without them the language model's early local models drifted
             apart and ended 0.07-0.45 nats behind (whatever H, outer lr and momentum); 40 left +0.03, 80 none.
             Longer trainings of larger models warm up longer: set about the learning rate's warm-up or more.
+        hierarchical (bool): where several nodes of equal size hold more than one rank each: every local step
+            averages the gradients inside the node, exactly (float32, the same bits on each rank of the node,
+            over the fast link), so each node trains one model; only the warm-up's and the outer exchanges
+            cross between nodes, through the compressor's node-aware exchange (``exchange='auto'`` becomes
+            ``'node_aware'``): each node sends about one compressed model per outer step, whatever its number
+            of ranks. Default False: every rank trains its own copy. Each inner optimizer then sees the node's
+            batch, not a rank's: quality as DiLoCo with as many workers as nodes. Costs per local step: two
+            in-node alltoalls of the model's size in float32.
         process_set: the Horovod process set whose ranks train together (default global).
 
     Costs: two float32 copies of the model (anchor and outer momentum) beside the inner optimizer's state; per
@@ -123,6 +205,8 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
     refused, on every rank).
     """
     check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
+    if hierarchical and process_set is not hvd.global_process_set:
+        raise ValueError("horovod_qsgd: DiLoCo(hierarchical=True) takes the job's nodes: use the global process set")
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
     named = named_parameters_of(optimizer, named_parameters, "DiLoCo")
@@ -130,22 +214,12 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         raise ValueError("horovod_qsgd: DiLoCo: this rank is not in process_set")
     if compression is None:
         compression = hvd.Compression.none
+    if hierarchical:
+        compression = _node_aware(compression)
     prefix = f"{NAME_PREFIX}.{process_set.process_set_id}.{manifest_digest(named):08x}"
-
-    def exchange(tensors, purpose):
-        if not tensors:
-            return []
-        return hvd.grouped_allreduce(tensors, name=f"{prefix}.{purpose}", op=hvd.Average, process_set=process_set,
-                                     compression=hvd.Compression.none if purpose == "models" else compression)
-
-    def check(record, name):
-        try:
-            check_settings_across_ranks("DiLoCo", record, f"{prefix}.{name}", process_set)
-        except CompressionMismatchError as exc:
-            raise CompressionMismatchError(f"{exc}\n{START_ALIKE}") from None
-
-    loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, check,
-                     _exchange_settings(compression))
+    exchange = _Exchange(compression, prefix, process_set, hierarchical)
+    loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, exchange.check,
+                     _exchange_settings(compression), hierarchical)
     # _diloco_prefix: the exchange's collectives are named f"{prefix}.{purpose}.{index}"
     return wrap_optimizer(optimizer, HorovodDiLoCoMixin, _diloco=loop, _diloco_compression=compression,
-                          _diloco_prefix=prefix)
+                          _diloco_exchange=exchange, _diloco_prefix=prefix)

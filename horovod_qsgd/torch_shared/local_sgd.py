@@ -14,7 +14,9 @@ not) and take one outer step of Nesterov SGD on the anchor:
 
 The adapter gives this loop two callables: ``exchange(tensors, purpose)`` averages a list of float32 tensors
 over the ranks (``purpose`` is ``"outer"``, ``"gradients"`` or ``"models"``; the adapter names its collectives
-by it, and averages ``"models"``, the parameters themselves, in full precision whatever the compressor), and
+by it, and averages ``"models"``, the parameters themselves, in full precision whatever the compressor;
+``"node"``: over the ranks of this rank's node only, exactly, the same bits on each, where the loop is
+hierarchical), and
 ``check(record, name)`` refuses on every rank a record that differs between ranks. Everything
 the next step depends on (anchor, momentum, counters) is in :meth:`OuterLoop.state`.
 """
@@ -24,6 +26,7 @@ import zlib
 import torch
 
 STATE_FORMAT = 1
+SETTINGS_BEFORE_THEY_WERE_SAVED = {"hierarchical": False}  # a checkpoint of an older version did not name them
 # Synchronous steps before the first local one. Without them the byte-level language model of
 # benchmarks/results/diloco/ ended 0.07-0.45 nats behind per-step AdamW at 2 ranks (800 steps, H 8-32, its
 # early local models drifting apart on an edge-of-stability learning rate); with 40 still +0.033, with 80
@@ -90,11 +93,11 @@ class OuterLoop:
     """
 
     def __init__(self, named_parameters, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps,
-                 exchange, check, exchange_settings):
+                 exchange, check, exchange_settings, hierarchical=False):
         self.params = [p for _, p in named_parameters]
         self.manifest_digest = manifest_digest(named_parameters)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
-        self.nesterov, self.warmup_steps = bool(nesterov), warmup_steps
+        self.nesterov, self.warmup_steps, self.hierarchical = bool(nesterov), warmup_steps, bool(hierarchical)
         self.exchange, self.check, self.exchange_settings = exchange, check, exchange_settings
         self.steps = 0              # step() calls, skipped ones included: the ranks advance it together
         self.outer_steps = 0        # outer steps taken (or skipped as non-finite)
@@ -103,12 +106,12 @@ class OuterLoop:
         self.verified = False
         self.counts = dict.fromkeys(("inner_steps", "inner_steps_skipped", "warmup_steps", "outer_steps",
                                      "outer_steps_skipped", "models_averaged", "values_exchanged",
-                                     "values_exchanged_in_full"), 0)
+                                     "values_exchanged_in_full", "values_averaged_in_node"), 0)
 
     # -- settings -----------------------------------------------------------------------------
     def settings(self):
         return {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                "nesterov": self.nesterov, "warmup_steps": self.warmup_steps,
+                "nesterov": self.nesterov, "warmup_steps": self.warmup_steps, "hierarchical": self.hierarchical,
                 "model": f"{len(self.params)} tensors, digest {self.manifest_digest:08x}",
                 "exchange": self.exchange_settings}
 
@@ -136,6 +139,22 @@ class OuterLoop:
         with torch.no_grad():
             for p, a in zip(with_grad, averaged):
                 p.grad.copy_(a.view_as(p.grad))
+        return _all_finite(averaged)
+
+    def average_in_node(self):
+        """A local step of a hierarchical loop: every parameter's gradient (zeros where it has none, as
+        ``hvd.DistributedOptimizer`` sends them) replaced by its exact average over the node's ranks, so that
+        they stay one model. Returns whether every average is finite (alike on the node's ranks)."""
+        grads = [p.grad.detach().float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+                 for p in self.params]
+        averaged = self.exchange(grads, "node")
+        self.counts["values_averaged_in_node"] += sum(a.numel() for a in averaged)
+        with torch.no_grad():
+            for p, a in zip(self.params, averaged):
+                if p.grad is None:
+                    p.grad = a.view_as(p).to(p.dtype)
+                else:
+                    p.grad.copy_(a.view_as(p.grad))
         return _all_finite(averaged)
 
     def before_local_step(self):
@@ -215,7 +234,8 @@ class OuterLoop:
             raise ValueError("horovod_qsgd: DiLoCo: the checkpoint's 'diloco' entry is not a DiLoCo state of this "
                              f"version (format {STATE_FORMAT}); save it with this version's state_dict()")
         mine = self.settings()
-        differ = {k: (state["settings"].get(k), v) for k, v in mine.items() if state["settings"].get(k) != v}
+        saved = dict(SETTINGS_BEFORE_THEY_WERE_SAVED, **state["settings"])
+        differ = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
         if differ:
             raise ValueError("horovod_qsgd: DiLoCo: the checkpoint was saved with other settings: " + ", ".join(
                 f"{k}={saved!r} there, {now!r} here" for k, (saved, now) in differ.items()) +
@@ -258,7 +278,10 @@ class DiLoCoMixin:
             take = loop.average_gradients()  # non-finite on one rank: non-finite on every rank
         else:
             loop.before_local_step()
-            take = found_inf is None or not bool(found_inf.item())
+            if loop.hierarchical:  # a rank's overflow is in its node's average: the node skips together
+                take = loop.average_in_node()
+            else:
+                take = found_inf is None or not bool(found_inf.item())
         if take:
             if grad_scale is not None or found_inf is not None:
                 self.grad_scale = self.found_inf = None  # handled here; torch's own optimizers refuse them
@@ -293,7 +316,8 @@ class DiLoCoMixin:
         synchronous ones), ``outer_steps`` / ``outer_steps_skipped`` (a non-finite average: the interval's
         local progress dropped on every rank), ``models_averaged`` (:meth:`average_models` calls that sent),
         ``values_exchanged``: float32 values averaged (gradients, pseudo-gradients, models; of those
-        ``values_exchanged_in_full`` by :meth:`average_models`, never compressed);
+        ``values_exchanged_in_full`` by :meth:`average_models`, never compressed), ``values_averaged_in_node``
+        (hierarchical: every local step's gradients, inside the node);
         ``bytes_uncompressed``: 4 bytes each. The compressor's own counters (``bytes_sent``,
         ``compression_ratio``, ...) come with them where it keeps any; without compression ``bytes_sent``
         is ``bytes_uncompressed``.

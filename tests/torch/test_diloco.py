@@ -10,7 +10,7 @@ import copy
 import numpy as np
 import pytest
 
-from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, grads as _grads
+from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, grads as _grads, node_average
 from tests.diloco_reference import local_steps as _local_steps
 from tests.diloco_reference import model as _model
 
@@ -211,6 +211,67 @@ def test_warmup_steps_average_the_gradients_and_count_their_bytes(hvd_torch):
     assert stats["bytes_sent"] == 4 * 4 * sum(SIZES.values())  # 3 gradients and 1 pseudo-gradient, float32
 
 
+@pytest.mark.ranks(4, timeout=300, launcher="nodes:2x2")
+def test_hierarchical_averages_every_step_in_the_node_and_the_outer_step_between_nodes(hvd_torch):
+    """hierarchical=True on two namespace nodes of two ranks: after a local step both ranks of a node hold the
+    bits of the node's average step (and the nodes differ); each outer step is bitwise the node-aware exchange
+    of the nodes' pseudo-gradients from the codecs alone (QSGD-4 and Top-k 5% given with exchange='auto', its
+    residuals kept across outer steps; float32 within its rounding); the in-node bytes as the formula."""
+    import torch
+    from horovod_qsgd.torch import QSGD, TopK
+    from horovod_qsgd.torch_shared import in_node
+    hvd, n, per_node = hvd_torch, 4, 2
+    assert (hvd.local_size(), hvd.cross_size()) == (per_node, 2)
+    total = sum(SIZES.values())
+    for kind, compressor in (("none", hvd.Compression.none), ("qsgd", QSGD(bits=4, min_numel=0)),
+                             ("topk", TopK(ratio=0.05, min_numel=0))):
+        model = _model()
+        opt = _diloco(model, compressor, sync_every=3, hierarchical=True)
+        groups = [(f"{opt._diloco_prefix}.outer.{i}", [name]) for i, name in enumerate(SIZES)]
+        reference = Reference(kind, n, groups, per_node=per_node)
+        for outer, steps in enumerate(([0, 1, 2], [3, 4, 5])):
+            anchor = np.concatenate([getattr(model, name).detach().numpy().copy() for name in SIZES])
+            _local_steps(opt, model, hvd.rank(), steps[:1])
+            everyone = _gathered(hvd, model, f"h.{kind}.{outer}.local")
+            for node in range(2):
+                first = node * per_node
+                step = node_average(first, steps[0], per_node)
+                want = anchor - np.concatenate([step[name] for name in SIZES])
+                assert all(np.array_equal(everyone[r].numpy(), want) for r in (first, first + 1)), (kind, node)
+            assert not torch.equal(everyone[0], everyone[per_node])
+            _local_steps(opt, model, hvd.rank(), steps[1:])
+            want = reference.outer_step(steps)
+            everyone = _gathered(hvd, model, f"h.{kind}.{outer}")
+            assert all(torch.equal(everyone[0], everyone[r]) for r in range(n)), kind
+            if kind == "none":
+                np.testing.assert_allclose(everyone[0].numpy(), want, rtol=0, atol=1e-5)
+            else:
+                assert np.array_equal(everyone[0].numpy(), want), (kind, outer, np.abs(everyone[0].numpy() - want).max())
+        stats = opt.compression_stats()
+        assert stats["values_averaged_in_node"] == 6 * total and stats["outer_steps"] == 2
+        ours = 6 * in_node.bytes_sent(total, per_node)
+        assert ours == 6 * 2 * 4 * -(-total // 2)
+        if kind == "none":
+            assert stats["bytes_sent_in_node"] == ours
+        else:  # and the node-aware exchange's own full-precision step inside the node
+            assert stats["bytes_sent_in_node"] > ours and opt._diloco_compression.exchange == "node_aware"
+            assert compressor.exchange == "auto"  # the caller's instance is left as given
+
+
+@pytest.mark.ranks(2)
+def test_hierarchical_on_one_node_is_refused_on_every_rank(hvd_torch):
+    import torch
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    model = _model()
+    start = model.a.detach().clone()
+    opt = _diloco(model, QSGD(bits=4, min_numel=0), sync_every=2, hierarchical=True)
+    with pytest.raises(ValueError, match=r"several nodes of equal size(.|\n)*it has 1 node\(s\) of 2 rank\(s\); "
+                                         r"use hierarchical=False"):
+        _local_steps(opt, model, hvd.rank(), [0])
+    assert torch.equal(model.a, start)
+
+
 def test_bad_arguments_name_the_fix():
     import torch
     from horovod_qsgd.torch import DiLoCo
@@ -224,3 +285,6 @@ def test_bad_arguments_name_the_fix():
             DiLoCo(inner, model.named_parameters(), **kwargs)
     with pytest.raises(ValueError, match="1 of the optimizer's parameters are not in named_parameters"):
         DiLoCo(inner, [("a", model.a)])
+    from horovod_qsgd.torch import QSGD
+    with pytest.raises(ValueError, match=r"hierarchical=True(.|\n)*exchange='allgather'; pass QSGD\(...\) or TopK"):
+        DiLoCo(inner, model.named_parameters(), compression=QSGD(bits=4, exchange="allgather"), hierarchical=True)
