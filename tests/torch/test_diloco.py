@@ -216,7 +216,8 @@ def test_hierarchical_averages_every_step_in_the_node_and_the_outer_step_between
     """hierarchical=True on two namespace nodes of two ranks: after a local step both ranks of a node hold the
     bits of the node's average step (and the nodes differ); each outer step is bitwise the node-aware exchange
     of the nodes' pseudo-gradients from the codecs alone (QSGD-4 and Top-k 5% given with exchange='auto', its
-    residuals kept across outer steps; float32 within its rounding); the in-node bytes as the formula."""
+    residuals kept across outer steps; float32 within its rounding); the in-node bytes as the formula; an
+    overflow on one rank skips the step on both ranks of its node, which still reach the outer step."""
     import torch
     from horovod_qsgd.torch import QSGD, TopK
     from horovod_qsgd.torch_shared import in_node
@@ -256,6 +257,23 @@ def test_hierarchical_averages_every_step_in_the_node_and_the_outer_step_between
         else:  # and the node-aware exchange's own full-precision step inside the node
             assert stats["bytes_sent_in_node"] > ours and opt._diloco_compression.exchange == "node_aware"
             assert compressor.exchange == "auto"  # the caller's instance is left as given
+
+    # an overflow on the last rank: its node's average is not finite, so both its ranks skip the step together
+    model = _model()
+    opt = _diloco(model, hvd.Compression.none, sync_every=2, hierarchical=True)
+    start = np.concatenate([getattr(model, name).detach().numpy().copy() for name in SIZES])
+    for name, g in _grads(hvd.rank(), 0).items():
+        if hvd.rank() == n - 1:
+            g[7] = np.inf
+        getattr(model, name).grad = torch.from_numpy(g.copy())
+    opt.step()
+    everyone = _gathered(hvd, model, "h.overflow")
+    assert all(np.array_equal(everyone[r].numpy(), start) for r in (2, 3))
+    assert torch.equal(everyone[0], everyone[1]) and not np.array_equal(everyone[0].numpy(), start)
+    assert opt.compression_stats()["inner_steps_skipped"] == (1 if hvd.rank() >= per_node else 0)
+    _local_steps(opt, model, hvd.rank(), [1])  # the outer step: every rank reaches it at its second step
+    everyone = _gathered(hvd, model, "h.overflow.outer")
+    assert opt.outer_steps == 1 and all(torch.equal(everyone[0], everyone[r]) for r in range(n))
 
 
 @pytest.mark.ranks(2)
