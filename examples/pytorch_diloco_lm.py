@@ -22,6 +22,8 @@ Choosing the settings
 * ``outer_lr`` / ``outer_momentum``: 0.7 / 0.5 by default; raise the momentum only with many outer steps.
 * ``warmup_steps`` (default 80): synchronous steps first, each costing an outer step's bytes; without them
   the copies drift apart early and the model ends far behind.
+* ``hierarchical=True`` (``--hierarchical``) on nodes of several ranks each: the ranks of a node average every
+  step and stay one model; only the outer exchange crosses between nodes (``docs/local-steps.md``).
 
 The text is the interpreter's own standard library source (no download).
 """
@@ -77,6 +79,8 @@ def main():
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--per-step", action="store_true", help="hvd.DistributedOptimizer instead (uncompressed)")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--hierarchical", action="store_true",
+                        help="nodes of several ranks: average every step inside the node, DiLoCo between nodes")
     args = parser.parse_args()
 
     hvd.init()
@@ -88,7 +92,7 @@ def main():
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = DiLoCo(optimizer, model.named_parameters(), sync_every=args.sync_every,
-                           compression=QSGD(bits=4))
+                           compression=QSGD(bits=4), hierarchical=args.hierarchical)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps,
                                                    pct_start=0.05)

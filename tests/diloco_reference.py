@@ -40,6 +40,17 @@ def local_steps(opt, module, rank, steps):
         opt.step()
 
 
+def assert_every_rank_holds(everyone, want, kind, label):
+    """Every row of ``everyone`` (the ranks' models, gathered) the same tensor, and ``want``: bitwise, or for
+    float32 (``kind`` "none", whose average sums in the collective's own order) within its rounding."""
+    import torch
+    assert all(torch.equal(everyone[0], row) for row in everyone), label
+    if kind == "none":
+        np.testing.assert_allclose(everyone[0].numpy(), want, rtol=0, atol=1e-5)
+    else:
+        assert np.array_equal(everyone[0].numpy(), want), (label, np.abs(everyone[0].numpy() - want).max())
+
+
 def node_average(rank, step, per_node):
     """Hierarchical DiLoCo's in-node average of the gradients of ``rank``'s node: summed in local-rank order,
     divided by the node's size (``horovod_qsgd.torch_shared.in_node``)."""
@@ -55,11 +66,14 @@ def node_average(rank, step, per_node):
 class Reference:
     """Every rank's model through DiLoCo, in numpy. ``kind``: "none", "qsgd", "topk" (allgather; Top-k 5% with
     error feedback), "qsgd-two-stage", "topk-two-stage"; with ``per_node`` (nodes of that many ranks) the
-    hierarchical form: each local step with the node's average gradient, the outer exchange node-aware."""
+    hierarchical form: each local step with the node's average gradient, the outer exchange node-aware (Horovod)
+    or, with ``node_shards``, shard j of the node's pseudo-gradient exchanged among the nodes by their local
+    ranks j (torch.distributed)."""
 
-    def __init__(self, kind, num_ranks, groups, per_node=None):
+    def __init__(self, kind, num_ranks, groups, per_node=None, node_shards=False):
         from horovod_qsgd.codecs import QSGDCodec, TopKCodec
         self.kind, self.num_ranks, self.groups, self.per_node = kind, num_ranks, groups, per_node
+        self.node_shards = node_shards
         self.codec = {"qsgd": QSGDCodec(bits=4), "topk": TopKCodec(ratio=0.05)}.get(kind.split("-")[0])
         self.unit = 512 if kind.startswith("qsgd") else 1
         self.anchor = {n: p.detach().numpy().copy() for n, p in model().named_parameters()}
@@ -70,6 +84,8 @@ class Reference:
     def _average(self, key_name, deltas):
         numel = deltas[0].size
         feedback = self.kind.startswith("topk")
+        if self.node_shards:
+            return self._average_node_shards(key_name, deltas[::self.per_node], feedback)
         residuals = self.residuals.setdefault(key_name, [np.zeros(numel, np.float32)
                                                          for _ in range(self.num_ranks)]) if feedback else None
         if self.per_node is not None:
@@ -83,6 +99,20 @@ class Reference:
         else:
             total = allgather_reference(self.codec, key_name, deltas, self.outer, residuals)
         return total * np.float32(1.0 / self.num_ranks)
+
+    def _average_node_shards(self, key_name, node_deltas, feedback):
+        numel, nodes, local_size = node_deltas[0].size, len(node_deltas), self.per_node
+        shard = -(-numel // (local_size * self.unit)) * self.unit
+        padded = [np.concatenate([d, np.zeros(local_size * shard - numel, np.float32)]) for d in node_deltas]
+        total = np.zeros(local_size * shard, np.float32)
+        for j in range(local_size):
+            name = f"{key_name}.shard{j}"
+            residuals = self.residuals.setdefault(name, [np.zeros(shard, np.float32) for _ in range(nodes)]) \
+                if feedback else None
+            parts = [p[j * shard:(j + 1) * shard] for p in padded]
+            total[j * shard:(j + 1) * shard] = allgather_reference(self.codec, name, parts, self.outer, residuals) \
+                * np.float32(1.0 / nodes)
+        return total[:numel]
 
     def outer_step(self, steps):
         """The models (concatenated in SIZES' order) after the local steps ``steps`` on every rank and one outer

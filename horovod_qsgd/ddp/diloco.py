@@ -14,12 +14,14 @@ defaults and the costs: :func:`horovod_qsgd.torch.diloco.DiLoCo`.
 import torch
 import torch.distributed as dist
 
+from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.collectives import drive
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.handshake import check_settings, settings_record
 from horovod_qsgd.ddp.hooks import _PayloadState
 from horovod_qsgd.torch_shared.arrays import as_array
-from horovod_qsgd.torch_shared.distributed import DistributedTransport
+from horovod_qsgd.torch_shared import in_node, local_sgd
+from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, all_gather_single
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, START_ALIKE, DiLoCoMixin, OuterLoop,
                                                check_arguments, named_parameters_of, wrap_optimizer)
 
@@ -32,26 +34,65 @@ class _Exchange:
     payloads of ``compression`` (a :class:`~horovod_qsgd.ddp.QSGDState` or :class:`~horovod_qsgd.ddp.TopKState`:
     its codecs, exchange setting and statistics) with residuals of its own, per purpose."""
 
-    def __init__(self, compression, group):
-        self.compression, self.group = compression, group
+    def __init__(self, compression, group, hierarchical=False):
+        self.compression, self.group, self.hierarchical = compression, group, hierarchical
         self.steps = {}      # purpose -> exchanges so far (the codecs' random streams)
         self.residuals = {}  # purpose -> [sender residual, owner residual or None] (error feedback)
         self.full_precision_bytes = 0
+        self.nodes = None    # DistributedNodes, found at the handshake where hierarchical
+        self.bytes_sent_in_node = 0
 
     def __call__(self, tensors, purpose):
         if not tensors:
             return []
+        if purpose == "node":
+            self.bytes_sent_in_node += in_node.bytes_sent(sum(t.numel() for t in tensors), self.nodes.local_size)
+            return in_node.average_in_node(tensors, self.nodes.local_size, self._in_node_alltoall)
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        if self.compression is None or purpose == "models":
+        if purpose == "models":
             dist.all_reduce(flat, group=self.group)
             flat.div_(self.group.size())
             self.full_precision_bytes += 4 * flat.numel()
+        elif self.hierarchical:
+            flat = self._between_nodes(flat, purpose)
+        elif self.compression is None:
+            flat = self._full_precision(flat, self.group)
         else:
-            flat = self._compressed(flat, purpose)
+            flat = self._compressed(flat, purpose, self.group)
         return [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
 
-    def _compressed(self, flat, purpose):
-        state, group = self.compression, self.group
+    def _full_precision(self, flat, group):
+        dist.all_reduce(flat, group=group)
+        self.full_precision_bytes += 4 * flat.numel()
+        return flat.div_(group.size())
+
+    def _in_node_alltoall(self, send, shard, step):
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.nodes.local)
+        return received
+
+    def _between_nodes(self, flat, purpose):
+        """Hierarchical: the average over the nodes of the node's (exact) average, local rank j exchanging
+        shard j among the nodes (compressed), then the shards gathered in the node in float32."""
+        nodes = self.nodes
+        if purpose == "gradients":  # a warm-up step: each rank's own gradient, averaged in the node first
+            flat = in_node.average_in_node([flat], nodes.local_size, self._in_node_alltoall)[0]
+        numel = flat.numel()
+        shard = shard_numel(numel, nodes.local_size, 1 if self.compression is None else
+                            chunk_unit(self.compression.codec))
+        padded = torch.zeros(nodes.local_size * shard, dtype=torch.float32, device=flat.device)
+        padded[:numel] = flat
+        mine = padded[nodes.local_rank * shard:(nodes.local_rank + 1) * shard].clone()
+        if self.compression is None:
+            mine = self._full_precision(mine, nodes.cross)
+        else:
+            mine = self._compressed(mine, f"{purpose}.shard{nodes.local_rank}", nodes.cross)
+        all_gather_single(padded, mine, group=nodes.local)
+        self.bytes_sent_in_node += 4 * shard * (nodes.local_size - 1)
+        return padded[:numel]
+
+    def _compressed(self, flat, purpose, group):
+        state = self.compression
         num_ranks, rank = group.size(), group.rank()
         step = self.steps.get(purpose, 0)
         plan = state.engine.plan(f"diloco.{purpose}", flat.numel(), num_ranks, rank, 4 * flat.numel(), 0)
@@ -95,8 +136,10 @@ class DistributedDiLoCoMixin(DiLoCoMixin):
             stats.update({k: v for k, v in own.items() if k not in ("bytes_uncompressed", "compression_ratio",
                                                                    "bytes_sent")})
             stats["bytes_sent"] += own["bytes_sent"]
+        if exchange.hierarchical:
+            stats["bytes_sent_in_node"] = exchange.bytes_sent_in_node
         if reset:
-            exchange.full_precision_bytes = 0
+            exchange.full_precision_bytes = exchange.bytes_sent_in_node = 0
         return stats
 
     def _diloco_exchange_state(self):
@@ -107,7 +150,7 @@ class DistributedDiLoCoMixin(DiLoCoMixin):
 
 
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=0.7, outer_momentum=0.5,
-           nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, process_group=None):
+           nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False, process_group=None):
     r"""DiLoCo over ``torch.distributed``: :func:`horovod_qsgd.torch.diloco.DiLoCo`'s algorithm, defaults and
     methods (``average_models()``, ``compression_stats()``, ``state_dict()``), without Horovod.
 
@@ -121,7 +164,14 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
         outer_lr (float): default 0.7. outer_momentum (float): default 0.5. nesterov (bool): default True.
         warmup_steps (int): synchronous steps first, their gradients averaged through the same exchange
             (default 80; why: :func:`horovod_qsgd.torch.diloco.DiLoCo`).
-        process_group: the group whose ranks train together (default: the default group).
+        hierarchical (bool): on several nodes of equal size (torchrun's ``GROUP_RANK``, else the host name),
+            more than one rank each: every local step averages the gradients in the node, exactly (the same
+            bits on each of its ranks), and the warm-up's and outer exchanges cross between nodes only, local
+            rank j sending shard j of the node's average among the nodes (compressed) and the node gathering
+            the shards in float32: each node sends one compressed model per outer step. Default False. What
+            it costs and when to use it: :func:`horovod_qsgd.torch.diloco.DiLoCo`.
+        process_group: the group whose ranks train together (default: the default group; hierarchical: the
+            default group only).
     """
     check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
     if isinstance(named_parameters, torch.nn.Module):
@@ -134,8 +184,10 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
     if not dist.is_initialized():
         raise RuntimeError("horovod_qsgd: DiLoCo (torch.distributed) needs torch.distributed.init_process_group() "
                            "first (torchrun sets its environment)")
+    if hierarchical and process_group is not None:
+        raise ValueError("horovod_qsgd: DiLoCo(hierarchical=True) takes the job's nodes: leave process_group=None")
     group = process_group if process_group is not None else dist.group.WORLD
-    exchange = _Exchange(compression, group)
+    exchange = _Exchange(compression, group, hierarchical)
 
     def check(record, name):
         records = [None] * group.size()
@@ -144,8 +196,11 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
             check_settings(records)
         except CompressionMismatchError as exc:
             raise CompressionMismatchError(f"{exc}\n{START_ALIKE_HERE}") from None
+        if hierarchical and exchange.nodes is None:
+            exchange.nodes = DistributedNodes.of_this_job(group, None, refuse=local_sgd.needs_nodes)
 
     settings = {"compression": None} if compression is None else {"compression": type(compression).__name__,
                                                                   **compression.settings()}
-    loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, check, settings)
+    loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, check, settings,
+                     hierarchical)
     return wrap_optimizer(optimizer, DistributedDiLoCoMixin, _diloco=loop, _diloco_exchange=exchange)

@@ -79,13 +79,17 @@ class _Exchange:
             return []
         if purpose == "node":
             self.bytes_sent_in_node += in_node.bytes_sent(sum(t.numel() for t in tensors), self.nodes.local_size)
-            return in_node.average_in_node(tensors, self.nodes, self._in_node_alltoall, "DiLoCo(hierarchical=True)")
+            return in_node.average_in_node(tensors, self.nodes.local_size, self._in_node_alltoall)
         return hvd.grouped_allreduce(tensors, name=f"{self.prefix}.{purpose}", op=hvd.Average,
                                      process_set=self.process_set,
                                      compression=hvd.Compression.none if purpose == "models" else self.compression)
 
-    def _in_node_alltoall(self, send, splits, step):
-        return hvd.alltoall(send, splits=torch.tensor(splits, dtype=torch.int32), name=f"{self.prefix}.node.{step}")
+    def _in_node_alltoall(self, send, shard, step):
+        splits = self.nodes.in_node_splits(shard)
+        received, received_splits = hvd.alltoall(send, splits=torch.tensor(splits, dtype=torch.int32),
+                                                 name=f"{self.prefix}.node.{step}")
+        in_node.check_received(self.nodes, received_splits.tolist(), shard, "DiLoCo(hierarchical=True)")
+        return received
 
     def check(self, record, name):
         """Refuses on every rank a record that differs between ranks; hierarchical, then finds the nodes."""
@@ -119,9 +123,7 @@ def _find_nodes(prefix, process_set):
     records = hvd.allgather(mine, name=f"{HANDSHAKE_NAME}.{prefix}.nodes", process_set=process_set).tolist()
     layout, why_not = NodeLayout.from_records(records, hvd.rank())
     if layout is None:
-        raise ValueError(f"horovod_qsgd: DiLoCo(hierarchical=True) averages every step inside each node and "
-                         f"runs the outer exchange between nodes, so it needs several nodes of equal size, more "
-                         f"than one rank each, but this job: {why_not}; use hierarchical=False")
+        raise local_sgd.needs_nodes(why_not)
     return layout
 
 

@@ -79,10 +79,11 @@ class DistributedNodes(NodeLayout):
                 self.cross = group
 
     @classmethod
-    def of_this_job(cls, group, process_group, quiet=False):
+    def of_this_job(cls, group, process_group, quiet=False, refuse=None):
         """The layout from torchrun's ``GROUP_RANK`` (else the host name), alike on every rank; None (flat
         exchange, with a warning on every rank unless ``quiet``: ``"auto"`` asked for no layout in
-        particular) where nodes differ in size or there is one node or one rank per node."""
+        particular) where nodes differ in size or there is one node or one rank per node; there instead, where
+        given, raises ``refuse(why_not)`` on every rank."""
         if process_group is not None:
             raise ValueError("horovod_qsgd: exchange='node_aware' needs the default process group "
                              "(process_group=None)")
@@ -94,6 +95,8 @@ class DistributedNodes(NodeLayout):
         members = list(members.values())
         why_not = node_blind_reason(sorted({len(m) for m in members}), len(members))
         if why_not is not None:
+            if refuse is not None:
+                raise refuse(why_not)
             if not quiet:
                 warn_node_blind(why_not)
             return None

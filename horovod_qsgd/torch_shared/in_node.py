@@ -11,42 +11,46 @@ same on every rank. So the sum is made here, in local-rank order, once per shard
 3. every rank concatenates the L sums and divides by L.
 
 Each rank sends ``2 (L - 1) / L`` of the tensors' float32 bytes inside the node, as a ring allreduce does,
-and nothing between nodes. The collectives are the adapter's ``alltoall(send, splits, step)`` (Horovod's
-global alltoall whose splits are zero outside the node; torch.distributed's ``all_to_all_single``).
+and nothing between nodes. The collectives are the adapter's (Horovod's global alltoall whose splits are zero
+outside the node; torch.distributed's ``all_to_all_single`` in the node's group).
 """
 import torch
 
 from horovod_qsgd.common.errors import CompressionMismatchError
 
 
-def average_in_node(tensors, layout, alltoall, label):
-    """``tensors`` (float32) averaged over the ranks of ``layout``'s node (a
-    :class:`~horovod_qsgd.common.node_aware.NodeLayout`), the same bits on each; ``alltoall(send, splits,
-    step)`` returns (received, received_splits) for ``step`` "scatter" then "gather". A rank of the node whose
-    tensors hold another number of elements is refused, on every rank of the node, naming ``label``."""
+def average_in_node(tensors, local_size, alltoall):
+    """``tensors`` (float32) averaged over the ``local_size`` ranks of this rank's node, the same bits on each.
+
+    ``alltoall(send, shard, step)`` sends ``send``'s j-th ``shard`` elements to local rank j and returns what
+    the node's ranks sent this rank, in local-rank order (``step``: "scatter", then "gather", for its name).
+    """
     if not tensors:
         return []
-    local_size = layout.local_size
     flat = torch.cat([t.reshape(-1) for t in tensors])
     numel = flat.numel()
     shard = -(-numel // local_size)
     padded = torch.zeros(local_size * shard, dtype=torch.float32, device=flat.device)
     padded[:numel] = flat
-    expected = layout.in_node_splits(shard)
-    received, received_splits = alltoall(padded, expected, "scatter")
-    received_splits = [int(s) for s in received_splits]
-    if received_splits != expected:  # every rank of the node sees every other's count: all refuse
-        differ = [r for r in layout.local_ranks() if received_splits[r] != shard]
-        raise CompressionMismatchError(
-            f"horovod_qsgd: {label}: rank(s) {differ} of this node averaged another number of elements "
-            f"({[received_splits[r] * local_size for r in differ]}, padded) than this rank ({local_size * shard}): "
-            "every rank of a node must step the same model with gradients for the same parameters")
+    received = alltoall(padded, shard, "scatter")
     node_sum = received[:shard].clone()
     for j in range(1, local_size):
         node_sum += received[j * shard:(j + 1) * shard]
-    gathered, _ = alltoall(node_sum.repeat(local_size), expected, "gather")
+    gathered = alltoall(node_sum.repeat(local_size), shard, "gather")
     averaged = gathered[:numel].div_(local_size)
     return [part.view_as(t) for part, t in zip(torch.split(averaged, [t.numel() for t in tensors]), tensors)]
+
+
+def check_received(layout, received_splits, shard, label):
+    """CompressionMismatchError unless every rank of ``layout``'s node sent ``shard`` elements (a global
+    alltoall's ``received_splits``): each rank of the node sees every other's count, so every one refuses."""
+    received_splits = [int(s) for s in received_splits]
+    if received_splits != layout.in_node_splits(shard):
+        differ = [r for r in layout.local_ranks() if received_splits[r] != shard]
+        raise CompressionMismatchError(
+            f"horovod_qsgd: {label}: rank(s) {differ} of this node averaged another number of elements "
+            f"({[received_splits[r] * layout.local_size for r in differ]}, padded) than this rank "
+            f"({layout.local_size * shard}): every rank of a node must step the same model")
 
 
 def bytes_sent(numel, local_size):

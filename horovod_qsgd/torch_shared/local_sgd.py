@@ -32,6 +32,13 @@ SETTINGS_BEFORE_THEY_WERE_SAVED = {"hierarchical": False}  # a checkpoint of an 
 # early local models drifting apart on an edge-of-stability learning rate); with 40 still +0.033, with 80
 # within 0.01. Longer trainings of larger models warm up longer (DiLoCo's paper: from a pretrained model).
 DEFAULT_WARMUP_STEPS = 80
+def needs_nodes(why_not):
+    """The ValueError of hierarchical=True in a job without usable nodes (``why_not``), raised on every rank."""
+    return ValueError("horovod_qsgd: DiLoCo(hierarchical=True) averages every step inside each node and runs the "
+                      "outer exchange between nodes, so it needs several nodes of equal size, more than one rank "
+                      f"each, but this job: {why_not}; use hierarchical=False")
+
+
 START_ALIKE = ("DiLoCo: every rank must also start from the same model ({broadcast} before the first step) and, "
                "when resuming, load its own checkpoint of the same step.")
 

@@ -6,7 +6,8 @@ import copy
 import numpy as np
 import pytest
 
-from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, local_steps, model
+from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, assert_every_rank_holds, local_steps
+from tests.diloco_reference import model, node_average
 
 SHARED_LAUNCHES = "torch.distributed"  # one launch per rank count and env (tests/multirank.py)
 RANKS_234 = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=170, launcher="torchrun")) for n in (2, 3, 4)]
@@ -31,7 +32,6 @@ def _diloco(module, compression, inner=None, **kwargs):
 
 @pytest.mark.parametrize("n", RANKS_234)
 def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(dist_gloo, n):
-    import torch
     from horovod_qsgd.ddp import QSGDState, TopKState
     dist = dist_gloo
     two_stage = "-two-stage" if n > 2 else ""  # "auto": the allgather at 2 ranks, two stages from 3 (70,001 values)
@@ -44,11 +44,7 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(dist_gloo, n
             local_steps(opt, module, dist.get_rank(), steps)
             want = reference.outer_step(steps)
             everyone = _gathered(dist, module)
-            assert all(torch.equal(everyone[0], everyone[r]) for r in range(n)), kind
-            if kind == "none":
-                np.testing.assert_allclose(everyone[0].numpy(), want, rtol=0, atol=1e-5)
-            else:
-                assert np.array_equal(everyone[0].numpy(), want), (kind, outer)
+            assert_every_rank_holds(everyone, want, kind, (kind, outer))
         stats = opt.compression_stats()
         assert stats["outer_steps"] == 3 and stats["bytes_uncompressed"] == 3 * 4 * sum(SIZES.values())
         if compression is None:
@@ -94,6 +90,61 @@ def test_settings_or_starting_models_that_differ_are_refused_on_every_rank(dist_
     opt = _diloco(module, None, sync_every=4)
     with pytest.raises(CompressionMismatchError, match=r"model_digest(.|\n)*torch.distributed.broadcast"):
         local_steps(opt, module, dist.get_rank(), [0])
+
+
+@pytest.mark.ranks(4, timeout=300, launcher="torchrun-nodes:2x2")
+def test_hierarchical_averages_every_step_in_the_node_and_each_shard_between_nodes(dist_gloo):
+    """hierarchical=True on two namespace nodes of two ranks: after a local step both ranks of a node hold the
+    bits of the node's average step (the nodes differ); each outer step is bitwise the reference where local
+    rank j exchanges shard j of its node's pseudo-gradient among the nodes (QSGD-4, Top-k 5% with its
+    residuals; float32 within its rounding); the bytes inside the node as the formula; a warm-up step gives
+    every rank the same model."""
+    import torch
+    from horovod_qsgd.ddp import QSGDState, TopKState
+    dist, n, per_node = dist_gloo, 4, 2
+    rank, total = dist.get_rank(), sum(SIZES.values())
+    for kind, compression in (("none", None), ("qsgd", QSGDState(bits=4)), ("topk", TopKState(ratio=0.05))):
+        module = model()
+        opt = _diloco(module, compression, sync_every=3, hierarchical=True)
+        reference = Reference(kind, n, [("diloco.outer", list(SIZES))], per_node=per_node, node_shards=True)
+        for outer, steps in enumerate(([0, 1, 2], [3, 4, 5])):
+            anchor = np.concatenate([getattr(module, name).detach().numpy().copy() for name in SIZES])
+            local_steps(opt, module, rank, steps[:1])
+            everyone = _gathered(dist, module)
+            for first in (0, per_node):
+                step = node_average(first, steps[0], per_node)
+                want = anchor - np.concatenate([step[name] for name in SIZES])
+                assert all(np.array_equal(everyone[r].numpy(), want) for r in (first, first + 1)), (kind, first)
+            assert not torch.equal(everyone[0], everyone[per_node])
+            local_steps(opt, module, rank, steps[1:])
+            want = reference.outer_step(steps)
+            everyone = _gathered(dist, module)
+            assert_every_rank_holds(everyone, want, kind, (kind, outer))
+        stats = opt.compression_stats()
+        shard = -(-total // (per_node * (512 if kind == "qsgd" else 1))) * (512 if kind == "qsgd" else 1)
+        # six local steps' two alltoalls, and two outer steps' gather of the node's shards
+        assert stats["bytes_sent_in_node"] == 6 * 2 * 4 * -(-total // 2) + 2 * 4 * shard
+        assert stats["values_averaged_in_node"] == 6 * total
+        if compression is not None:
+            assert set(stats["exchanges"]) == {f"diloco.outer.shard{rank % per_node}"}
+    module = model()  # a warm-up step: every rank's gradient in the average, every rank the same model
+    start = np.concatenate([getattr(module, name).detach().numpy().copy() for name in SIZES])
+    opt = _diloco(module, None, sync_every=2, warmup_steps=1, hierarchical=True)
+    local_steps(opt, module, rank, [0])
+    everyone = _gathered(dist, module)
+    assert all(torch.equal(everyone[0], everyone[r]) for r in range(n))
+    mean = sum(np.concatenate(list(node_average(first, 0, per_node).values())) for first in (0, per_node)) / 2
+    np.testing.assert_allclose(everyone[0].numpy(), start - mean, rtol=0, atol=1e-6)
+
+
+@pytest.mark.ranks(2, launcher="torchrun")
+def test_hierarchical_on_one_node_is_refused_on_every_rank(dist_gloo):
+    from horovod_qsgd.ddp import QSGDState
+    module = model()
+    opt = _diloco(module, QSGDState(bits=4), sync_every=2, hierarchical=True)
+    with pytest.raises(ValueError, match=r"several nodes of equal size(.|\n)*it has 1 node\(s\) of 2 rank\(s\); "
+                                         r"use hierarchical=False"):
+        local_steps(opt, module, dist_gloo.get_rank(), [0])
 
 
 def test_horovod_compressors_and_no_process_group_are_refused_with_the_fix():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, grads as _grads, node_average
-from tests.diloco_reference import local_steps as _local_steps
+from tests.diloco_reference import assert_every_rank_holds, local_steps as _local_steps
 from tests.diloco_reference import model as _model
 
 SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
@@ -43,7 +43,6 @@ def _compressor(kind):
 
 @pytest.mark.parametrize("n", RANKS_234)
 def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n):
-    import torch
     hvd = hvd_torch
     assert hvd.size() == n
     kinds = ["none", "qsgd", "topk"] + (["qsgd-two-stage", "topk-two-stage"] if n > 2 else [])
@@ -57,12 +56,7 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n
             assert opt.outer_steps == outer + 1
             want = reference.outer_step(steps)
             everyone = _gathered(hvd, model, f"{kind}.{outer}")
-            assert all(torch.equal(everyone[0], everyone[r]) for r in range(n)), kind
-            if kind == "none":  # Horovod's average sums in its own order: within float32 rounding of the mean
-                np.testing.assert_allclose(everyone[0].numpy(), want, rtol=0, atol=1e-5)
-            else:
-                assert np.array_equal(everyone[0].numpy(), want), (kind, outer,
-                                                                   np.abs(everyone[0].numpy() - want).max())
+            assert_every_rank_holds(everyone, want, kind, (kind, outer))
         stats = opt.compression_stats()
         assert stats["outer_steps"] == 3 and stats["inner_steps"] == 9 and stats["models_averaged"] == 0
         assert stats["values_exchanged"] == 3 * sum(SIZES.values())
@@ -243,11 +237,7 @@ def test_hierarchical_averages_every_step_in_the_node_and_the_outer_step_between
             _local_steps(opt, model, hvd.rank(), steps[1:])
             want = reference.outer_step(steps)
             everyone = _gathered(hvd, model, f"h.{kind}.{outer}")
-            assert all(torch.equal(everyone[0], everyone[r]) for r in range(n)), kind
-            if kind == "none":
-                np.testing.assert_allclose(everyone[0].numpy(), want, rtol=0, atol=1e-5)
-            else:
-                assert np.array_equal(everyone[0].numpy(), want), (kind, outer, np.abs(everyone[0].numpy() - want).max())
+            assert_every_rank_holds(everyone, want, kind, (kind, outer))
         stats = opt.compression_stats()
         assert stats["values_averaged_in_node"] == 6 * total and stats["outer_steps"] == 2
         ours = 6 * in_node.bytes_sent(total, per_node)
