@@ -116,10 +116,11 @@ def main():
             print(f"per-step AdamW: validation {validation_loss:.4f} nats per byte")
         else:
             stats = optimizer.compression_stats()
-            print(f"DiLoCo: validation {validation_loss:.4f} nats per byte; {stats['outer_steps']} outer steps, "
-                  f"{stats['bytes_sent'] / 1e6:.2f} MB sent by this rank, {stats['compression_ratio']:.1f}x fewer "
-                  f"than float32 pseudo-gradients, {args.sync_every * stats['compression_ratio']:.0f}x fewer than "
-                  "a float32 gradient every step")
+            every_step = args.steps * 4 * sum(p.numel() for p in model.parameters())  # a float32 gradient each
+            print(f"DiLoCo: validation {validation_loss:.4f} nats per byte; {stats['warmup_steps']} warm-up and "
+                  f"{stats['outer_steps']} outer steps, {stats['bytes_sent'] / 1e6:.2f} MB sent by this rank "
+                  f"(between nodes where hierarchical), {every_step / stats['bytes_sent']:.0f}x fewer than a float32 "
+                  "gradient every step")
 
 
 if __name__ == "__main__":

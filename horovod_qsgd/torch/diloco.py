@@ -104,7 +104,7 @@ class _Exchange:
 def _node_aware(compression):
     """The compressor whose exchange a hierarchical DiLoCo takes between nodes: ``compression`` with
     ``exchange='node_aware'`` where it had ``'auto'`` (a new instance: the optimizer owns its state)."""
-    if isinstance(compression, type):  # Horovod's none / fp16: its allreduce, whose ring crosses each node once
+    if isinstance(compression, type):  # Horovod's none / fp16: its own allreduce, over every rank
         return compression
     exchange = getattr(compression, "exchange", None)
     if exchange == NODE_AWARE:
