@@ -14,9 +14,10 @@ The one changed line is the optimizer wrapper::
 
 Choosing the settings
 ---------------------
-* ``sync_every`` (H): bytes per step fall as 1/H. 16 with the 80-step warm-up kept the byte-level language
-  model of ``benchmarks/results/diloco/`` within 0.02 nats of per-step AdamW at 2 ranks, not at 4; more ranks
-  or a larger H cost quality (each inner AdamW sees 1/N of the batch).
+* ``sync_every`` (H): bytes per step fall as 1/H. 16 and 32 with the 80-step warm-up kept the byte-level
+  language model of ``benchmarks/results/diloco/`` within 0.02 nats of per-step AdamW at 2 ranks (1600 steps,
+  QSGD-2: 103x and 131x fewer bytes), not at 4; more ranks or a larger H cost quality (each inner AdamW sees
+  1/N of the batch).
 * ``compression=QSGD(bits=4)``: the outer exchange at about 1/7 of float32's bytes; ``QSGD(bits=2)`` ended
   better still there, at 1/11.
 * ``outer_lr`` / ``outer_momentum``: 0.7 / 0.5 by default; raise the momentum only with many outer steps.
