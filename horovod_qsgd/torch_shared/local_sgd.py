@@ -32,6 +32,8 @@ SETTINGS_BEFORE_THEY_WERE_SAVED = {"hierarchical": False}  # a checkpoint of an 
 # early local models drifting apart on an edge-of-stability learning rate); with 40 still +0.033, with 80
 # within 0.01. Longer trainings of larger models warm up longer (DiLoCo's paper: from a pretrained model).
 DEFAULT_WARMUP_STEPS = 80
+
+
 def needs_nodes(why_not):
     """The ValueError of hierarchical=True in a job without usable nodes (``why_not``), raised on every rank."""
     return ValueError("horovod_qsgd: DiLoCo(hierarchical=True) averages every step inside each node and runs the "
@@ -241,8 +243,8 @@ class OuterLoop:
             raise ValueError("horovod_qsgd: DiLoCo: the checkpoint's 'diloco' entry is not a DiLoCo state of this "
                              f"version (format {STATE_FORMAT}); save it with this version's state_dict()")
         mine = self.settings()
-        saved = dict(SETTINGS_BEFORE_THEY_WERE_SAVED, **state["settings"])
-        differ = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+        recorded = dict(SETTINGS_BEFORE_THEY_WERE_SAVED, **state["settings"])
+        differ = {k: (recorded.get(k), v) for k, v in mine.items() if recorded.get(k) != v}
         if differ:
             raise ValueError("horovod_qsgd: DiLoCo: the checkpoint was saved with other settings: " + ", ".join(
                 f"{k}={saved!r} there, {now!r} here" for k, (saved, now) in differ.items()) +

@@ -296,3 +296,18 @@ def test_bad_arguments_name_the_fix():
     from horovod_qsgd.torch import QSGD
     with pytest.raises(ValueError, match=r"hierarchical=True(.|\n)*exchange='allgather'; pass QSGD\(...\) or TopK"):
         DiLoCo(inner, model.named_parameters(), compression=QSGD(bits=4, exchange="allgather"), hierarchical=True)
+
+
+def test_a_checkpoint_of_the_version_before_hierarchical_loads_and_another_setting_is_refused():
+    from horovod_qsgd.torch_shared.local_sgd import OuterLoop
+    model = _model()
+
+    def loop(hierarchical):
+        return OuterLoop(list(model.named_parameters()), 4, 0.7, 0.5, True, 0, None, None, {"compression": None},
+                         hierarchical)
+
+    state = loop(False).state()
+    del state["settings"]["hierarchical"]  # as that version saved it
+    loop(False).check_state(state)
+    with pytest.raises(ValueError, match="hierarchical=False there, True here"):
+        loop(True).check_state(state)
