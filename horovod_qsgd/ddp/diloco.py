@@ -29,25 +29,23 @@ __all__ = ["DiLoCo"]
 START_ALIKE_HERE = START_ALIKE.format(broadcast="torch.distributed.broadcast(p.data, 0) of every parameter")
 
 
-class _Exchange:
+class _Exchange(in_node.AveragesInNode):
     """Averages a list of float32 tensors over ``group`` as one flat tensor: float32 ``all_reduce``, or the
     payloads of ``compression`` (a :class:`~horovod_qsgd.ddp.QSGDState` or :class:`~horovod_qsgd.ddp.TopKState`:
     its codecs, exchange setting and statistics) with residuals of its own, per purpose."""
 
     def __init__(self, compression, group, hierarchical=False):
+        super().__init__()   # nodes: DistributedNodes, found at the handshake where hierarchical
         self.compression, self.group, self.hierarchical = compression, group, hierarchical
         self.steps = {}      # purpose -> exchanges so far (the codecs' random streams)
         self.residuals = {}  # purpose -> [sender residual, owner residual or None] (error feedback)
         self.full_precision_bytes = 0
-        self.nodes = None    # DistributedNodes, found at the handshake where hierarchical
-        self.bytes_sent_in_node = 0
 
     def __call__(self, tensors, purpose):
         if not tensors:
             return []
         if purpose == "node":
-            self.bytes_sent_in_node += in_node.bytes_sent(sum(t.numel() for t in tensors), self.nodes.local_size)
-            return in_node.average_in_node(tensors, self.nodes.local_size, self._in_node_alltoall)
+            return self.average_in_node(tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         if purpose == "models":
             dist.all_reduce(flat, group=self.group)
@@ -76,7 +74,7 @@ class _Exchange:
         shard j among the nodes (compressed), then the shards gathered in the node in float32."""
         nodes = self.nodes
         if purpose == "gradients":  # a warm-up step: each rank's own gradient, averaged in the node first
-            flat = in_node.average_in_node([flat], nodes.local_size, self._in_node_alltoall)[0]
+            flat = self.average_in_node([flat])[0]
         numel = flat.numel()
         shard = shard_numel(numel, nodes.local_size, 1 if self.compression is None else
                             chunk_unit(self.compression.codec))

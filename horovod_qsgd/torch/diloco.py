@@ -30,20 +30,15 @@ class HorovodDiLoCoMixin(DiLoCoMixin):
     """DiLoCo whose exchange is Horovod's ``grouped_allreduce`` with the compressor."""
 
     def _diloco_exchange_stats(self, counts, reset):
-        compressor = self._diloco_compression
+        compressor, exchange = self._diloco_compression, self._diloco_exchange
         if not hasattr(compressor, "compression_stats"):  # Horovod's own: float32 or, fp16, half of it
-            return {"bytes_sent": 4 * counts["values_exchanged"] // (2 if compressor is hvd.Compression.fp16 else 1)}
-        stats = {k: v for k, v in compressor.compression_stats(reset).items()
-                 if k not in ("bytes_uncompressed", "compression_ratio")}
-        stats["bytes_sent"] += 4 * counts["values_exchanged_in_full"]  # average_models(): float32
-        return stats
-
-    def compression_stats(self, reset=False):
-        exchange = self._diloco_exchange
-        in_node_bytes = exchange.bytes_sent_in_node  # before a reset
-        stats = super().compression_stats(reset)
-        if exchange.hierarchical:
-            stats["bytes_sent_in_node"] = stats.get("bytes_sent_in_node", 0) + in_node_bytes
+            stats = {"bytes_sent": 4 * counts["values_exchanged"] // (2 if compressor is hvd.Compression.fp16 else 1)}
+        else:
+            stats = {k: v for k, v in compressor.compression_stats(reset).items()
+                     if k not in ("bytes_uncompressed", "compression_ratio")}
+            stats["bytes_sent"] += 4 * counts["values_exchanged_in_full"]  # average_models(): float32
+        if exchange.hierarchical:  # and the node-aware compressor's own full-precision step in the node
+            stats["bytes_sent_in_node"] = stats.get("bytes_sent_in_node", 0) + exchange.bytes_sent_in_node
         if reset:
             exchange.bytes_sent_in_node = 0
         return stats
@@ -63,23 +58,21 @@ def _exchange_settings(compression):
     return {"compression": type(compression).__name__, **compression.settings()}
 
 
-class _Exchange:
+class _Exchange(in_node.AveragesInNode):
     """:class:`OuterLoop`'s exchange over Horovod: ``hvd.grouped_allreduce`` through the compressor, named
     ``<prefix>.<purpose>``; hierarchical, the in-node averages (:mod:`horovod_qsgd.torch_shared.in_node`) by
     global alltoalls whose splits are zero outside the node (no process set to declare in ``hvd.init()``)."""
 
     def __init__(self, compression, prefix, process_set, hierarchical):
+        super().__init__()
         self.compression, self.prefix, self.process_set = compression, prefix, process_set
         self.hierarchical = hierarchical
-        self.nodes = None  # the NodeLayout, found at the handshake where hierarchical
-        self.bytes_sent_in_node = 0
 
     def __call__(self, tensors, purpose):
         if not tensors:
             return []
         if purpose == "node":
-            self.bytes_sent_in_node += in_node.bytes_sent(sum(t.numel() for t in tensors), self.nodes.local_size)
-            return in_node.average_in_node(tensors, self.nodes.local_size, self._in_node_alltoall)
+            return self.average_in_node(tensors)
         return hvd.grouped_allreduce(tensors, name=f"{self.prefix}.{purpose}", op=hvd.Average,
                                      process_set=self.process_set,
                                      compression=hvd.Compression.none if purpose == "models" else self.compression)

@@ -53,6 +53,24 @@ def check_received(layout, received_splits, shard, label):
             f"({layout.local_size * shard}): every rank of a node must step the same model")
 
 
+class AveragesInNode:
+    """What a hierarchical DiLoCo exchange of either adapter keeps for its in-node averages: the node layout
+    (``nodes``, found at the first step) and the bytes this rank sent inside the node; the adapter gives the
+    collective, ``_in_node_alltoall(send, shard, step)`` (see :func:`average_in_node`)."""
+
+    def __init__(self):
+        self.nodes = None
+        self.bytes_sent_in_node = 0
+
+    def average_in_node(self, tensors):
+        """``tensors`` averaged over this rank's node, the same bits on each of its ranks, the bytes counted."""
+        self.bytes_sent_in_node += bytes_sent(sum(t.numel() for t in tensors), self.nodes.local_size)
+        return average_in_node(tensors, self.nodes.local_size, self._in_node_alltoall)
+
+    def _in_node_alltoall(self, send, shard, step):
+        raise NotImplementedError
+
+
 def bytes_sent(numel, local_size):
     """Bytes one rank sends inside the node to average ``numel`` float32 values (both alltoalls)."""
     return 2 * 4 * (local_size - 1) * -(-numel // local_size)

@@ -135,6 +135,8 @@ def test_hierarchical_averages_every_step_in_the_node_and_each_shard_between_nod
     assert all(torch.equal(everyone[0], everyone[r]) for r in range(n))
     mean = sum(np.concatenate(list(node_average(first, 0, per_node).values())) for first in (0, per_node)) / 2
     np.testing.assert_allclose(everyone[0].numpy(), start - mean, rtol=0, atol=1e-6)
+    # the in-node average's two alltoalls, then the gather of the node's shards
+    assert opt.compression_stats()["bytes_sent_in_node"] == 3 * 4 * -(-total // 2)
 
 
 @pytest.mark.ranks(2, launcher="torchrun")
