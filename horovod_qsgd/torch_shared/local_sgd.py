@@ -112,6 +112,7 @@ class OuterLoop:
         self.outer_steps = 0        # outer steps taken (or skipped as non-finite)
         self.anchor = None          # float32 copies of the parameters at the last synchronization
         self.momentum = None
+        self.averaged_at = None     # self.steps at the last average_models() that sent: in sync until a step
         self.verified = False
         self.counts = dict.fromkeys(("inner_steps", "inner_steps_skipped", "warmup_steps", "outer_steps",
                                      "outer_steps_skipped", "models_averaged", "values_exchanged",
@@ -216,8 +217,8 @@ class OuterLoop:
     @property
     def in_sync(self):
         """True where every rank holds the same parameters: in the warm-up (no anchor yet: each step averaged the
-        gradients), or with no local step since the last outer step."""
-        return self.anchor is None or self._at_synchronization()
+        gradients), or with no local step since the last outer step or the last average_models()."""
+        return self.anchor is None or self._at_synchronization() or self.averaged_at == self.steps
 
     def average_models(self):
         """Every rank's parameters replaced by their exact average (full precision; nothing to send where the
@@ -230,6 +231,7 @@ class OuterLoop:
         self.counts["values_exchanged_in_full"] += numel
         self.counts["models_averaged"] += 1
         self._write_parameters(averaged)
+        self.averaged_at = self.steps
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state(self):
@@ -255,6 +257,7 @@ class OuterLoop:
         device = self.params[0].device if self.params else None
         self.anchor = None if state["anchor"] is None else [a.to(device).clone() for a in state["anchor"]]
         self.momentum = None if state["momentum"] is None else [m.to(device).clone() for m in state["momentum"]]
+        self.averaged_at = None  # the parameters loaded with this state may differ between ranks
         self.verified = False  # the loaded counters and anchor are compared across ranks at the next step
 
 
