@@ -14,7 +14,8 @@ setup(
     extras_require={
         "torch": ["torch==2.13.0"],
         "tensorflow": ["tensorflow-cpu==2.21.0", "tf-keras==2.21.0"],
-        "test": ["pytest", "pytest-timeout", "scipy", "scikit-learn"],
+        # lightning and accelerate: tests/integrations runs the examples with them (pinned: what was tested)
+        "test": ["pytest", "pytest-timeout", "scipy", "scikit-learn", "lightning==2.6.6", "accelerate==1.15.0"],
         "bench": ["matplotlib"],
         # numba's CUDA target with NVVM and libdevice from the package index (PyTorch's CUDA wheels lack
         # them); take the one of your CUDA major version (torch.version.cuda): the other would install

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs whatever is missing for horovod_qsgd into the current Python environment:
-# PyTorch 2.13.0 (CPU), TensorFlow 2.21 with tf-keras, numba and the test tools, then
+# PyTorch 2.13.0 (CPU), TensorFlow 2.21 with tf-keras, numba and the test tools (Lightning and
+# Accelerate among them), then
 # Horovod 0.28.1 built from source (about 12 minutes the first time, seconds after),
 # then this package in editable mode. Safe to run again: finished steps are skipped.
 #
@@ -26,6 +27,7 @@ need = {"torch": "2.13.0", "tensorflow-cpu": "2.21.0", "tf-keras": "2.21.0"}
 for name, version in need.items():
     assert md.version(name).split("+")[0] == version, name
 import numba, pytest, pytest_timeout, scipy, sklearn, matplotlib, horovod_qsgd  # noqa: F401
+assert md.version("lightning") == "2.6.6" and md.version("accelerate") == "1.15.0"
 PY
 then
   say "installing PyTorch 2.13.0 (CPU), TensorFlow 2.21, tf-keras, numba, test tools and horovod_qsgd"
