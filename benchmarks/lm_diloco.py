@@ -122,7 +122,7 @@ def run_study(args):
     from benchmarks.stdlib_text import Corpus
     hvd.init()
     settings = dict(lm_convergence.STUDY, steps=args.steps, optimizer="adamw", weight_decay=WEIGHT_DECAY,
-                    lr=args.lr)
+                    lr=args.lr, batch_size=args.batch)
     corpus = Corpus()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{hvd.size()}ranks.json")
@@ -184,6 +184,9 @@ def main():
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--lr", type=float, default=lm_convergence.STUDY["lr"], help="inner (and baseline) lr")
+    parser.add_argument("--batch", type=int, default=lm_convergence.STUDY["batch_size"],
+                        help="global batch in sequences, dealt to the ranks (default 32; Horovod's convention of a "
+                             "fixed batch per rank: 16 x the ranks)")
     parser.add_argument("--baseline", default="adamw")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "diloco"))
     parser.add_argument("--report", metavar="JSON")
