@@ -93,3 +93,51 @@ def _without_horovod(code):
                "            raise ImportError('no horovod here')\n"
                "sys.meta_path.insert(0, Block())\n")
     return subprocess.run([sys.executable, "-c", blocked + code], capture_output=True, text=True, timeout=120)
+
+
+PUBLIC_MODULES = ["horovod_qsgd.torch", "horovod_qsgd.tensorflow", "horovod_qsgd.ddp", "horovod_qsgd.fsdp",
+                  "horovod_qsgd.lightning"]
+
+
+def _public_docs():
+    """(module, name, object, its documentation: the class's or function's docstring plus its __init__'s)."""
+    import importlib
+    import inspect
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            doc = inspect.getdoc(obj) or ""
+            if inspect.isclass(obj) and "__init__" in vars(obj) and obj.__init__.__doc__:
+                doc += "\n" + inspect.getdoc(obj.__init__)
+            yield module_name, name, obj, doc
+
+
+def _parameters(obj):
+    import inspect
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []
+    return [p for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def test_every_public_class_and_function_documents_its_arguments_and_what_it_costs():
+    """PyTorch's own standard (powerSGD_hook.py): an ``Args:`` list naming every argument (its default in the
+    signature), and what it costs. Exceptions say when they are raised instead."""
+    missing = []
+    for module_name, name, obj, doc in _public_docs():
+        if getattr(obj, "__module__", "").startswith("horovod."):
+            continue  # Horovod's own (FP16, NoCompression), documented there
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            if "raise" not in doc.lower():
+                missing.append(f"{module_name}.{name}: when is it raised?")
+            continue
+        parameters = [p.name for p in _parameters(obj)]
+        if parameters and "Args:" not in doc:
+            missing.append(f"{module_name}.{name}: no Args:")
+        args = doc.split("Args:", 1)[-1]
+        missing += [f"{module_name}.{name}: Args: does not name {p!r}" for p in parameters if p not in args]
+        if "cost" not in doc.lower():
+            missing.append(f"{module_name}.{name}: no word of what it costs")
+    assert not missing, "\n".join(missing)

@@ -36,7 +36,10 @@ Header = namedtuple("Header", ["version", "codec_id", "numel", "digest", "nbytes
 
 
 class PayloadError(ValueError):
-    """A payload does not match the codec or tensor decoding it, or is damaged."""
+    """A payload does not match the codec or tensor decoding it, or is damaged.
+
+    Raised by the rank that decodes it, from the header's checks (codec, element count, digest, length), instead
+    of decoding garbage into a gradient; the message names the tensor and the field that differs."""
 
 
 def pack_header(codec_id, numel, digest, nbytes):

@@ -2,7 +2,11 @@
 
 
 class CompressionMismatchError(RuntimeError):
-    """Ranks disagree about a compressor's settings, a tensor's shape or the library version."""
+    """Ranks disagree about a compressor's settings, a tensor's shape or the library version.
+
+    Raised on every rank, at the first exchange of the tensor (or the first bucket, step or outer step), before
+    any payload is decoded; the message names the tensor, the setting and each rank's value. Make the ranks'
+    settings equal (the same script and arguments on every rank) and restart."""
 
     # TensorFlow's autograph re-raises an exception as its own type only when the class keeps
     # BaseException's __init__ signature visible as Exception.__init__.
@@ -18,7 +22,10 @@ def residual_length_mismatch(tensor, numel, residual_numel, cause="or two tensor
 
 
 class UnsupportedCollectiveError(ValueError):
-    """The compressor was asked to serve a collective it cannot serve (Adasum, reducescatter, ...)."""
+    """The compressor was asked to serve a collective it cannot serve (Adasum, reducescatter, ...).
+
+    Raised before any collective starts (PyTorch: on every rank at the first gradient), with the op to use
+    instead (``op=hvd.Average`` or ``hvd.Sum``, or ``hvd.Compression.none``)."""
 
     __init__ = Exception.__init__
 
@@ -39,7 +46,10 @@ def elastic_process_set_unsupported(tensor_name):
 
 
 class JoinUnsupportedError(UnsupportedCollectiveError):
-    """``hvd.join()`` was called while our compressors exchange payloads (Horovod's join answers allreduces only)."""
+    """``hvd.join()`` was called while our compressors exchange payloads (Horovod's join answers allreduces only).
+
+    Raised on every rank (the exceptions: ``docs/join.md``) instead of a hang or a killed job; use
+    ``horovod_qsgd.torch.Join`` / ``horovod_qsgd.tensorflow.Join`` for uneven inputs."""
 
     __init__ = Exception.__init__
 

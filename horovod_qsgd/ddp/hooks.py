@@ -504,7 +504,8 @@ class QSGDState(_PayloadState):
     :mod:`horovod_qsgd.ddp`; ``exchange="node_aware"`` compresses only
     what crosses between nodes); ``encoding="elias"`` is not available here
     (its payloads vary in size). The result is the average over the process
-    group, as DDP's own allreduce gives.""")
+    group, as DDP's own allreduce gives. ``process_group`` (default None:
+    the default group): DDP's ``process_group``, where it was given one.""")
 
     def __init__(self, process_group=None, bits=4, bucket_size=512, norm="max", encoding="fixed",
                  scale_dtype="float32", rounding="stochastic", min_numel=10000, seed=0, exchange="auto",
@@ -523,7 +524,8 @@ class QSGDState(_PayloadState):
 class TopKState(_PayloadState):
     __doc__ = docs.topk("``state.state_dict()`` on every rank. DDP: ``model.register_comm_hook(TopKState(), "
                         "topk_hook)``; the residuals are kept per parameter, so DDP's bucket rebuild after the "
-                        "first iteration loses nothing.", node_aware="gpu")
+                        "first iteration loses nothing. ``process_group`` (default None: the default group): DDP's "
+                        "``process_group``, where it was given one.", node_aware="gpu")
 
     def __init__(self, process_group=None, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",
                  sample_ratio=0.01, min_numel=10000, seed=0, exchange="auto"):
@@ -536,10 +538,24 @@ class TopKState(_PayloadState):
 
 
 def qsgd_hook(state, bucket):
-    """The DDP communication hook of :class:`QSGDState` (its own function, so that DDP's logging names it)."""
+    """The DDP communication hook of :class:`QSGDState` (its own function, so that DDP's logging names it).
+
+    Args:
+        state (QSGDState): the settings, statistics and step counter (``register_comm_hook``'s ``state``).
+        bucket (torch.distributed.GradBucket): DDP's bucket of gradients.
+
+    Returns a future of the bucket's average over the process group. Costs: what :class:`QSGDState` says.
+    """
     return payload_hook(state, bucket)
 
 
 def topk_hook(state, bucket):
-    """The DDP communication hook of :class:`TopKState`."""
+    """The DDP communication hook of :class:`TopKState`.
+
+    Args:
+        state (TopKState): the settings, residuals and statistics (``register_comm_hook``'s ``state``).
+        bucket (torch.distributed.GradBucket): DDP's bucket of gradients.
+
+    Returns a future of the bucket's average over the process group. Costs: what :class:`TopKState` says.
+    """
     return payload_hook(state, bucket)

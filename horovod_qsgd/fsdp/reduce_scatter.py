@@ -109,7 +109,18 @@ def reduction_scale(op, num_ranks):
 class ModuleReduceScatter(ReduceScatter):
     """One ``fully_shard`` module's compressed gradient reduce-scatter. Its state, kept under its name in the
     compressor's store: the step counter of the codec's RNG and, with error feedback, this rank's residual of
-    every row it sends (the staged input, N rows)."""
+    every row it sends (the staged input, N rows).
+
+    :func:`~horovod_qsgd.fsdp.compress_reduce_scatter` builds one per module; build one yourself only to hand
+    FSDP2's ``set_custom_reduce_scatter`` a module of your choosing.
+
+    Args:
+        compressor (QSGD or TopK): the compressor whose codec, statistics and state it uses.
+        name (str): the module's key in the compressor's state (``fsdp.<module path>``), the same on every rank.
+        module (FSDPModule): the ``fully_shard`` module whose reduce-scatter it replaces.
+
+    Costs: those of its compressor, per call (one per backward pass of the module).
+    """
 
     def __init__(self, compressor, name, module):
         self.compressor, self.name, self.module = compressor, name, module
@@ -434,14 +445,26 @@ class QSGD(_ReduceScatterCompressor):
 
     Each coordinate x of a bucket of ``bucket_size`` with scale s = max|x| (``norm="max"``; ``"l2"``: the
     bucket's 2-norm) is sent as sign(x) * s * l / L, l in 0..L with L = 2^(bits-1) - 1 levels, rounded up with
-    probability L|x|/s - l (``rounding="stochastic"``: unbiased; ``"nearest"``: biased, less variance): bits
-    per coordinate plus one scale per bucket. Defaults: ``bits=4`` (about 7.5x fewer bytes than fp32 at
-    ``bucket_size=512``), ``norm="max"``; raise ``bits`` to 8 where a model does not converge at 4 (QSGD-8 is
-    about 3.9x fewer bytes), lower ``bucket_size`` for gradients of very unequal coordinates (more scales, more
-    bytes). ``min_numel``: modules whose reduce-scatter input is smaller go uncompressed. ``seed``: every rank
-    the same. ``exchange``: ``"auto"`` (default), ``"reduce_scatter"`` (flat) or ``"node_aware"`` (full
-    precision inside a node, compressed between nodes; see :mod:`horovod_qsgd.fsdp`). No state but the RNG's
-    step counter (``state_dict`` all the same, to resume bit-identically).
+    probability L|x|/s - l: bits per coordinate plus one scale per bucket, E[Q(x)] = x.
+
+    Args:
+        bits (int): bits per coordinate, sign included (default 4: about 7.5x fewer bytes than fp32 at
+            ``bucket_size=512``). Raise to 8 (3.9x) where a model does not converge at 4; 2 (about 15x) where
+            the link dominates the step, for more variance.
+        bucket_size (int): coordinates per scale (default 512). Lower it for gradients of very unequal
+            coordinates (more scales, more bytes).
+        norm (str): ``"max"`` (default; the paper's experiments) or ``"l2"`` (its theory; more zeros).
+        scale_dtype (str): ``"float32"`` (default) or ``"float16"`` (2 bytes fewer per bucket).
+        rounding (str): ``"stochastic"`` (default: unbiased) or ``"nearest"`` (biased, less variance).
+        min_numel (int): modules whose reduce-scatter input is smaller go through an uncompressed alltoall of
+            the rows (default 10000).
+        seed (int): the rounding's seed, the same on every rank (checked; default 0).
+        exchange (str): ``"auto"`` (default), ``"reduce_scatter"`` (flat) or ``"node_aware"`` (full precision
+            inside a node, compressed between nodes; see :mod:`horovod_qsgd.fsdp`).
+
+    Costs: one encode and N-1 decodes of a module's shard per step on each rank, one ``all_to_all_single`` per
+    module (not fused across modules); no state but the RNG's step counter (``state_dict()`` all the same, to
+    resume bit-identically).
     """
 
     def __init__(self, bits=4, bucket_size=512, norm="max", scale_dtype="float32", rounding="stochastic",
@@ -455,18 +478,29 @@ class TopK(_ReduceScatterCompressor):
 
     Each row a rank sends its owner carries the ``ratio`` of that row's coordinates largest in magnitude, of
     the gradient plus the residual (indices and values); what is not sent stays in the residual and joins the
-    next step's row (error feedback, on by default: without it top-k biases the update). ``selector``:
-    ``"exact"`` (default), ``"gaussian"`` or ``"sample"`` (threshold estimated, cheaper on large rows).
-    ``ratio=0.01`` sends about 8% of fp32's bytes (4-byte index and 4-byte value per kept coordinate); raise it
-    if the loss stalls. ``exchange``: as :class:`QSGD`'s. The residuals (one per module, this rank's rows) are
-    ``state_dict()`` on every rank; a step whose sum is not finite on any rank leaves them as they were.
+    next step's row. The residuals (one per module, this rank's rows) are ``state_dict()`` on every rank; a step
+    whose sum is not finite on any rank leaves them as they were.
 
-    Memory: the residual of a module's reduce-scatter is its whole staged input (N rows), kept twice (the
-    residual and the one a step writes until its verdict): 8 bytes per parameter, on every rank.
-    ``residual_dtype="bfloat16"`` keeps one bfloat16 buffer instead (2 bytes per parameter; a float32 copy
+    Args:
+        ratio (float): fraction of each row sent (default 0.01: about 8% of fp32's bytes, a 4-byte index and a
+            4-byte value per kept coordinate); raise it if the loss stalls.
+        selector (str): ``"exact"`` (default), ``"gaussian"`` or ``"sample"`` (the threshold estimated from a
+            normal fit or from a ``sample_ratio`` sample: cheaper on large rows, k approximate).
+        error_feedback (bool): keep what is not sent (default True; without it top-k biases the update).
+        value_dtype (str): ``"float32"`` (default) or ``"float16"`` values (6 bytes per kept coordinate).
+        sample_ratio (float): the ``"sample"`` selector's sample (default 0.01).
+        min_numel (int): modules whose reduce-scatter input is smaller go uncompressed (default 10000).
+        seed (int): the selectors' seed, the same on every rank (default 0).
+        exchange (str): as :class:`QSGD`'s.
+        residual_dtype (str): ``"float32"`` (default) or ``"bfloat16"`` (below).
+
+    Costs, memory: the residual of a module's reduce-scatter is its whole staged input (N rows), kept twice
+    (the residual and the one a step writes until the step is known to be finite on every rank): 8 bytes per
+    parameter, on every rank. ``residual_dtype="bfloat16"`` keeps one bfloat16 buffer instead (2 bytes per parameter; a float32 copy
     lives only during the module's own reduce-scatter): each step's residual is rounded to bfloat16, and a
     skipped step (inf or NaN on any rank) zeroes it, its unsent mass lost once, where the default restores it.
-    Under HSDP the residual across replicas is this rank's shard only (1/L of it) and stays float32.
+    Under HSDP the residual across replicas is this rank's shard only (1/L of it) and stays float32. Time: a
+    selection over each row and N-1 scatters per module and step; one ``all_to_all_single`` per module.
     """
 
     def __init__(self, ratio=0.01, selector="exact", error_feedback=True, value_dtype="float32",

@@ -70,7 +70,19 @@ def check_replicas(replicas, shard_group):
 class ReplicaAllReduce:
     """One ``fully_shard`` module's compressed all-reduce across its replicas (FSDP2's ``set_all_reduce_hook``).
     Its state, under ``<module name>.replicas`` in the compressor's store: the step counter of the codec's RNG
-    and, with error feedback, this rank's sender residual of the shard and its owner residual (two stages)."""
+    and, with error feedback, this rank's sender residual of the shard and its owner residual (two stages).
+
+    :func:`~horovod_qsgd.fsdp.compress_reduce_scatter` with ``replicate=`` builds one per module.
+
+    Args:
+        compressor (QSGD or TopK): the compressor whose codec, statistics and state it uses.
+        name (str): the module's key in the compressor's state, the same on every rank.
+        module (FSDPModule): the ``fully_shard`` module whose replicas' all-reduce it replaces.
+        replicas (ProcessGroup): the ranks holding the same shard, one per node.
+
+    Costs: per step, the shard's exchange among the replicas (an allgather of payloads at 2 replicas, two
+    stages from 3 for shards of 65,536 elements or more), its encode and decodes; Top-k's residuals of the shard.
+    """
 
     def __init__(self, compressor, name, module, replicas):
         self.compressor, self.name, self.module, self.replicas = compressor, name, module, replicas

@@ -56,6 +56,11 @@ class Join:
             before its first tensor.
         example: arguments (a tuple) for the shadow step of a rank that has
             no batch at all; by default a rank shadows with its last batch.
+            Give one when a rank may get no batch in an epoch.
+
+    Costs: one 4-byte allreduce before each step while the block is open; a
+    rank out of data runs the step on its last batch with zeroed gradients
+    until every rank has left (the module docstring).
     """
 
     def __init__(self, step_fn, compression, example=None):
