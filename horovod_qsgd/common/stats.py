@@ -69,3 +69,16 @@ class CompressionStats:
         sent = stats["bytes_sent"]
         stats["compression_ratio"] = stats["bytes_uncompressed"] / sent if sent else float("nan")
         return stats
+
+
+def merge_stats(parts):
+    """Several compressors' counters as one (their sums; ``exchanges`` joined), e.g. DiLoCo's warm-up and outer
+    compressors. Keys any part lacks count as 0."""
+    merged = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == "exchanges":
+                merged.setdefault(key, {}).update(value)
+            elif key != "compression_ratio":
+                merged[key] = merged.get(key, 0) + value
+    return merged

@@ -18,6 +18,7 @@ from horovod_qsgd.common.chunks import chunk_unit, shard_numel
 from horovod_qsgd.common.collectives import drive
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.handshake import check_settings, settings_record
+from horovod_qsgd.common.stats import merge_stats
 from horovod_qsgd.ddp.hooks import _PayloadState
 from horovod_qsgd.torch_shared.arrays import as_array
 from horovod_qsgd.torch_shared import in_node, local_sgd
@@ -34,9 +35,10 @@ class _Exchange(in_node.AveragesInNode):
     payloads of ``compression`` (a :class:`~horovod_qsgd.ddp.QSGDState` or :class:`~horovod_qsgd.ddp.TopKState`:
     its codecs, exchange setting and statistics) with residuals of its own, per purpose."""
 
-    def __init__(self, compression, group, hierarchical=False):
+    def __init__(self, compression, group, hierarchical=False, warmup_compression=None):
         super().__init__()   # nodes: DistributedNodes, found at the handshake where hierarchical
         self.compression, self.group, self.hierarchical = compression, group, hierarchical
+        self.warmup_compression = warmup_compression
         self.steps = {}      # purpose -> exchanges so far (the codecs' random streams)
         self.residuals = {}  # purpose -> [sender residual, owner residual or None] (error feedback)
         self.full_precision_bytes = 0
@@ -47,16 +49,17 @@ class _Exchange(in_node.AveragesInNode):
         if purpose == "node":
             return self.average_in_node(tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
+        state = self.warmup_compression if purpose == "gradients" and self.warmup_compression else self.compression
         if purpose == "models":
             dist.all_reduce(flat, group=self.group)
             flat.div_(self.group.size())
             self.full_precision_bytes += 4 * flat.numel()
         elif self.hierarchical:
-            flat = self._between_nodes(flat, purpose)
-        elif self.compression is None:
+            flat = self._between_nodes(flat, purpose, state)
+        elif state is None:
             flat = self._full_precision(flat, self.group)
         else:
-            flat = self._compressed(flat, purpose, self.group)
+            flat = self._compressed(flat, purpose, self.group, state)
         return [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
 
     def _full_precision(self, flat, group):
@@ -69,28 +72,26 @@ class _Exchange(in_node.AveragesInNode):
         dist.all_to_all_single(received, send, group=self.nodes.local)
         return received
 
-    def _between_nodes(self, flat, purpose):
+    def _between_nodes(self, flat, purpose, state):
         """Hierarchical: the average over the nodes of the node's (exact) average, local rank j exchanging
         shard j among the nodes (compressed), then the shards gathered in the node in float32."""
         nodes = self.nodes
         if purpose == "gradients":  # a warm-up step: each rank's own gradient, averaged in the node first
             flat = self.average_in_node([flat])[0]
         numel = flat.numel()
-        shard = shard_numel(numel, nodes.local_size, 1 if self.compression is None else
-                            chunk_unit(self.compression.codec))
+        shard = shard_numel(numel, nodes.local_size, 1 if state is None else chunk_unit(state.codec))
         padded = torch.zeros(nodes.local_size * shard, dtype=torch.float32, device=flat.device)
         padded[:numel] = flat
         mine = padded[nodes.local_rank * shard:(nodes.local_rank + 1) * shard].clone()
-        if self.compression is None:
+        if state is None:
             mine = self._full_precision(mine, nodes.cross)
         else:
-            mine = self._compressed(mine, f"{purpose}.shard{nodes.local_rank}", nodes.cross)
+            mine = self._compressed(mine, f"{purpose}.shard{nodes.local_rank}", nodes.cross, state)
         all_gather_single(padded, mine, group=nodes.local)
         self.bytes_sent_in_node += 4 * shard * (nodes.local_size - 1)
         return padded[:numel]
 
-    def _compressed(self, flat, purpose, group):
-        state = self.compression
+    def _compressed(self, flat, purpose, group, state):
         num_ranks, rank = group.size(), group.rank()
         step = self.steps.get(purpose, 0)
         plan = state.engine.plan(f"diloco.{purpose}", flat.numel(), num_ranks, rank, 4 * flat.numel(), 0)
@@ -128,12 +129,10 @@ class DistributedDiLoCoMixin(DiLoCoMixin):
 
     def _diloco_exchange_stats(self, counts, reset):
         exchange = self._diloco_exchange
-        stats = {"bytes_sent": exchange.full_precision_bytes}
-        if exchange.compression is not None:  # its plans counted the payloads
-            own = exchange.compression.compression_stats(reset)
-            stats.update({k: v for k, v in own.items() if k not in ("bytes_uncompressed", "compression_ratio",
-                                                                   "bytes_sent")})
-            stats["bytes_sent"] += own["bytes_sent"]
+        states = [s for s in (exchange.compression, exchange.warmup_compression) if s is not None]
+        stats = merge_stats([{"bytes_sent": exchange.full_precision_bytes}] +  # the states' plans counted payloads
+                            [{k: v for k, v in s.compression_stats(reset).items() if k != "bytes_uncompressed"}
+                             for s in states])
         if exchange.hierarchical:
             stats["bytes_sent_in_node"] = exchange.bytes_sent_in_node
         if reset:
@@ -147,8 +146,14 @@ class DistributedDiLoCoMixin(DiLoCoMixin):
         self._diloco_exchange.load(state)
 
 
+def _settings_of(compression):
+    return {"compression": None} if compression is None else {"compression": type(compression).__name__,
+                                                              **compression.settings()}
+
+
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=0.7, outer_momentum=0.5,
-           nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False, process_group=None):
+           nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False, process_group=None,
+           warmup_compression=None):
     r"""DiLoCo over ``torch.distributed``: :func:`horovod_qsgd.torch.diloco.DiLoCo`'s algorithm, defaults and
     methods (``average_models()``, ``compression_stats()``, ``state_dict()``), without Horovod.
 
@@ -170,22 +175,29 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
             it costs and when to use it: :func:`horovod_qsgd.torch.diloco.DiLoCo`.
         process_group: the group whose ranks train together (default: the default group; hierarchical: the
             default group only).
+        warmup_compression: a :class:`~horovod_qsgd.ddp.QSGDState` / :class:`~horovod_qsgd.ddp.TopKState` for
+            the warm-up's gradients (default None: ``compression``'s); why and when:
+            :func:`horovod_qsgd.torch.diloco.DiLoCo`.
     """
     check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
     named = named_parameters_of(optimizer, named_parameters, "DiLoCo")
-    if compression is not None and not isinstance(compression, _PayloadState):
-        raise TypeError(f"horovod_qsgd: DiLoCo (torch.distributed) takes compression=None, QSGDState(...) or "
-                        f"TopKState(...) from horovod_qsgd.ddp, not a {type(compression).__name__}; "
-                        "horovod_qsgd.torch's compressors are Horovod's (use horovod_qsgd.torch.DiLoCo there)")
+    for name, given in (("compression", compression), ("warmup_compression", warmup_compression)):
+        if given is not None and not isinstance(given, _PayloadState):
+            raise TypeError(f"horovod_qsgd: DiLoCo (torch.distributed) takes {name}=None, QSGDState(...) or "
+                            f"TopKState(...) from horovod_qsgd.ddp, not a {type(given).__name__}; "
+                            "horovod_qsgd.torch's compressors are Horovod's (use horovod_qsgd.torch.DiLoCo there)")
+    if warmup_compression is not None and warmup_compression is compression:
+        raise ValueError("horovod_qsgd: DiLoCo: warmup_compression is the outer compressor itself; pass a new "
+                         "instance, or leave it None to warm up through compression")
     if not dist.is_initialized():
         raise RuntimeError("horovod_qsgd: DiLoCo (torch.distributed) needs torch.distributed.init_process_group() "
                            "first (torchrun sets its environment)")
     if hierarchical and process_group is not None:
         raise ValueError("horovod_qsgd: DiLoCo(hierarchical=True) takes the job's nodes: leave process_group=None")
     group = process_group if process_group is not None else dist.group.WORLD
-    exchange = _Exchange(compression, group, hierarchical)
+    exchange = _Exchange(compression, group, hierarchical, warmup_compression)
 
     def check(record, name):
         records = [None] * group.size()
@@ -197,8 +209,9 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
         if hierarchical and exchange.nodes is None:
             exchange.nodes = DistributedNodes.of_this_job(group, None, refuse=local_sgd.needs_nodes)
 
-    settings = {"compression": None} if compression is None else {"compression": type(compression).__name__,
-                                                                  **compression.settings()}
+    settings = _settings_of(compression)
+    if warmup_compression is not None:  # (absent where not given: checkpoints from before it load)
+        settings["warmup_compression"] = _settings_of(warmup_compression)
     loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, check, settings,
                      hierarchical)
     return wrap_optimizer(optimizer, DistributedDiLoCoMixin, _diloco=loop, _diloco_exchange=exchange)

@@ -16,6 +16,7 @@ import torch
 from horovod_qsgd.common.errors import CompressionMismatchError
 from horovod_qsgd.common.naming import HANDSHAKE_NAME
 from horovod_qsgd.common.node_aware import NODE_AWARE, NodeLayout
+from horovod_qsgd.common.stats import merge_stats
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch_shared import in_node, local_sgd
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, DiLoCoMixin, OuterLoop, check_arguments,
@@ -30,13 +31,16 @@ class HorovodDiLoCoMixin(DiLoCoMixin):
     """DiLoCo whose exchange is Horovod's ``grouped_allreduce`` with the compressor."""
 
     def _diloco_exchange_stats(self, counts, reset):
-        compressor, exchange = self._diloco_compression, self._diloco_exchange
-        if not hasattr(compressor, "compression_stats"):  # Horovod's own: float32 or, fp16, half of it
-            stats = {"bytes_sent": 4 * counts["values_exchanged"] // (2 if compressor is hvd.Compression.fp16 else 1)}
-        else:
-            stats = {k: v for k, v in compressor.compression_stats(reset).items()
-                     if k not in ("bytes_uncompressed", "compression_ratio")}
-            stats["bytes_sent"] += 4 * counts["values_exchanged_in_full"]  # average_models(): float32
+        exchange = self._diloco_exchange
+        compressed = counts["values_exchanged"] - counts["values_exchanged_in_full"]
+        parts = [(exchange.compression, compressed)]
+        if exchange.warmup_compression is not None:  # the warm-up's gradients went through its own compressor
+            warm = exchange.warmup_values
+            parts = [(exchange.warmup_compression, warm), (exchange.compression, compressed - warm)]
+            if reset:
+                exchange.warmup_values = 0
+        stats = merge_stats([_sent(compressor, values, reset) for compressor, values in parts])
+        stats["bytes_sent"] += 4 * counts["values_exchanged_in_full"]  # average_models(): float32
         if exchange.hierarchical:  # and the node-aware compressor's own full-precision step in the node
             stats["bytes_sent_in_node"] = stats.get("bytes_sent_in_node", 0) + exchange.bytes_sent_in_node
         if reset:
@@ -44,18 +48,46 @@ class HorovodDiLoCoMixin(DiLoCoMixin):
         return stats
 
     def _diloco_exchange_state(self):
-        compressor = self._diloco_compression
-        return compressor.state_dict() if hasattr(compressor, "state_dict") else None
+        exchange = self._diloco_exchange
+        state = _state_of(exchange.compression)
+        if exchange.warmup_compression is not None:  # (a checkpoint without it keeps the format it had)
+            state = {"outer": state, "warmup": _state_of(exchange.warmup_compression)}
+        return state
 
     def _diloco_load_exchange_state(self, state):
-        if hasattr(self._diloco_compression, "load_state_dict"):
-            self._diloco_compression.load_state_dict(state)
+        exchange = self._diloco_exchange
+        if exchange.warmup_compression is not None:
+            _load_into(exchange.warmup_compression, state["warmup"])
+            state = state["outer"]
+        _load_into(exchange.compression, state)
 
 
-def _exchange_settings(compression):
+def _sent(compressor, values, reset):
+    """What ``compressor`` sent for ``values`` float32 values: its own counters, or Horovod's own allreduce's
+    bytes (``Compression.none``: 4 per value; ``fp16``: 2)."""
+    if hasattr(compressor, "compression_stats"):
+        return {k: v for k, v in compressor.compression_stats(reset).items()
+                if k not in ("bytes_uncompressed", "compression_ratio")}
+    return {"bytes_sent": 4 * values // (2 if compressor is hvd.Compression.fp16 else 1)}
+
+
+def _state_of(compressor):
+    return compressor.state_dict() if hasattr(compressor, "state_dict") else None
+
+
+def _load_into(compressor, state):
+    if hasattr(compressor, "load_state_dict"):
+        compressor.load_state_dict(state)
+
+
+def _exchange_settings(compression, warmup_compression=None):
     if isinstance(compression, type):  # Horovod's own Compression.none / fp16 are classes
-        return {"compression": compression.__name__}
-    return {"compression": type(compression).__name__, **compression.settings()}
+        settings = {"compression": compression.__name__}
+    else:
+        settings = {"compression": type(compression).__name__, **compression.settings()}
+    if warmup_compression is not None:  # (absent where not given: checkpoints from before it load)
+        settings["warmup_compression"] = _exchange_settings(warmup_compression)
+    return settings
 
 
 class _Exchange(in_node.AveragesInNode):
@@ -63,19 +95,25 @@ class _Exchange(in_node.AveragesInNode):
     ``<prefix>.<purpose>``; hierarchical, the in-node averages (:mod:`horovod_qsgd.torch_shared.in_node`) by
     global alltoalls whose splits are zero outside the node (no process set to declare in ``hvd.init()``)."""
 
-    def __init__(self, compression, prefix, process_set, hierarchical):
+    def __init__(self, compression, prefix, process_set, hierarchical, warmup_compression=None):
         super().__init__()
         self.compression, self.prefix, self.process_set = compression, prefix, process_set
-        self.hierarchical = hierarchical
+        self.hierarchical, self.warmup_compression = hierarchical, warmup_compression
+        self.warmup_values = 0  # values the warmup compressor averaged (its stats may not count them)
 
     def __call__(self, tensors, purpose):
         if not tensors:
             return []
         if purpose == "node":
             return self.average_in_node(tensors)
+        compression = self.compression
+        if purpose == "models":
+            compression = hvd.Compression.none
+        elif purpose == "gradients" and self.warmup_compression is not None:
+            compression = self.warmup_compression
+            self.warmup_values += sum(t.numel() for t in tensors)
         return hvd.grouped_allreduce(tensors, name=f"{self.prefix}.{purpose}", op=hvd.Average,
-                                     process_set=self.process_set,
-                                     compression=hvd.Compression.none if purpose == "models" else self.compression)
+                                     process_set=self.process_set, compression=compression)
 
     def _in_node_alltoall(self, send, shard, step):
         splits = self.nodes.in_node_splits(shard)
@@ -122,7 +160,7 @@ def _find_nodes(prefix, process_set):
 
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Compression.none, outer_lr=0.7,
            outer_momentum=0.5, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False,
-           process_set=hvd.global_process_set):
+           process_set=hvd.global_process_set, warmup_compression=None):
     r"""DiLoCo: local steps of ``optimizer`` and, every ``sync_every`` steps, an outer step on the averaged change.
 
     Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (arXiv 2311.08105).
@@ -183,6 +221,11 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
             batch, not a rank's: quality as DiLoCo with as many workers as nodes. Costs per local step: two
             in-node alltoalls of the model's size in float32.
         process_set: the Horovod process set whose ranks train together (default global).
+        warmup_compression: the compressor of the warm-up's gradients (default None: ``compression``'s
+            exchange), its own instance, as ``compression`` takes. Give one where the outer codec does not suit
+            per-step gradients: ``compression=TopK(...)`` (error feedback suits a pseudo-gradient, but per-step
+            Top-k on AdamW's gradients fails) with ``warmup_compression=QSGD(bits=4)``. Its bytes count in
+            ``compression_stats()`` and its state (residuals, step counters) in ``state_dict()``.
 
     Costs: two float32 copies of the model (anchor and outer momentum) beside the inner optimizer's state; per
     outer step one exchange of the model's size and a few passes over it; a host read of the averages'
@@ -212,12 +255,17 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         raise ValueError("horovod_qsgd: DiLoCo: this rank is not in process_set")
     if compression is None:
         compression = hvd.Compression.none
+    if warmup_compression is compression and not isinstance(compression, type):
+        raise ValueError("horovod_qsgd: DiLoCo: warmup_compression is the outer compressor itself; pass a new "
+                         "instance (each keeps its own residuals), or leave it None to warm up through compression")
     if hierarchical:
         compression = _node_aware(compression)
+        if warmup_compression is not None:
+            warmup_compression = _node_aware(warmup_compression)
     prefix = f"{NAME_PREFIX}.{process_set.process_set_id}.{manifest_digest(named):08x}"
-    exchange = _Exchange(compression, prefix, process_set, hierarchical)
+    exchange = _Exchange(compression, prefix, process_set, hierarchical, warmup_compression)
     loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, exchange.check,
-                     _exchange_settings(compression), hierarchical)
+                     _exchange_settings(compression, warmup_compression), hierarchical)
     # _diloco_prefix: the exchange's collectives are named f"{prefix}.{purpose}.{index}"
     return wrap_optimizer(optimizer, HorovodDiLoCoMixin, _diloco=loop, _diloco_compression=compression,
                           _diloco_exchange=exchange, _diloco_prefix=prefix)

@@ -158,3 +158,37 @@ def test_horovod_compressors_and_no_process_group_are_refused_with_the_fix():
         DiLoCo(inner, module.named_parameters(), compression=type("QSGD", (), {})())
     with pytest.raises(RuntimeError, match="needs torch.distributed.init_process_group"):
         DiLoCo(inner, module.named_parameters())
+
+
+@pytest.mark.ranks(2, timeout=170, launcher="torchrun")
+def test_warmup_compression_carries_the_warmup_and_compression_the_outer_steps(dist_gloo):
+    """Top-k outside, QSGD-4 for the warm-up (the model as one flat tensor): both bitwise their codecs', both
+    compressors' bytes counted."""
+    import torch
+
+    from horovod_qsgd.codecs import QSGDCodec
+    from horovod_qsgd.ddp import QSGDState, TopKState
+    from tests.diloco_reference import grads
+    from tests.two_stage_reference import allgather_reference
+    dist = dist_gloo
+    module = model()
+    start = np.concatenate([p.detach().numpy() for p in module.parameters()])
+    opt = _diloco(module, TopKState(ratio=0.05), sync_every=3, warmup_steps=1,
+                  warmup_compression=QSGDState(bits=4))
+    local_steps(opt, module, dist.get_rank(), [0])
+    flat = [np.concatenate(list(grads(r, 0).values())) for r in range(2)]
+    warm = start - allgather_reference(QSGDCodec(bits=4), "diloco.gradients", flat, 0) * np.float32(0.5)
+    assert_every_rank_holds(_gathered(dist, module), warm, "qsgd", "warm-up")
+    reference = Reference("topk", 2, [("diloco.outer", list(SIZES))])
+    offsets = np.cumsum([0] + list(SIZES.values()))
+    reference.anchor = {n: warm[offsets[i]:offsets[i + 1]].copy() for i, n in enumerate(SIZES)}
+    local_steps(opt, module, dist.get_rank(), [1, 2, 3])
+    assert_every_rank_holds(_gathered(dist, module), reference.outer_step([1, 2, 3]), "topk", "outer")
+    stats = opt.compression_stats()
+    assert stats["exchanges"] == {"diloco.gradients": "allgather", "diloco.outer": "allgather"}
+    assert stats["tensors_compressed"] == 2 and stats["bytes_sent"] > QSGDCodec(bits=4).max_payload_nbytes(
+        sum(SIZES.values())), stats
+    with pytest.raises(ValueError, match="warmup_compression is the outer compressor itself"):
+        same = QSGDState(bits=4)
+        _diloco(module, same, warmup_compression=same)
+    assert torch.isfinite(module.a).all()

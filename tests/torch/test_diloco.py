@@ -313,3 +313,53 @@ def test_a_checkpoint_of_the_version_before_hierarchical_loads_and_another_setti
     loop(False).check_state(state)
     with pytest.raises(ValueError, match="hierarchical=False there, True here"):
         loop(True).check_state(state)
+
+
+@pytest.mark.ranks(2)
+def test_warmup_compression_carries_the_warmup_and_compression_the_outer_steps(hvd_torch):
+    """Top-k outside, QSGD-4 for the warm-up: the warm-up step bitwise QSGD's average, the outer step bitwise
+    Top-k's, both compressors' bytes counted, both states in the checkpoint (and its settings checked)."""
+    import torch
+    from horovod_qsgd.codecs import QSGDCodec
+    from horovod_qsgd.torch import QSGD, DiLoCo, TopK
+    from tests.two_stage_reference import allgather_reference
+    hvd = hvd_torch
+    model = _model()
+    start = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+    def build(module, **kwargs):
+        return DiLoCo(torch.optim.SGD(module.parameters(), lr=1.0), module.named_parameters(), sync_every=3,
+                      warmup_steps=1, compression=TopK(ratio=0.05, min_numel=0), outer_lr=OUTER_LR,
+                      outer_momentum=OUTER_MOMENTUM, **kwargs)
+
+    opt = build(model, warmup_compression=QSGD(bits=4, min_numel=0))
+    _local_steps(opt, model, hvd.rank(), [0])
+    warm = {}
+    for i, name in enumerate(SIZES):
+        total = allgather_reference(QSGDCodec(bits=4), f"{opt._diloco_prefix}.gradients.{i}",
+                                    [_grads(r, 0)[name] for r in range(2)], 0)
+        warm[name] = start[name] - total * np.float32(0.5)
+    assert_every_rank_holds(_gathered(hvd, model, "warm"), np.concatenate([warm[n] for n in SIZES]), "qsgd",
+                            "warm-up")
+    reference = Reference("topk", 2, [(f"{opt._diloco_prefix}.outer.{i}", [name]) for i, name in enumerate(SIZES)])
+    reference.anchor = {n: w.copy() for n, w in warm.items()}
+    _local_steps(opt, model, hvd.rank(), [1, 2, 3])
+    assert_every_rank_holds(_gathered(hvd, model, "outer"), reference.outer_step([1, 2, 3]), "topk", "outer")
+    stats = opt.compression_stats()
+    assert stats["tensors_compressed"] == 2 * len(SIZES) and stats["warmup_steps"] == 1, stats
+    assert set(stats["exchanges"]) == {f"{opt._diloco_prefix}.{p}.{i}" for p in ("gradients", "outer")
+                                       for i in range(len(SIZES))}
+    qsgd_bytes = sum(QSGDCodec(bits=4).max_payload_nbytes(n) for n in SIZES.values())
+    assert stats["bytes_sent"] > qsgd_bytes and stats["bytes_uncompressed"] == 4 * 2 * sum(SIZES.values())
+
+    saved = opt.state_dict()
+    assert set(saved["diloco"]["compression"]) == {"outer", "warmup"}
+    again = build(_model(), warmup_compression=QSGD(bits=4, min_numel=0))
+    again.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(again._diloco.anchor, opt._diloco.anchor))
+    with pytest.raises(ValueError, match="warmup_compression"):
+        build(_model()).load_state_dict(saved)  # saved with a warm-up compressor, loaded without one
+    with pytest.raises(ValueError, match="warmup_compression is the outer compressor itself"):
+        same = QSGD(bits=4)
+        DiLoCo(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), compression=same,
+               warmup_compression=same)
