@@ -38,14 +38,17 @@ _HOOKS = {QSGDState: qsgd_hook, TopKState: topk_hook}
 
 
 class GradientCompression(pl.Callback):
-    r"""Registers a horovod_qsgd DDP communication hook on Lightning's DDP model and logs its statistics.
+    r"""Registers a horovod_qsgd DDP communication hook on Lightning's DDP model (or installs FSDP2's compressed
+    reduce-scatter) and logs its statistics.
 
     Args:
-        state (QSGDState or TopKState): the hook's state, built as for
-            ``DistributedDataParallel.register_comm_hook`` (:mod:`horovod_qsgd.ddp`). Its ``compression_stats()``
+        state (QSGDState, TopKState, or horovod_qsgd.fsdp's QSGD or TopK): the hook's state, built as for
+            ``DistributedDataParallel.register_comm_hook`` (:mod:`horovod_qsgd.ddp`), for ``strategy="ddp"``;
+            or, for ``ModelParallelStrategy`` (FSDP2; ``fully_shard`` in ``configure_model``), the compressor
+            :func:`horovod_qsgd.fsdp.compress_reduce_scatter` installs on the model. Its ``compression_stats()``
             is what gets logged and its ``state_dict()`` what the checkpoint keeps.
-        hook (callable, optional): the hook; default: :func:`~horovod_qsgd.ddp.qsgd_hook` for a ``QSGDState``,
-            :func:`~horovod_qsgd.ddp.topk_hook` for a ``TopKState``.
+        hook (callable, optional): the DDP hook; default: :func:`~horovod_qsgd.ddp.qsgd_hook` for a
+            ``QSGDState``, :func:`~horovod_qsgd.ddp.topk_hook` for a ``TopKState`` (none for FSDP2).
         log_every_n_steps (int, optional): log the counters every this many optimizer steps (default: the
             Trainer's ``log_every_n_steps``; 0: never). Logged as ``compression/<counter>`` from rank 0, its
             own counts since the start (``bytes_sent``, ``bytes_uncompressed``, ``compression_ratio``, the
@@ -88,7 +91,7 @@ class GradientCompression(pl.Callback):
                 self.registered = True
             else:
                 warnings.warn("horovod_qsgd: the strategy already registered a DDP communication hook "
-                              f"({registered[0][0].__name__}); GradientCompression registered none (DDP takes one). "
+                              f"({getattr(registered[0][0], '__name__', registered[0][0])}); GradientCompression registered none (DDP takes one). "
                               "Pass the hook to DDPStrategy or to this callback, not both.")
             return
         if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
