@@ -187,3 +187,45 @@ def test_accelerate_ignores_fsdp_on_cpu_processes_and_the_example_says_so(dist_g
     example = _example("accelerate_digits")
     with pytest.raises(SystemExit, match="Accelerate chose DistributedType.MULTI_CPU and ignored the FSDP plugin"):
         example.main(["--fsdp2", "--epochs", "1"])
+
+
+@ON_2
+def test_lightning_resume_gives_each_rank_its_own_residuals_through_trainer_checkpoints(dist_gloo):
+    """trainer.save_checkpoint on every rank, then fit(ckpt_path=...) with a new callback: each rank's Top-k
+    residuals are the ones it saved (the checkpoint rank 0 wrote holds both ranks')."""
+    import tempfile
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from horovod_qsgd.ddp import TopKState
+    from horovod_qsgd.lightning import GradientCompression
+    example = _example("lightning_digits")
+    args = example.parse_args(["--compression", "topk"])
+    train, test = example.data()
+    where = [tempfile.mkdtemp(prefix="hq-lightning-") if dist_gloo.get_rank() == 0 else None]
+    dist_gloo.broadcast_object_list(where, 0)
+    path = os.path.join(where[0], "last.ckpt")
+
+    def trainer(epochs, callback, probe=()):
+        return L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo"),
+                         max_epochs=epochs, callbacks=[callback, *probe], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+
+    first = GradientCompression(TopKState(ratio=0.01))
+    run = trainer(1, first)
+    run.fit(example.DigitsMLP(args), train, test)
+    run.save_checkpoint(path)
+    saved = {k: v.clone() for k, v in first.state.state_dict()["residuals"].items()}
+    assert saved and len(set(_every_rank(dist_gloo, float(sum(v.abs().sum() for v in saved.values()))))) == 2
+
+    class Probe(L.Callback):
+        loaded = None
+
+        def on_fit_start(self, trainer, pl_module):  # after the checkpoint was restored, before any step
+            Probe.loaded = {k: v.clone() for k, v in second.state.state_dict()["residuals"].items()}
+
+    second = GradientCompression(TopKState(ratio=0.01))
+    trainer(2, second, [Probe()]).fit(example.DigitsMLP(args), train, test, ckpt_path=path)
+    assert set(Probe.loaded) == set(saved) and all(torch.equal(Probe.loaded[k], saved[k]) for k in saved)
