@@ -49,7 +49,8 @@ class _Exchange(in_node.AveragesInNode):
         if purpose == "node":
             return self.average_in_node(tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        state = self.warmup_compression if purpose == "gradients" and self.warmup_compression else self.compression
+        warm = purpose == "gradients" and self.warmup_compression is not None
+        state = self.warmup_compression if warm else self.compression
         if purpose == "models":
             dist.all_reduce(flat, group=self.group)
             flat.div_(self.group.size())
