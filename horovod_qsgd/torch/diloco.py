@@ -208,7 +208,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         outer_momentum (float): :math:`\mu` (default 0.5). DiLoCo's paper uses 0.9 with 8 workers and
             ``H`` = 500 from a pretrained model; from scratch on 2 ranks with 50 outer steps 0.9 diverged
             (+0.8 nats) and 0.3 or an outer lr of 1.0 did worse than 0.5. At 4 ranks (1600 steps, warm-up 80,
-            one seed) 0.8 ended +0.024 nats against 0.5's +0.053: raise it with the ranks.
+            QSGD-2) 0.8 ended +0.019 ± 0.004 nats (two seeds) against 0.5's +0.053: raise it with the ranks.
         nesterov (bool): Nesterov momentum (default True); False: heavy ball, :math:`\theta \leftarrow
             \theta - \eta m`.
         warmup_steps (int): synchronous steps first (default 80). Each sends a gradient, compressed, so it
