@@ -24,7 +24,8 @@ from horovod_qsgd.torch_shared.arrays import as_array
 from horovod_qsgd.torch_shared import in_node, local_sgd
 from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, all_gather_single
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, START_ALIKE, DiLoCoMixin, OuterLoop,
-                                               check_arguments, named_parameters_of, wrap_optimizer)
+                                               check_arguments, check_warmup_compression, named_parameters_of,
+                                               wrap_optimizer)
 
 __all__ = ["DiLoCo"]
 START_ALIKE_HERE = START_ALIKE.format(broadcast="torch.distributed.broadcast(p.data, 0) of every parameter")
@@ -132,8 +133,7 @@ class DistributedDiLoCoMixin(DiLoCoMixin):
         exchange = self._diloco_exchange
         states = [s for s in (exchange.compression, exchange.warmup_compression) if s is not None]
         stats = merge_stats([{"bytes_sent": exchange.full_precision_bytes}] +  # the states' plans counted payloads
-                            [{k: v for k, v in s.compression_stats(reset).items() if k != "bytes_uncompressed"}
-                             for s in states])
+                            [s.compression_stats(reset) for s in states])
         if exchange.hierarchical:
             stats["bytes_sent_in_node"] = exchange.bytes_sent_in_node
         if reset:
@@ -189,9 +189,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
             raise TypeError(f"horovod_qsgd: DiLoCo (torch.distributed) takes {name}=None, QSGDState(...) or "
                             f"TopKState(...) from horovod_qsgd.ddp, not a {type(given).__name__}; "
                             "horovod_qsgd.torch's compressors are Horovod's (use horovod_qsgd.torch.DiLoCo there)")
-    if warmup_compression is not None and warmup_compression is compression:
-        raise ValueError("horovod_qsgd: DiLoCo: warmup_compression is the outer compressor itself; pass a new "
-                         "instance, or leave it None to warm up through compression")
+    check_warmup_compression(compression, warmup_compression)
     if not dist.is_initialized():
         raise RuntimeError("horovod_qsgd: DiLoCo (torch.distributed) needs torch.distributed.init_process_group() "
                            "first (torchrun sets its environment)")

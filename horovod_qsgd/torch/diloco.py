@@ -20,7 +20,8 @@ from horovod_qsgd.common.stats import merge_stats
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch_shared import in_node, local_sgd
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, DiLoCoMixin, OuterLoop, check_arguments,
-                                               manifest_digest, named_parameters_of, wrap_optimizer)
+                                               check_warmup_compression, manifest_digest, named_parameters_of,
+                                               wrap_optimizer)
 
 __all__ = ["DiLoCo", "DiLoCoMixin"]  # isinstance(optimizer, DiLoCoMixin): either adapter's DiLoCo
 NAME_PREFIX = "horovod_qsgd.diloco"
@@ -66,8 +67,7 @@ def _sent(compressor, values, reset):
     """What ``compressor`` sent for ``values`` float32 values: its own counters, or Horovod's own allreduce's
     bytes (``Compression.none``: 4 per value; ``fp16``: 2)."""
     if hasattr(compressor, "compression_stats"):
-        return {k: v for k, v in compressor.compression_stats(reset).items()
-                if k not in ("bytes_uncompressed", "compression_ratio")}
+        return compressor.compression_stats(reset)
     return {"bytes_sent": 4 * values // (2 if compressor is hvd.Compression.fp16 else 1)}
 
 
@@ -258,9 +258,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         raise ValueError("horovod_qsgd: DiLoCo: this rank is not in process_set")
     if compression is None:
         compression = hvd.Compression.none
-    if warmup_compression is compression and not isinstance(compression, type):
-        raise ValueError("horovod_qsgd: DiLoCo: warmup_compression is the outer compressor itself; pass a new "
-                         "instance (each keeps its own residuals), or leave it None to warm up through compression")
+    check_warmup_compression(compression, warmup_compression)
     if hierarchical:
         compression = _node_aware(compression)
         if warmup_compression is not None:

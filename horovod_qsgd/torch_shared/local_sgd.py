@@ -59,6 +59,14 @@ def check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps):
         raise ValueError(f"horovod_qsgd: DiLoCo: warmup_steps={warmup_steps!r} must be an integer >= 0")
 
 
+def check_warmup_compression(compression, warmup_compression):
+    """Refuses one compressor instance for both the outer exchange and the warm-up: each keeps its own residuals
+    and step counters (Horovod's own none / fp16, classes without state, may serve both)."""
+    if warmup_compression is not None and warmup_compression is compression and not isinstance(compression, type):
+        raise ValueError("horovod_qsgd: DiLoCo: warmup_compression is the outer compressor itself; pass a new "
+                         "instance (each keeps its own residuals), or leave it None to warm up through compression")
+
+
 def named_parameters_of(optimizer, named_parameters, who, keep_unstepped=False):
     """[(name, parameter)] of every parameter ``optimizer`` steps, in ``named_parameters``' order (names from
     ``model.named_parameters()``, or ``param.<i>`` where None); ``keep_unstepped``: the named parameters the
@@ -335,8 +343,8 @@ class DiLoCoMixin:
         is ``bytes_uncompressed``.
         """
         counts = dict(self._diloco.counts)
-        stats = dict(counts, bytes_uncompressed=4 * counts["values_exchanged"])
-        stats.update(self._diloco_exchange_stats(counts, reset))
+        stats = dict(counts, **self._diloco_exchange_stats(counts, reset))
+        stats["bytes_uncompressed"] = 4 * counts["values_exchanged"]  # the loop's, not a compressor's own count
         sent = stats["bytes_sent"]
         stats["compression_ratio"] = stats["bytes_uncompressed"] / sent if sent else float("nan")
         if reset:
