@@ -31,6 +31,9 @@ class BucketFeedback:
         # bucket index -> [stamps, steps started]: a GPU's verdicts, stamped by the pass that scales a bucket's
         # result and read by its next step's kernels (the node-aware exchange decides on the host)
         self._verdicts = {}
+        # buckets whose step started since steps_over(): their stamps are being written (a Gloo thread, a GPU
+        # stream) and the iteration's verdict is not made; the host reads or resets none of them
+        self._started = set()
         self._spilled = {}          # key -> owner-residual mass moved here, added at the parameter's next read
         self._held = {}             # key -> the residual of a parameter no gradient reached, until one does
         self._owner_residuals = {}  # bucket index -> _OwnerResidual
@@ -40,6 +43,7 @@ class BucketFeedback:
     def state_dict(self):
         """{residuals: by parameter key (spilled mass included), owner_residuals, shard_residuals: by bucket}."""
         with self._lock:
+            self._started.clear()  # between iterations
             self._settle_on_host()
             residuals = {key: r.clone() for key, r in self._residuals.items()}
             for key, spilled in [*self._spilled.items(), *self._held.items()]:  # maybe nothing else kept
@@ -51,7 +55,7 @@ class BucketFeedback:
     def load_state_dict(self, state):
         with self._lock:
             self._residuals = {int(key): r.clone() for key, r in state["residuals"].items()}
-            self._bucket_residuals, self._bucket_layouts, self._verdicts = {}, {}, {}
+            self._bucket_residuals, self._bucket_layouts, self._verdicts, self._started = {}, {}, {}, set()
             self._spilled, self._held = {}, {}
             self._owner_residuals = {int(index): _OwnerResidual.from_dict(o)
                                      for index, o in state["owner_residuals"].items()}
@@ -77,6 +81,12 @@ class BucketFeedback:
                     owner.scale(factor)
 
     # -- a bucket's step --------------------------------------------------------------------
+    def steps_over(self):
+        """Every bucket step started so far has finished (an iteration's first bucket: DDP waited for the last
+        iteration's): the host may settle any bucket again."""
+        with self._lock:
+            self._started.clear()
+
     def step_stamps(self, index, device):
         """(bucket ``index``'s stamps on a GPU, or None on the CPU where the host decides; the stamp of its step
         starting now): taken after anything that settles the residuals on the host, before the step's kernels."""
@@ -89,6 +99,7 @@ class BucketFeedback:
                 self._settle_on_host()
                 verdict = self._verdicts[index] = [stamps, 0]
             verdict[1] += 1
+            self._started.add(index)
             return verdict[0], verdict[1] - 1
 
     def residual(self, index, layout, staged_numel, device):
@@ -194,8 +205,13 @@ class BucketFeedback:
     # -- under the lock ---------------------------------------------------------------------
     def _settle_on_host(self):
         """Every bucket's residuals in ``kept`` as their stamps say (one host read per bucket), its parameters'
-        residuals views of them, the stamps reset: before anything but a step reads or changes them."""
+        residuals views of them, the stamps reset: before anything but a step reads or changes them. Not the
+        buckets of the iteration under way: their stamps may not be written yet (a reset would lose them) or
+        say only their own result (the iteration's verdict comes at its end), and nothing read here is theirs
+        (DDP's buckets of one iteration hold disjoint parameters)."""
         for index, (stamps, _) in self._verdicts.items():
+            if index in self._started:
+                continue
             read = stamps.cpu()
             for kept in (self._bucket_residuals.get(index), self._owner_residuals.get(index)):
                 if kept is not None:

@@ -244,6 +244,7 @@ def payload_hook(state, bucket):
     buffer = bucket.buffer()
     if bucket.index() == 0:  # an iteration's first bucket: the last iteration is over, and decided
         state.verdict.settle()
+        state.feedback.steps_over()
     state.handshake(group, buffer.device)
     num_ranks = group.size()
     split = state.split(bucket)

@@ -1,0 +1,87 @@
+"""The DDP hooks' residual store where the verdicts are stamped as on a GPU, one process, the buckets' steps
+interleaved as Gloo's threads and a GPU's streams interleave them: a bucket's result is finished (its stamps
+written) while the hook call of a later bucket of the same iteration gathers residuals after DDP's rebuild."""
+import numpy as np
+import pytest
+import torch
+
+from horovod_qsgd.common.feedback import StepVerdict
+from horovod_qsgd.ddp.feedback import BucketFeedback
+from horovod_qsgd.kernels import finish_sum
+from horovod_qsgd.kernels.select import ADD_PREVIOUS
+from horovod_qsgd.kernels._arrays import split_residual
+from horovod_qsgd.torch_shared.arrays import as_array
+from horovod_qsgd.torch_shared.feedback import DEVICE_VERDICT_ENV, mark_step_on_device
+
+NUMEL = 8
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def stamped(monkeypatch):
+    monkeypatch.setenv(DEVICE_VERDICT_ENV, "1")
+
+
+def _start(feedback, index, layout, gradient):
+    """A bucket's first pass, as the error-feedback kernels make it: reads the residual where the stamps say,
+    writes gradient + residual (all of it unsent) as the new one. Returns (stamps, stamp) for its finish."""
+    carried, stamps, stamp = feedback.residual(index, layout, gradient.numel(), CPU)
+    target, (source, how) = split_residual(as_array(carried))
+    if how == ADD_PREVIOUS:
+        target[:] = gradient.numpy() + source
+    else:  # the last step counted: its residual (in target) moves to source as it is read
+        source[:] = target
+        target[:] = gradient.numpy() + source
+    return stamps, stamp
+
+
+def _finish(verdict, index, stamps, stamp, finite):
+    total = torch.full((NUMEL,), 1.0 if finite else np.inf)
+    finish_sum(as_array(total), 1.0, stamps=as_array(stamps), stamp=stamp + 1, counter=np.zeros(1, np.int64))
+    verdict.defer_on_device(index, (stamps, stamp + 1))
+
+
+def test_a_bucket_finished_before_a_later_bucket_gathers_still_waits_for_the_iterations_verdict(stamped):
+    """Iteration 0: one bucket of parameters 0 and 1. Iteration 1 (DDP rebuilt the buckets): bucket 0 holds
+    parameter 1 and finishes finite before bucket 1 (parameter 0) gathers its residual; bucket 1's result is
+    inf, so the iteration does not count and no residual keeps anything of it. The gather settled every bucket
+    on the host, bucket 0 by its own finite stamp, and parameter 1 kept iteration 1's residual."""
+    feedback, verdict = BucketFeedback(), StepVerdict(mark_step_on_device)
+    first = [torch.arange(NUMEL, dtype=torch.float32) + 1, torch.arange(NUMEL, dtype=torch.float32) + 100]
+    second = [torch.full((NUMEL,), 0.5), torch.full((NUMEL,), 0.25)]
+
+    stamps, stamp = _start(feedback, 0, [(0, 0, NUMEL), (1, NUMEL, NUMEL)], torch.cat(first))
+    _finish(verdict, 0, stamps, stamp, finite=True)
+
+    verdict.settle()  # iteration 1's first bucket
+    feedback.steps_over()
+    stamps0, stamp0 = _start(feedback, 0, [(1, 0, NUMEL)], second[1])
+    _finish(verdict, 0, stamps0, stamp0, finite=True)
+    stamps1, stamp1 = _start(feedback, 1, [(0, 0, NUMEL)], second[0])
+    _finish(verdict, 1, stamps1, stamp1, finite=False)
+    verdict.settle()
+
+    residuals = feedback.state_dict()["residuals"]
+    for key in (0, 1):
+        assert torch.equal(residuals[key], first[key]), f"parameter {key}: {residuals[key]} != {first[key]}"
+
+
+def test_a_counted_iteration_after_the_rebuild_keeps_every_buckets_new_residual(stamped):
+    """The same interleaving, every result finite: each parameter's residual is the sum of its two gradients,
+    and the next iteration's first pass reads it (its stamps not lost to another bucket's gather)."""
+    feedback, verdict = BucketFeedback(), StepVerdict(mark_step_on_device)
+    first = [torch.arange(NUMEL, dtype=torch.float32) + 1, torch.arange(NUMEL, dtype=torch.float32) + 100]
+    second = [torch.full((NUMEL,), 0.5), torch.full((NUMEL,), 0.25)]
+    stamps, stamp = _start(feedback, 0, [(0, 0, NUMEL), (1, NUMEL, NUMEL)], torch.cat(first))
+    _finish(verdict, 0, stamps, stamp, finite=True)
+    for iteration in (1, 2):
+        verdict.settle()
+        feedback.steps_over()
+        stamps0, stamp0 = _start(feedback, 0, [(1, 0, NUMEL)], second[1])
+        _finish(verdict, 0, stamps0, stamp0, finite=True)
+        stamps1, stamp1 = _start(feedback, 1, [(0, 0, NUMEL)], second[0])
+        _finish(verdict, 1, stamps1, stamp1, finite=True)
+    verdict.settle()
+    residuals = feedback.state_dict()["residuals"]
+    for key in (0, 1):
+        assert torch.equal(residuals[key], first[key] + 2 * second[key]), f"parameter {key}"
