@@ -41,47 +41,49 @@ def _finish(verdict, index, stamps, stamp, finite):
     verdict.defer_on_device(index, (stamps, stamp + 1))
 
 
+FIRST = [torch.arange(NUMEL, dtype=torch.float32) + 1, torch.arange(NUMEL, dtype=torch.float32) + 100]
+SECOND = [torch.full((NUMEL,), 0.5), torch.full((NUMEL,), 0.25)]
+
+
+def _first_iteration():
+    """One bucket of parameters 0 and 1, its result finite: (the store, the verdict)."""
+    feedback, verdict = BucketFeedback(), StepVerdict(mark_step_on_device)
+    stamps, stamp = _start(feedback, 0, [(0, 0, NUMEL), (1, NUMEL, NUMEL)], torch.cat(FIRST))
+    _finish(verdict, 0, stamps, stamp, finite=True)
+    return feedback, verdict
+
+
+def _rebuilt_iteration(feedback, verdict, last_finite=True):
+    """Bucket 0 holds parameter 1 and finishes before bucket 1 (parameter 0) gathers its residual."""
+    verdict.settle()  # as the iteration's first hook call does
+    feedback.steps_over()
+    stamps0, stamp0 = _start(feedback, 0, [(1, 0, NUMEL)], SECOND[1])
+    _finish(verdict, 0, stamps0, stamp0, finite=True)
+    stamps1, stamp1 = _start(feedback, 1, [(0, 0, NUMEL)], SECOND[0])
+    _finish(verdict, 1, stamps1, stamp1, finite=last_finite)
+
+
 def test_a_bucket_finished_before_a_later_bucket_gathers_still_waits_for_the_iterations_verdict(stamped):
     """Iteration 0: one bucket of parameters 0 and 1. Iteration 1 (DDP rebuilt the buckets): bucket 0 holds
     parameter 1 and finishes finite before bucket 1 (parameter 0) gathers its residual; bucket 1's result is
-    inf, so the iteration does not count and no residual keeps anything of it. The gather settled every bucket
-    on the host, bucket 0 by its own finite stamp, and parameter 1 kept iteration 1's residual."""
-    feedback, verdict = BucketFeedback(), StepVerdict(mark_step_on_device)
-    first = [torch.arange(NUMEL, dtype=torch.float32) + 1, torch.arange(NUMEL, dtype=torch.float32) + 100]
-    second = [torch.full((NUMEL,), 0.5), torch.full((NUMEL,), 0.25)]
-
-    stamps, stamp = _start(feedback, 0, [(0, 0, NUMEL), (1, NUMEL, NUMEL)], torch.cat(first))
-    _finish(verdict, 0, stamps, stamp, finite=True)
-
-    verdict.settle()  # iteration 1's first bucket
-    feedback.steps_over()
-    stamps0, stamp0 = _start(feedback, 0, [(1, 0, NUMEL)], second[1])
-    _finish(verdict, 0, stamps0, stamp0, finite=True)
-    stamps1, stamp1 = _start(feedback, 1, [(0, 0, NUMEL)], second[0])
-    _finish(verdict, 1, stamps1, stamp1, finite=False)
+    inf, so the iteration does not count and no residual keeps anything of it. (A gather that settled every
+    bucket on the host settled bucket 0 by its own finite stamp: parameter 1 kept iteration 1's residual.)"""
+    feedback, verdict = _first_iteration()
+    _rebuilt_iteration(feedback, verdict, last_finite=False)
     verdict.settle()
-
     residuals = feedback.state_dict()["residuals"]
     for key in (0, 1):
-        assert torch.equal(residuals[key], first[key]), f"parameter {key}: {residuals[key]} != {first[key]}"
+        assert torch.equal(residuals[key], FIRST[key]), f"parameter {key}: {residuals[key]} != {FIRST[key]}"
 
 
 def test_a_counted_iteration_after_the_rebuild_keeps_every_buckets_new_residual(stamped):
     """The same interleaving, every result finite: each parameter's residual is the sum of its two gradients,
-    and the next iteration's first pass reads it (its stamps not lost to another bucket's gather)."""
-    feedback, verdict = BucketFeedback(), StepVerdict(mark_step_on_device)
-    first = [torch.arange(NUMEL, dtype=torch.float32) + 1, torch.arange(NUMEL, dtype=torch.float32) + 100]
-    second = [torch.full((NUMEL,), 0.5), torch.full((NUMEL,), 0.25)]
-    stamps, stamp = _start(feedback, 0, [(0, 0, NUMEL), (1, NUMEL, NUMEL)], torch.cat(first))
-    _finish(verdict, 0, stamps, stamp, finite=True)
-    for iteration in (1, 2):
-        verdict.settle()
-        feedback.steps_over()
-        stamps0, stamp0 = _start(feedback, 0, [(1, 0, NUMEL)], second[1])
-        _finish(verdict, 0, stamps0, stamp0, finite=True)
-        stamps1, stamp1 = _start(feedback, 1, [(0, 0, NUMEL)], second[0])
-        _finish(verdict, 1, stamps1, stamp1, finite=True)
+    and the next iteration's first pass reads it. (Bucket 0's stamps reset by bucket 1's gather made the whole
+    iteration's verdict 'not counted': parameter 0 lost its second gradient.)"""
+    feedback, verdict = _first_iteration()
+    for _ in range(2):
+        _rebuilt_iteration(feedback, verdict)
     verdict.settle()
     residuals = feedback.state_dict()["residuals"]
     for key in (0, 1):
-        assert torch.equal(residuals[key], first[key] + 2 * second[key]), f"parameter {key}"
+        assert torch.equal(residuals[key], FIRST[key] + 2 * SECOND[key]), f"parameter {key}"
