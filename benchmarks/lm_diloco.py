@@ -11,10 +11,11 @@ name says what runs:
 
 - ``adamw`` / ``adamw-<compressor>``: ``hvd.DistributedOptimizer`` around AdamW, every step's gradient
   averaged (``<compressor>`` a name of ``benchmarks/compressors.py``, e.g. ``adamw-qsgd-4bit``);
-- ``diloco-h<H>[-<compressor>][-lr<outer lr>][-m<outer momentum>][-w<warm-up steps>][~<compressor>][-hier]``:
-  :func:`horovod_qsgd.torch.DiLoCo` around AdamW, ``sync_every=H``, the outer exchange (and warm-up) through
-  the compressor (none: float32), the other settings at DiLoCo's defaults unless named (``~<compressor>``:
-  the warm-up's own, ``warmup_compression``; ``-hier``: ``hierarchical=True``, on nodes of several ranks);
+- ``diloco-h<H>[-<compressor>][-lr<outer lr>][-m<outer momentum>][-w<warm-up steps>][-f<fragments>]
+  [~<compressor>][-hier]``: :func:`horovod_qsgd.torch.DiLoCo` around AdamW, ``sync_every=H``, the outer
+  exchange (and warm-up) through the compressor (none: float32), the other settings at DiLoCo's defaults
+  unless named (``-f``: streaming DiLoCo's ``fragments``; ``~<compressor>``: the warm-up's own,
+  ``warmup_compression``; ``-hier``: ``hierarchical=True``, on nodes of several ranks);
 - ``@<lr>`` after any name: the inner learning rate (default ``--lr``), for the baseline's sweep.
 
 Every run ends with ``average_models()`` and a validation pass. Bytes: on nodelab's nodes each node's local
@@ -41,8 +42,8 @@ from benchmarks.compressors import SPECS, build  # noqa: E402
 
 STEPS = 800
 WEIGHT_DECAY = 0.01
-NAME = re.compile(r"^(?P<kind>adamw|diloco-h(?P<h>\d+))(?:-(?!(?:lr|m|w)[0-9])(?P<codec>[a-z0-9%.-]+?))?"
-                  r"(?:-lr(?P<olr>[0-9.]+))?(?:-m(?P<mom>[0-9.]+))?(?:-w(?P<warm>\d+))?"
+NAME = re.compile(r"^(?P<kind>adamw|diloco-h(?P<h>\d+))(?:-(?!(?:lr|m|w|f)[0-9])(?P<codec>[a-z0-9%.-]+?))?"
+                  r"(?:-lr(?P<olr>[0-9.]+))?(?:-m(?P<mom>[0-9.]+))?(?:-w(?P<warm>\d+))?(?:-f(?P<frag>\d+))?"
                   r"(?:~(?P<wcodec>[a-z0-9%.-]+?))?(?P<hier>-hier)?(?:@(?P<lr>[0-9.e-]+))?$")
 
 
@@ -68,7 +69,8 @@ def train(hvd, compressors, name, corpus, seed, s, base_lr):
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression)
     else:
         extra = {k: cast(match[g]) for k, g, cast in (("outer_lr", "olr", float), ("outer_momentum", "mom", float),
-                                                       ("warmup_steps", "warm", int), ("hierarchical", "hier", bool))
+                                                       ("warmup_steps", "warm", int), ("fragments", "frag", int),
+                                                       ("hierarchical", "hier", bool))
                  if match[g]}
         if match["wcodec"]:
             extra["warmup_compression"] = build(match["wcodec"], compressors, seed=seed)

@@ -79,28 +79,29 @@ class Reference:
         self.anchor = {n: p.detach().numpy().copy() for n, p in model().named_parameters()}
         self.momentum = {n: np.zeros_like(a) for n, a in self.anchor.items()}
         self.residuals, self.owner_residuals = {}, {}
-        self.outer = 0
+        self.outer = {}  # key name -> outer steps it took (its codec's step)
 
     def _average(self, key_name, deltas):
+        step = self.outer[key_name] = self.outer.get(key_name, -1) + 1
         numel = deltas[0].size
         feedback = self.kind.startswith("topk")
         if self.node_shards:
-            return self._average_node_shards(key_name, deltas[::self.per_node], feedback)
+            return self._average_node_shards(key_name, deltas[::self.per_node], feedback, step)
         residuals = self.residuals.setdefault(key_name, [np.zeros(numel, np.float32)
                                                          for _ in range(self.num_ranks)]) if feedback else None
         if self.per_node is not None:
-            total = node_aware_reference(self.codec, self.codec, key_name, deltas, self.outer, self.unit,
+            total = node_aware_reference(self.codec, self.codec, key_name, deltas, step, self.unit,
                                          self.per_node, residuals)
         elif self.kind.endswith("two-stage"):
             owner = self.owner_residuals.setdefault(key_name, [np.zeros(e - b, np.float32) for b, e in
                                                                bounds(numel, self.num_ranks, self.unit)])
-            total = two_stage_reference(self.codec, self.codec, key_name, deltas, self.outer, self.unit, residuals,
+            total = two_stage_reference(self.codec, self.codec, key_name, deltas, step, self.unit, residuals,
                                         owner if feedback else None)
         else:
-            total = allgather_reference(self.codec, key_name, deltas, self.outer, residuals)
+            total = allgather_reference(self.codec, key_name, deltas, step, residuals)
         return total * np.float32(1.0 / self.num_ranks)
 
-    def _average_node_shards(self, key_name, node_deltas, feedback):
+    def _average_node_shards(self, key_name, node_deltas, feedback, step):
         numel, nodes, local_size = node_deltas[0].size, len(node_deltas), self.per_node
         shard = -(-numel // (local_size * self.unit)) * self.unit
         padded = [np.concatenate([d, np.zeros(local_size * shard - numel, np.float32)]) for d in node_deltas]
@@ -110,15 +111,15 @@ class Reference:
             residuals = self.residuals.setdefault(name, [np.zeros(shard, np.float32) for _ in range(nodes)]) \
                 if feedback else None
             parts = [p[j * shard:(j + 1) * shard] for p in padded]
-            total[j * shard:(j + 1) * shard] = allgather_reference(self.codec, name, parts, self.outer, residuals) \
+            total[j * shard:(j + 1) * shard] = allgather_reference(self.codec, name, parts, step, residuals) \
                 * np.float32(1.0 / nodes)
         return total[:numel]
 
-    def outer_step(self, steps):
+    def outer_step(self, steps, groups=None):
         """The models (concatenated in SIZES' order) after the local steps ``steps`` on every rank and one outer
-        step. With ``kind="none"`` the average is the exact mean (the exchange's float32 sum has its own order:
-        compare with a tolerance)."""
-        for key_name, names in self.groups:
+        step of ``groups`` (default: every group; streaming DiLoCo: a fragment's). With ``kind="none"`` the
+        average is the exact mean (the exchange's float32 sum has its own order: compare with a tolerance)."""
+        for key_name, names in self.groups if groups is None else groups:
             anchor = np.concatenate([self.anchor[n] for n in names])
             deltas = []
             for rank in range(self.num_ranks):
@@ -138,5 +139,27 @@ class Reference:
                 offset += SIZES[n]
                 self.momentum[n] = self.momentum[n] * mu + part
                 self.anchor[n] = self.anchor[n] - (self.momentum[n] * mu + part) * lr
-        self.outer += 1
         return np.concatenate([self.anchor[n] for n in SIZES])
+
+
+def check_streaming(opt, module, rank, reference, fragment_groups, gathered, kind):
+    """Streaming DiLoCo with ``sync_every=4, fragments=2`` over 12 steps: fragment 0 (SIZES' "a") takes its outer
+    step after steps 2, 6 and 10, fragment 1 ("b") after 4, 8 and 12, each on the local steps since its own last
+    one; after each, that fragment bitwise the reference on every rank and the other still each rank's own.
+    ``gathered(label)``: every rank's model (SIZES' order), one row per rank. Returns the optimizer's stats."""
+    spans = {0: (0, SIZES["a"]), 1: (SIZES["a"], SIZES["a"] + SIZES["b"])}
+    due, last = {2: 0, 0: 1}, {0: 0, 1: 0}
+    for count in range(1, 13):
+        local_steps(opt, module, rank, [count - 1])
+        fragment = due.get(count % 4)
+        if fragment is None:
+            continue
+        want = reference.outer_step(range(last[fragment], count), [fragment_groups[fragment]])
+        last[fragment] = count
+        everyone = gathered(f"{kind}.{count}")
+        (begin, end), (other_begin, other_end) = spans[fragment], spans[1 - fragment]
+        assert_every_rank_holds(everyone[:, begin:end], want[begin:end], kind, (kind, count, fragment))
+        others = everyone[:, other_begin:other_end]
+        assert not all(bool((others[0] == row).all()) for row in others[1:]), (kind, count, "the other fragment")
+    assert opt.outer_steps == 6
+    return opt.compression_stats()

@@ -24,8 +24,8 @@ from horovod_qsgd.torch_shared.arrays import as_array
 from horovod_qsgd.torch_shared import in_node, local_sgd
 from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, all_gather_single
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, START_ALIKE, DiLoCoMixin, OuterLoop,
-                                               check_arguments, check_warmup_compression, named_parameters_of,
-                                               wrap_optimizer)
+                                               check_arguments, check_fragments, check_warmup_compression,
+                                               named_parameters_of, wrap_optimizer)
 
 __all__ = ["DiLoCo"]
 START_ALIKE_HERE = START_ALIKE.format(broadcast="torch.distributed.broadcast(p.data, 0) of every parameter")
@@ -154,7 +154,7 @@ def _settings_of(compression):
 
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=0.7, outer_momentum=0.5,
            nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False, process_group=None,
-           warmup_compression=None):
+           warmup_compression=None, fragments=1):
     r"""DiLoCo over ``torch.distributed``: :func:`horovod_qsgd.torch.diloco.DiLoCo`'s algorithm, defaults and
     methods (``average_models()``, ``compression_stats()``, ``state_dict()``), without Horovod.
 
@@ -179,11 +179,16 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
         warmup_compression: a :class:`~horovod_qsgd.ddp.QSGDState` / :class:`~horovod_qsgd.ddp.TopKState` for
             the warm-up's gradients (default None: ``compression``'s); why and when:
             :func:`horovod_qsgd.torch.diloco.DiLoCo`.
+        fragments (int): streaming DiLoCo: this many runs of consecutive parameters, each taking its outer
+            step at a step of its own once every ``sync_every`` steps, with its own exchange and residuals
+            (default 1: the whole model at once). What it costs and when to use it:
+            :func:`horovod_qsgd.torch.diloco.DiLoCo`.
     """
-    check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
+    check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps, fragments)
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
     named = named_parameters_of(optimizer, named_parameters, "DiLoCo")
+    check_fragments(named, fragments)
     for name, given in (("compression", compression), ("warmup_compression", warmup_compression)):
         if given is not None and not isinstance(given, _PayloadState):
             raise TypeError(f"horovod_qsgd: DiLoCo (torch.distributed) takes {name}=None, QSGDState(...) or "
@@ -212,5 +217,5 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
     if warmup_compression is not None:  # (absent where not given: checkpoints from before it load)
         settings["warmup_compression"] = _settings_of(warmup_compression)
     loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, check, settings,
-                     hierarchical)
+                     hierarchical, fragments)
     return wrap_optimizer(optimizer, DistributedDiLoCoMixin, _diloco=loop, _diloco_exchange=exchange)

@@ -20,8 +20,8 @@ from horovod_qsgd.common.stats import merge_stats
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch_shared import in_node, local_sgd
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, DiLoCoMixin, OuterLoop, check_arguments,
-                                               check_warmup_compression, manifest_digest, named_parameters_of,
-                                               wrap_optimizer)
+                                               check_fragments, check_warmup_compression, manifest_digest,
+                                               named_parameters_of, wrap_optimizer)
 
 __all__ = ["DiLoCo", "DiLoCoMixin"]  # isinstance(optimizer, DiLoCoMixin): either adapter's DiLoCo
 NAME_PREFIX = "horovod_qsgd.diloco"
@@ -160,7 +160,7 @@ def _find_nodes(prefix, process_set):
 
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Compression.none, outer_lr=0.7,
            outer_momentum=0.5, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False,
-           process_set=hvd.global_process_set, warmup_compression=None):
+           process_set=hvd.global_process_set, warmup_compression=None, fragments=1):
     r"""DiLoCo: local steps of ``optimizer`` and, every ``sync_every`` steps, an outer step on the averaged change.
 
     Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (arXiv 2311.08105).
@@ -229,6 +229,15 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
             per-step gradients: ``compression=TopK(...)`` (error feedback suits a pseudo-gradient, but per-step
             Top-k on AdamW's gradients fails) with ``warmup_compression=QSGD(bits=4)``. Its bytes count in
             ``compression_stats()`` and its state (residuals, step counters) in ``state_dict()``.
+        fragments (int): streaming DiLoCo (Douillard et al., "Streaming DiLoCo", arXiv 2501.18512): the
+            parameters split into this many runs of consecutive tensors of near equal size, each taking its
+            outer step once every ``sync_every`` steps at a step of its own (fragment f when the local steps
+            since the warm-up are ``(f + 1) * sync_every // fragments`` modulo ``sync_every``), with its own
+            exchange and error feedback. Default 1: the whole model at once. The bytes are the same; each
+            synchronization sends ``1/fragments`` of them, so the burst on the link, the pause and the staging
+            memory of one synchronization shrink by as much (the exchange is not overlapped with the next
+            steps, as the paper's is: the pauses add up to the same). The ranks never hold the same model all
+            at once, so ``average_models()`` always sends the model in float32.
 
     Costs: two float32 copies of the model (anchor and outer momentum) beside the inner optimizer's state; per
     outer step one exchange of the model's size and a few passes over it; a host read of the averages'
@@ -248,14 +257,13 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
     are compared across the ranks at the first step (a rank that did not ``hvd.broadcast_parameters`` is
     refused, on every rank).
     """
-    check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps)
+    check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps, fragments)
     if hierarchical and process_set is not hvd.global_process_set:
         raise ValueError("horovod_qsgd: DiLoCo(hierarchical=True) takes the job's nodes: use the global process set")
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
     named = named_parameters_of(optimizer, named_parameters, "DiLoCo")
-    if not process_set.included():
-        raise ValueError("horovod_qsgd: DiLoCo: this rank is not in process_set")
+    check_fragments(named, fragments)
     if compression is None:
         compression = hvd.Compression.none
     check_warmup_compression(compression, warmup_compression)
@@ -263,10 +271,12 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         compression = _node_aware(compression)
         if warmup_compression is not None:
             warmup_compression = _node_aware(warmup_compression)
+    if not process_set.included():  # (the first call that needs hvd.init(): bad arguments are refused before)
+        raise ValueError("horovod_qsgd: DiLoCo: this rank is not in process_set")
     prefix = f"{NAME_PREFIX}.{process_set.process_set_id}.{manifest_digest(named):08x}"
     exchange = _Exchange(compression, prefix, process_set, hierarchical, warmup_compression)
     loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, exchange.check,
-                     _exchange_settings(compression, warmup_compression), hierarchical)
+                     _exchange_settings(compression, warmup_compression), hierarchical, fragments)
     # _diloco_prefix: the exchange's collectives are named f"{prefix}.{purpose}.{index}"
     return wrap_optimizer(optimizer, HorovodDiLoCoMixin, _diloco=loop, _diloco_compression=compression,
                           _diloco_exchange=exchange, _diloco_prefix=prefix)

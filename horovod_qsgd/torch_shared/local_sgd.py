@@ -26,7 +26,8 @@ import zlib
 import torch
 
 STATE_FORMAT = 1
-SETTINGS_BEFORE_THEY_WERE_SAVED = {"hierarchical": False}  # a checkpoint of an older version did not name them
+# a checkpoint of an older version did not name them
+SETTINGS_BEFORE_THEY_WERE_SAVED = {"hierarchical": False, "fragments": 1}
 # Synchronous steps before the first local one. Without them the byte-level language model of
 # benchmarks/results/diloco/ ended 0.07-0.45 nats behind per-step AdamW at 2 ranks (800 steps, H 8-32, its
 # early local models drifting apart on an edge-of-stability learning rate); with 40 still +0.033, with 80
@@ -45,7 +46,7 @@ START_ALIKE = ("DiLoCo: every rank must also start from the same model ({broadca
                "when resuming, load its own checkpoint of the same step.")
 
 
-def check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps):
+def check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps, fragments=1):
     """Raises ValueError naming a bad argument (the same on every rank: no collective has run)."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"horovod_qsgd: DiLoCo: sync_every={sync_every!r} must be an integer >= 1 "
@@ -57,6 +58,9 @@ def check_arguments(sync_every, outer_lr, outer_momentum, warmup_steps):
         raise ValueError(f"horovod_qsgd: DiLoCo: outer_momentum={outer_momentum!r} must be a number in [0, 1)")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"horovod_qsgd: DiLoCo: warmup_steps={warmup_steps!r} must be an integer >= 0")
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= sync_every:
+        raise ValueError(f"horovod_qsgd: DiLoCo: fragments={fragments!r} must be an integer from 1 to sync_every "
+                         f"({sync_every}): each fragment synchronizes once every sync_every steps, at its own step")
 
 
 def check_warmup_compression(compression, warmup_compression):
@@ -103,21 +107,49 @@ def _digest(tensors):
     return crc
 
 
+def fragment_bounds(numels, count):
+    """[(begin, end)]: ``count`` runs of consecutive parameters (``numels``: their sizes), none empty, each
+    ending where the running total comes nearest to its share of the whole."""
+    if count > len(numels):
+        raise ValueError(f"horovod_qsgd: DiLoCo: fragments={count}, but the model has {len(numels)} parameter "
+                         f"tensor(s) and a fragment takes whole ones: use fragments <= {len(numels)}")
+    running = [0]
+    for numel in numels:
+        running.append(running[-1] + numel)
+    ends = []
+    for k in range(1, count):
+        first, last = (ends[-1] if ends else 0) + 1, len(numels) - (count - k)
+        share = running[-1] * k / count
+        ends.append(min(range(first, last + 1), key=lambda i: abs(running[i] - share)))
+    starts = [0] + ends
+    return list(zip(starts, ends + [len(numels)]))
+
+
+def check_fragments(named_parameters, fragments):
+    """Raises ValueError where the model has fewer parameter tensors than ``fragments`` (before any collective)."""
+    fragment_bounds([p.numel() for _, p in named_parameters], fragments)
+
+
 class OuterLoop:
     """The anchor, the outer momentum, the step counters and the schedule of one DiLoCo optimizer.
 
     ``named_parameters``: [(name, parameter)] in a fixed order (the order of the exchange's tensors).
+    ``fragments``: streaming DiLoCo's fragments, runs of consecutive parameters of near equal size; fragment f
+    synchronizes when the local steps since the warm-up are ``(f + 1) * sync_every // fragments`` modulo
+    ``sync_every``, so the last one keeps whole DiLoCo's schedule.
     """
 
     def __init__(self, named_parameters, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps,
-                 exchange, check, exchange_settings, hierarchical=False):
+                 exchange, check, exchange_settings, hierarchical=False, fragments=1):
         self.params = [p for _, p in named_parameters]
+        self.fragments = fragment_bounds([p.numel() for p in self.params], fragments)
+        self.fragment_offsets = [(f + 1) * sync_every // fragments % sync_every for f in range(fragments)]
         self.manifest_digest = manifest_digest(named_parameters)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.nesterov, self.warmup_steps, self.hierarchical = bool(nesterov), warmup_steps, bool(hierarchical)
         self.exchange, self.check, self.exchange_settings = exchange, check, exchange_settings
         self.steps = 0              # step() calls, skipped ones included: the ranks advance it together
-        self.outer_steps = 0        # outer steps taken (or skipped as non-finite)
+        self.outer_steps = 0        # outer steps taken (or skipped as non-finite), a fragment's each
         self.anchor = None          # float32 copies of the parameters at the last synchronization
         self.momentum = None
         self.averaged_at = None     # self.steps at the last average_models() that sent: in sync until a step
@@ -130,6 +162,7 @@ class OuterLoop:
     def settings(self):
         return {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                 "nesterov": self.nesterov, "warmup_steps": self.warmup_steps, "hierarchical": self.hierarchical,
+                "fragments": len(self.fragments),
                 "model": f"{len(self.params)} tensors, digest {self.manifest_digest:08x}",
                 "exchange": self.exchange_settings}
 
@@ -188,45 +221,56 @@ class OuterLoop:
         self.counts["inner_steps" if took_inner_step else "inner_steps_skipped"] += 1
         if warmup:
             self.counts["warmup_steps"] += 1
-        elif self._at_synchronization():
-            self.outer_step()
+        else:
+            for fragment in self._fragments_due():
+                self.outer_step(fragment)
 
-    def _at_synchronization(self):
-        return (self.steps - self.warmup_steps) % self.sync_every == 0
+    def _fragments_due(self):
+        """The fragments whose outer step is at this step count (one where the count is a fragment's turn)."""
+        phase = (self.steps - self.warmup_steps) % self.sync_every
+        return [f for f, offset in enumerate(self.fragment_offsets) if offset == phase]
 
-    def outer_step(self):
-        pseudo = [a - p.detach().float() for a, p in zip(self.anchor, self.params)]
-        averaged = self.exchange(pseudo, "outer")
+    def outer_step(self, fragment=0):
+        """The outer step of one fragment (the whole model where there is one): its pseudo-gradient averaged,
+        Nesterov on its anchor, its parameters set to it. Each fragment has its own exchange (``outer``, or
+        ``outer.fragment<f>``), whose codec keeps its own residuals and step counter."""
+        begin, end = self.fragments[fragment]
+        anchor, momentum, params = self.anchor[begin:end], self.momentum[begin:end], self.params[begin:end]
+        pseudo = [a - p.detach().float() for a, p in zip(anchor, params)]
+        purpose = "outer" if len(self.fragments) == 1 else f"outer.fragment{fragment}"
+        averaged = self.exchange(pseudo, purpose)
         self.counts["values_exchanged"] += sum(a.numel() for a in averaged)
         self.outer_steps += 1
         if _all_finite(averaged):  # else: the interval's local progress is dropped on every rank
             # One rounding per operation, no fused multiply-add (torch's alpha= may fuse): a reference written
             # with numpy float32 operations gets the same bits.
             mu = self.outer_momentum
-            torch._foreach_mul_(self.momentum, mu)
-            torch._foreach_add_(self.momentum, averaged)
+            torch._foreach_mul_(momentum, mu)
+            torch._foreach_add_(momentum, averaged)
             if self.nesterov:
-                update = torch._foreach_mul(self.momentum, mu)
+                update = torch._foreach_mul(momentum, mu)
                 torch._foreach_add_(update, averaged)
                 torch._foreach_mul_(update, self.outer_lr)
             else:
-                update = torch._foreach_mul(self.momentum, self.outer_lr)
-            torch._foreach_sub_(self.anchor, update)
+                update = torch._foreach_mul(momentum, self.outer_lr)
+            torch._foreach_sub_(anchor, update)
             self.counts["outer_steps"] += 1
         else:
             self.counts["outer_steps_skipped"] += 1
-        self._write_parameters(self.anchor)
+        self._write_parameters(anchor, params)
 
-    def _write_parameters(self, values):
+    def _write_parameters(self, values, params=None):
         with torch.no_grad():
-            for p, value in zip(self.params, values):
+            for p, value in zip(self.params if params is None else params, values):
                 p.copy_(value.view_as(p))
 
     @property
     def in_sync(self):
         """True where every rank holds the same parameters: in the warm-up (no anchor yet: each step averaged the
-        gradients), or with no local step since the last outer step or the last average_models()."""
-        return self.anchor is None or self._at_synchronization() or self.averaged_at == self.steps
+        gradients), or with no local step since the last outer step of the whole model (one fragment) or the
+        last average_models()."""
+        at_outer_step = len(self.fragments) == 1 and bool(self._fragments_due())
+        return self.anchor is None or at_outer_step or self.averaged_at == self.steps
 
     def average_models(self):
         """Every rank's parameters replaced by their exact average (full precision; nothing to send where the

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, assert_every_rank_holds, local_steps
-from tests.diloco_reference import model, node_average
+from tests.diloco_reference import check_streaming, model, node_average
 
 SHARED_LAUNCHES = "torch.distributed"  # one launch per rank count and env (tests/multirank.py)
 RANKS_234 = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=170, launcher="torchrun")) for n in (2, 3, 4)]
@@ -52,6 +52,26 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(dist_gloo, n
         else:
             assert stats["exchanges"] == {"diloco.outer": "two_stage" if two_stage else "allgather"}
             assert stats["compression_ratio"] > (6 if kind.startswith("qsgd") else 1.5)
+
+
+@pytest.mark.ranks(2, timeout=120, launcher="torchrun")
+def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_reference(dist_gloo):
+    """fragments=2: each fragment its own exchange (its own codec steps and residuals) at its own step."""
+    import torch
+    from horovod_qsgd.ddp import QSGDState, TopKState
+    dist = dist_gloo
+    groups = [("diloco.outer.fragment0", ["a"]), ("diloco.outer.fragment1", ["b"])]
+    for kind, compression in (("qsgd", QSGDState(bits=4)), ("topk", TopKState(ratio=0.05))):
+        module = model()
+        opt = _diloco(module, compression, sync_every=4, fragments=2)
+        stats = check_streaming(opt, module, dist.get_rank(), Reference(kind, 2, groups), groups,
+                                lambda label: _gathered(dist, module), kind)
+        assert stats["exchanges"] == {name: "allgather" for name, _ in groups}
+        assert stats["values_exchanged"] == 3 * sum(SIZES.values()) and stats["models_averaged"] == 0
+        opt.average_models()  # never in sync: it sends, in float32
+        assert opt.compression_stats()["models_averaged"] == 1
+        everyone = _gathered(dist, module)
+        assert all(torch.equal(everyone[0], row) for row in everyone)
 
 
 @pytest.mark.parametrize("n", RANKS_234)

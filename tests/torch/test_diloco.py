@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, grads as _grads, node_average
-from tests.diloco_reference import assert_every_rank_holds, local_steps as _local_steps
+from tests.diloco_reference import assert_every_rank_holds, check_streaming, local_steps as _local_steps
 from tests.diloco_reference import model as _model
 
 SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
@@ -65,6 +65,25 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n
         else:  # the compressor's own count: payloads plus one placeholder per tensor
             assert stats["tensors_compressed"] == 3 * len(SIZES) and stats["bytes_sent"] < stats["bytes_uncompressed"]
             assert set(stats["exchanges"]) == {f"{opt._diloco_prefix}.outer.{i}" for i in range(len(SIZES))}
+
+
+@pytest.mark.ranks(2)
+def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_reference(hvd_torch):
+    """fragments=2: each fragment its own grouped allreduce (its own codec steps and residuals) at its own step."""
+    import torch
+    hvd = hvd_torch
+    for kind in ("qsgd", "topk"):
+        model = _model()
+        opt = _diloco(model, _compressor(kind), sync_every=4, fragments=2)
+        groups = [(f"{opt._diloco_prefix}.outer.fragment{f}.0", [name]) for f, name in enumerate(SIZES)]
+        stats = check_streaming(opt, model, hvd.rank(), Reference(kind, 2, groups), groups,
+                                lambda label: _gathered(hvd, model, f"streaming.{label}"), kind)
+        assert set(stats["exchanges"]) == {name for name, _ in groups}
+        assert stats["tensors_compressed"] == 6 and stats["models_averaged"] == 0
+        opt.average_models()  # never in sync: it sends, in float32
+        assert opt.compression_stats()["models_averaged"] == 1
+        everyone = _gathered(hvd, model, f"streaming.{kind}.averaged")
+        assert all(torch.equal(everyone[0], row) for row in everyone)
 
 
 @pytest.mark.parametrize("n", RANKS_234)
@@ -290,7 +309,11 @@ def test_bad_arguments_name_the_fix():
     for kwargs, message in (({"sync_every": 0}, "sync_every=0 must be an integer >= 1"),
                             ({"outer_lr": 0.0}, r"outer_lr=0.0 must be a number in \(0, 2\]"),
                             ({"outer_momentum": 1.0}, r"outer_momentum=1.0 must be a number in \[0, 1\)"),
-                            ({"warmup_steps": -1}, "warmup_steps=-1 must be an integer >= 0")):
+                            ({"warmup_steps": -1}, "warmup_steps=-1 must be an integer >= 0"),
+                            ({"fragments": 5, "sync_every": 4}, r"fragments=5 must be an integer from 1 to sync_every "
+                                                                r"\(4\)"),
+                            ({"fragments": 3}, r"fragments=3, but the model has 2 parameter tensor\(s\)(.|\n)*use "
+                                               "fragments <= 2")):
         with pytest.raises(ValueError, match=message):
             DiLoCo(inner, model.named_parameters(), **kwargs)
     with pytest.raises(ValueError, match="1 of the optimizer's parameters are not in named_parameters"):
