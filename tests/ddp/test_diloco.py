@@ -76,26 +76,28 @@ def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_referenc
 
 @pytest.mark.parametrize("n", RANKS_234)
 def test_resume_from_each_ranks_checkpoint_is_bitwise_the_uninterrupted_run(dist_gloo, n):
+    """Whole-model DiLoCo and streaming (2 fragments: their outer steps after 1, 4, 7, 10 and 3, 6, 9)."""
     import torch
     from horovod_qsgd.ddp import TopKState
     dist = dist_gloo
 
-    def build():
+    def build(fragments):
         module = model()
         return module, _diloco(module, TopKState(ratio=0.05), inner=torch.optim.AdamW(module.parameters(), lr=0.01),
-                               sync_every=3)
+                               sync_every=3, fragments=fragments)
 
-    module, opt = build()
-    local_steps(opt, module, dist.get_rank(), range(5))
-    saved = copy.deepcopy({"model": module.state_dict(), "opt": opt.state_dict()})
-    local_steps(opt, module, dist.get_rank(), range(5, 11))
-    uninterrupted = _gathered(dist, module)
-    module, opt = build()
-    module.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    local_steps(opt, module, dist.get_rank(), range(5, 11))
-    assert torch.equal(uninterrupted, _gathered(dist, module))
-    assert saved["opt"]["diloco"]["compression"]["residuals"]["outer"][0].abs().sum() > 0
+    for fragments, purpose in ((1, "outer"), (2, "outer.fragment1")):
+        module, opt = build(fragments)
+        local_steps(opt, module, dist.get_rank(), range(5))
+        saved = copy.deepcopy({"model": module.state_dict(), "opt": opt.state_dict()})
+        local_steps(opt, module, dist.get_rank(), range(5, 11))
+        uninterrupted = _gathered(dist, module)
+        module, opt = build(fragments)
+        module.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        local_steps(opt, module, dist.get_rank(), range(5, 11))
+        assert torch.equal(uninterrupted, _gathered(dist, module)), fragments
+        assert saved["opt"]["diloco"]["compression"]["residuals"][purpose][0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("n", RANKS_234)

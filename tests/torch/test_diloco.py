@@ -114,16 +114,17 @@ def test_average_models_makes_every_rank_equal_and_sends_nothing_at_a_synchroniz
 
 @pytest.mark.parametrize("n", RANKS_234)
 def test_resume_from_each_ranks_checkpoint_is_bitwise_the_uninterrupted_run(hvd_torch, n):
+    """Whole-model DiLoCo and streaming (2 fragments: their outer steps after 1, 4, 7, 10 and 3, 6, 9)."""
     import torch
     from horovod_qsgd.torch import TopK
     hvd = hvd_torch
 
-    def build():
+    def build(fragments):
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         from horovod_qsgd.torch import DiLoCo
         return model, DiLoCo(inner, model.named_parameters(), sync_every=3, warmup_steps=0,
-                                                 compression=TopK(ratio=0.05, min_numel=0))
+                             compression=TopK(ratio=0.05, min_numel=0), fragments=fragments)
 
     def train(model, opt, steps):
         for step in steps:
@@ -131,21 +132,22 @@ def test_resume_from_each_ranks_checkpoint_is_bitwise_the_uninterrupted_run(hvd_
                 getattr(model, name).grad = torch.from_numpy(g.copy())
             opt.step()
 
-    model, opt = build()
-    train(model, opt, range(5))  # an outer step at 3; a checkpoint between two
-    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    train(model, opt, range(5, 11))
-    uninterrupted = _gathered(hvd, model, "uninterrupted")
+    for fragments, outer_steps in ((1, 3), (2, 7)):
+        model, opt = build(fragments)
+        train(model, opt, range(5))  # an outer step at 3; a checkpoint between two
+        saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+        train(model, opt, range(5, 11))
+        uninterrupted = _gathered(hvd, model, f"uninterrupted.{fragments}")
 
-    model, opt = build()
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    train(model, opt, range(5, 11))
-    resumed = _gathered(hvd, model, "resumed")
-    assert torch.equal(uninterrupted, resumed)
-    assert opt.outer_steps == 3
-    assert set(saved["opt"]["diloco"]) >= {"anchor", "momentum", "steps", "outer_steps", "compression"}
-    assert saved["opt"]["diloco"]["compression"]["tensors"]  # Top-k's residuals travel with it
+        model, opt = build(fragments)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        train(model, opt, range(5, 11))
+        resumed = _gathered(hvd, model, f"resumed.{fragments}")
+        assert torch.equal(uninterrupted, resumed), fragments
+        assert opt.outer_steps == outer_steps
+        assert set(saved["opt"]["diloco"]) >= {"anchor", "momentum", "steps", "outer_steps", "compression"}
+        assert saved["opt"]["diloco"]["compression"]["tensors"]  # Top-k's residuals travel with it
 
 
 @pytest.mark.parametrize("n", RANKS_234)
