@@ -23,9 +23,9 @@ from horovod_qsgd.ddp.hooks import _PayloadState
 from horovod_qsgd.torch_shared.arrays import as_array
 from horovod_qsgd.torch_shared import in_node, local_sgd
 from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, all_gather_single
-from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, START_ALIKE, DiLoCoMixin, OuterLoop,
-                                               check_arguments, check_fragments, check_warmup_compression,
-                                               named_parameters_of, wrap_optimizer)
+from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_OUTER_MOMENTUM, DEFAULT_WARMUP_STEPS, START_ALIKE, DiLoCoMixin,
+                                               OuterLoop, check_arguments, check_fragments,
+                                               check_warmup_compression, named_parameters_of, wrap_optimizer)
 
 __all__ = ["DiLoCo"]
 START_ALIKE_HERE = START_ALIKE.format(broadcast="torch.distributed.broadcast(p.data, 0) of every parameter")
@@ -152,9 +152,9 @@ def _settings_of(compression):
                                                               **compression.settings()}
 
 
-def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=0.7, outer_momentum=0.5,
-           nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False, process_group=None,
-           warmup_compression=None, fragments=1):
+def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=0.7,
+           outer_momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False,
+           process_group=None, warmup_compression=None, fragments=1):
     r"""DiLoCo over ``torch.distributed``: :func:`horovod_qsgd.torch.diloco.DiLoCo`'s algorithm, defaults and
     methods (``average_models()``, ``compression_stats()``, ``state_dict()``), without Horovod.
 
@@ -165,7 +165,8 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
         compression: None (default; float32 ``all_reduce``), or a :class:`~horovod_qsgd.ddp.QSGDState` /
             :class:`~horovod_qsgd.ddp.TopKState` built for this optimizer alone (its codec and exchange
             settings; its ``min_numel`` does not apply: the model goes as one flat tensor).
-        outer_lr (float): default 0.7. outer_momentum (float): default 0.5. nesterov (bool): default True.
+        outer_lr (float): default 0.7. outer_momentum (float): default 0.8 (why and when to change it:
+            :func:`horovod_qsgd.torch.diloco.DiLoCo`). nesterov (bool): default True.
         warmup_steps (int): synchronous steps first, their gradients averaged through the same exchange
             (default 80; why: :func:`horovod_qsgd.torch.diloco.DiLoCo`).
         hierarchical (bool): on several nodes of equal size (torchrun's ``GROUP_RANK``, else the host name),

@@ -19,9 +19,9 @@ from horovod_qsgd.common.node_aware import NODE_AWARE, NodeLayout
 from horovod_qsgd.common.stats import merge_stats
 from horovod_qsgd.torch.handshake import check_settings_across_ranks
 from horovod_qsgd.torch_shared import in_node, local_sgd
-from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_WARMUP_STEPS, DiLoCoMixin, OuterLoop, check_arguments,
-                                               check_fragments, check_warmup_compression, manifest_digest,
-                                               named_parameters_of, wrap_optimizer)
+from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_OUTER_MOMENTUM, DEFAULT_WARMUP_STEPS, DiLoCoMixin, OuterLoop,
+                                               check_arguments, check_fragments, check_warmup_compression,
+                                               manifest_digest, named_parameters_of, wrap_optimizer)
 
 __all__ = ["DiLoCo", "DiLoCoMixin"]  # isinstance(optimizer, DiLoCoMixin): either adapter's DiLoCo
 NAME_PREFIX = "horovod_qsgd.diloco"
@@ -159,7 +159,7 @@ def _find_nodes(prefix, process_set):
 
 
 def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Compression.none, outer_lr=0.7,
-           outer_momentum=0.5, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False,
+           outer_momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False,
            process_set=hvd.global_process_set, warmup_compression=None, fragments=1):
     r"""DiLoCo: local steps of ``optimizer`` and, every ``sync_every`` steps, an outer step on the averaged change.
 
@@ -195,8 +195,8 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
             ``1/H``; quality falls with ``H`` and with the number of ranks (each inner optimizer sees ``1/N``
             of the batch): on ``benchmarks/results/diloco/``'s language model (2 ranks, 1600 steps, 3 seeds)
             H = 16 and H = 32 with QSGD-2 ended within 0.02 nats of per-step AdamW at 103x and 131x fewer
-            bytes, H = 16 with QSGD-4 +0.008; at 4 ranks H = 16 with QSGD-2 ended 0.04-0.05 behind (800 and 1600
-            steps, a fixed global or per-rank batch, outer lr 0.7-1.0).
+            bytes, H = 16 with QSGD-4 +0.009; at 4 ranks H = 16 with QSGD-2 +0.018 at 103x (0.04-0.05 behind
+            with outer momentum 0.5, whatever the batch or outer lr).
         compression: a horovod_qsgd compressor (``QSGD(bits=4)``, ``QSGD(bits=2)``, ``TopK(...)``) or
             Horovod's ``hvd.Compression.none`` (default) / ``fp16``: its own instance, whose state (Top-k's
             residuals) is this optimizer's. QSGD's error is small against a pseudo-gradient: there 2 bits
@@ -205,10 +205,12 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
             on AdamW's gradients, which fails; with ``warmup_compression=QSGD(bits=2)``, Top-k 10% ended
             +0.014 at 57x and Top-k 1% +0.185 at 141x (one seed).
         outer_lr (float): :math:`\eta` (default 0.7, DiLoCo's).
-        outer_momentum (float): :math:`\mu` (default 0.5). DiLoCo's paper uses 0.9 with 8 workers and
-            ``H`` = 500 from a pretrained model; from scratch on 2 ranks with 50 outer steps 0.9 diverged
-            (+0.8 nats) and 0.3 or an outer lr of 1.0 did worse than 0.5. At 4 ranks (1600 steps, warm-up 80,
-            QSGD-2) 0.8 ended +0.019 ± 0.004 nats (two seeds) against 0.5's +0.053: raise it with the ranks.
+        outer_momentum (float): :math:`\mu` (default 0.8). On the language model (1600 steps, warm-up 80,
+            H = 16): at 2 ranks 0.8 ended as 0.5 did (QSGD-4, 3 seeds: +0.009 ± 0.007 and +0.008 ± 0.007
+            nats); at 4 ranks it closed most of the gap 0.5 left (QSGD-2: +0.018 ± 0.003 against +0.053,
+            QSGD-4: +0.041 against +0.077). DiLoCo's paper uses 0.9 with 8 workers and ``H`` = 500 from a
+            pretrained model; without a warm-up, from scratch on 2 ranks, 0.9 diverged (+0.8 nats) and 0.3
+            did worse than 0.5. Lower it (0.5) without a warm-up; more than 4 ranks were not measured.
         nesterov (bool): Nesterov momentum (default True); False: heavy ball, :math:`\theta \leftarrow
             \theta - \eta m`.
         warmup_steps (int): synchronous steps first (default 80). Each sends a gradient, compressed, so it
