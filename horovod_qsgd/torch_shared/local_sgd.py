@@ -34,7 +34,7 @@ SETTINGS_BEFORE_THEY_WERE_SAVED = {"hierarchical": False, "fragments": 1}
 # within 0.01. Longer trainings of larger models warm up longer (DiLoCo's paper: from a pretrained model).
 DEFAULT_WARMUP_STEPS = 80
 # The outer Nesterov momentum. On the same model (1600 steps, warm-up 80, H=16): at 2 ranks 0.8 ended as 0.5
-# did (QSGD-4, 3 seeds); at 4 ranks it closed most of the gap 0.5 left (QSGD-4 +0.041 against +0.077, QSGD-2
+# did (QSGD-4, 3 seeds); at 4 ranks it closed most of the gap 0.5 left (QSGD-4 +0.048 against +0.078, QSGD-2
 # +0.018 against +0.053). DiLoCo's paper: 0.9 with 8 workers from a pretrained model.
 DEFAULT_OUTER_MOMENTUM = 0.8
 
