@@ -208,10 +208,10 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         outer_momentum (float): :math:`\mu` (default 0.8). On the language model (1600 steps, warm-up 80,
             H = 16): at 2 ranks 0.8 ended as 0.5 did (QSGD-4, 3 seeds: +0.009 ± 0.007 and +0.008 ± 0.007
             nats); at 4 ranks it closed most of the gap 0.5 left (QSGD-2: +0.018 ± 0.003 against +0.053,
-            QSGD-4: +0.048 ± 0.007 against +0.078 ± 0.001, two seeds). DiLoCo's paper uses 0.9 with 8 workers and ``H`` = 500 from a
-            pretrained model; without a warm-up, from scratch on 2 ranks, 0.9 diverged (+0.8 nats) and 0.3
-            did worse than 0.5; at 8 ranks (800 steps, one seed) 0.9 did worse than 0.8 (+0.108 against
-            +0.055). Lower it (0.5) without a warm-up.
+            QSGD-4: +0.048 ± 0.007 against +0.078 ± 0.001, two seeds). DiLoCo's paper uses 0.9 with 8
+            workers and ``H`` = 500 from a pretrained model; without a warm-up, from scratch on 2 ranks, 0.9
+            diverged (+0.8 nats) and 0.3 did worse than 0.5; at 8 ranks (800 steps, one seed) 0.9 did worse
+            than 0.8 (+0.108 against +0.055). Lower it (0.5) without a warm-up.
         nesterov (bool): Nesterov momentum (default True); False: heavy ball, :math:`\theta \leftarrow
             \theta - \eta m`.
         warmup_steps (int): synchronous steps first (default 80). Each sends a gradient, compressed, so it

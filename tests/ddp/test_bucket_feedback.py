@@ -8,7 +8,7 @@ import torch
 from horovod_qsgd.common.feedback import StepVerdict
 from horovod_qsgd.ddp.feedback import BucketFeedback
 from horovod_qsgd.kernels import finish_sum
-from horovod_qsgd.kernels.select import ADD_PREVIOUS
+from horovod_qsgd.kernels.select import ef_accumulate
 from horovod_qsgd.kernels._arrays import split_residual
 from horovod_qsgd.torch_shared.arrays import as_array
 from horovod_qsgd.torch_shared.feedback import DEVICE_VERDICT_ENV, mark_step_on_device
@@ -23,15 +23,12 @@ def stamped(monkeypatch):
 
 
 def _start(feedback, index, layout, gradient):
-    """A bucket's first pass, as the error-feedback kernels make it: reads the residual where the stamps say,
-    writes gradient + residual (all of it unsent) as the new one. Returns (stamps, stamp) for its finish."""
+    """A bucket's first pass, by the error-feedback kernels' own accumulate: reads the residual where the
+    stamps say, writes gradient + residual (all of it unsent) as the new one. Returns (stamps, stamp) for its
+    finish."""
     carried, stamps, stamp = feedback.residual(index, layout, gradient.numel(), CPU)
     target, (source, how) = split_residual(as_array(carried))
-    if how == ADD_PREVIOUS:
-        target[:] = gradient.numpy() + source
-    else:  # the last step counted: its residual (in target) moves to source as it is read
-        source[:] = target
-        target[:] = gradient.numpy() + source
+    ef_accumulate(gradient.numpy(), target, source, how)
     return stamps, stamp
 
 
