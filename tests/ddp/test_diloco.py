@@ -54,9 +54,10 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(dist_gloo, n
             assert stats["compression_ratio"] > (6 if kind.startswith("qsgd") else 1.5)
 
 
-@pytest.mark.ranks(2, timeout=120, launcher="torchrun")
-def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_reference(dist_gloo):
-    """fragments=2: each fragment its own exchange (its own codec steps and residuals) at its own step."""
+@pytest.mark.parametrize("n", RANKS_234)
+def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_reference(dist_gloo, n):
+    """fragments=2: each fragment its own exchange (its own codec steps and residuals) at its own step (each
+    fragment below the two stages' threshold: the allgather at every rank count)."""
     import torch
     from horovod_qsgd.ddp import QSGDState, TopKState
     dist = dist_gloo
@@ -64,7 +65,7 @@ def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_referenc
     for kind, compression in (("qsgd", QSGDState(bits=4)), ("topk", TopKState(ratio=0.05))):
         module = model()
         opt = _diloco(module, compression, sync_every=4, fragments=2)
-        stats = check_streaming(opt, module, dist.get_rank(), Reference(kind, 2, groups), groups,
+        stats = check_streaming(opt, module, dist.get_rank(), Reference(kind, n, groups), groups,
                                 lambda label: _gathered(dist, module), kind)
         assert stats["exchanges"] == {name: "allgather" for name, _ in groups}
         assert stats["values_exchanged"] == 3 * sum(SIZES.values()) and stats["models_averaged"] == 0

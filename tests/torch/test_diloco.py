@@ -67,22 +67,23 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n
             assert set(stats["exchanges"]) == {f"{opt._diloco_prefix}.outer.{i}" for i in range(len(SIZES))}
 
 
-@pytest.mark.ranks(2)
-def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_reference(hvd_torch):
-    """fragments=2: each fragment its own grouped allreduce (its own codec steps and residuals) at its own step."""
+@pytest.mark.parametrize("n", RANKS_234)
+def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_reference(hvd_torch, n):
+    """fragments=2: each fragment its own grouped allreduce (its own codec steps and residuals) at its own step;
+    the allgather and, from 3 ranks, the two stages."""
     import torch
     hvd = hvd_torch
-    for kind in ("qsgd", "topk"):
+    for kind in ("qsgd", "topk") + (("qsgd-two-stage", "topk-two-stage") if n > 2 else ()):
         model = _model()
         opt = _diloco(model, _compressor(kind), sync_every=4, fragments=2)
         groups = [(f"{opt._diloco_prefix}.outer.fragment{f}.0", [name]) for f, name in enumerate(SIZES)]
-        stats = check_streaming(opt, model, hvd.rank(), Reference(kind, 2, groups), groups,
-                                lambda label: _gathered(hvd, model, f"streaming.{label}"), kind)
+        stats = check_streaming(opt, model, hvd.rank(), Reference(kind, n, groups), groups,
+                                lambda label: _gathered(hvd, model, f"streaming.{n}.{label}"), kind)
         assert set(stats["exchanges"]) == {name for name, _ in groups}
         assert stats["tensors_compressed"] == 6 and stats["models_averaged"] == 0
         opt.average_models()  # never in sync: it sends, in float32
         assert opt.compression_stats()["models_averaged"] == 1
-        everyone = _gathered(hvd, model, f"streaming.{kind}.averaged")
+        everyone = _gathered(hvd, model, f"streaming.{kind}.{n}.averaged")
         assert all(torch.equal(everyone[0], row) for row in everyone)
 
 
