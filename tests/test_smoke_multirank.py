@@ -54,3 +54,26 @@ def test_tensorflow_allreduce_and_uneven_allgather(hvd_tf, num_ranks):
     gathered = hvd.allgather(rows, name="smoke.gather")
     expected_rows = np.concatenate([np.full((r + 1, 3), float(r), np.float32) for r in range(num_ranks)])
     np.testing.assert_array_equal(gathered.numpy(), expected_rows)
+
+
+@pytest.mark.ranks(2)
+def test_a_torch_rank_waiting_for_a_late_peer_leaves_the_cores_to_it(hvd_torch):
+    """The harness's ``wait_politely`` (tests/multirank.py): Horovod 0.28.1's PyTorch ``synchronize`` spins on a
+    core while it waits; in the workers it sleeps between polls. Red means every waiting rank spins again and the
+    suite runs slower on the 2-core machine (spinning: about 1.2 s of CPU per second waited)."""
+    import resource
+    import time
+
+    import torch
+    hvd = hvd_torch
+    hvd.allreduce(torch.zeros(1), name="smoke.before_the_wait")
+    if hvd.rank() == 0:
+        time.sleep(2.0)
+    started, cpu_before = time.monotonic(), resource.getrusage(resource.RUSAGE_THREAD)
+    total = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="smoke.after_the_wait")
+    waited, cpu = time.monotonic() - started, resource.getrusage(resource.RUSAGE_THREAD)
+    assert torch.equal(total, torch.full((3,), 2.0))
+    if hvd.rank() == 1:
+        assert waited > 1.5, waited  # (it did wait for rank 0)
+        spent = cpu.ru_utime + cpu.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
+        assert spent < 0.25 * waited, f"{spent:.2f} s of CPU in {waited:.2f} s waited"

@@ -18,9 +18,11 @@ import horovod.torch as hvd
 
 from elastic_script import EXCHANGES, VECTOR_NUMEL, Worker, topk_ratio
 from horovod_qsgd.torch import QSGD, TopK
+from tests.multirank import wait_politely
 
 
 def main(out):
+    wait_politely()  # 3 ranks on the 2-core machine: see tests/multirank.py
     hvd.init()
     ratio = topk_ratio(out)
     torch.manual_seed(0)
