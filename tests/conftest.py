@@ -36,9 +36,6 @@ def hvd_torch():
     def tensorflow_barrier(other):
         import tensorflow as tf
         other.broadcast(tf.constant(0.0), 0, name="tests.before_torch_init")
-    from tests.multirank import in_worker, wait_politely
-    if in_worker():
-        wait_politely()
     return _init_after_the_other_framework(hvd, "horovod.tensorflow", tensorflow_barrier)
 
 

@@ -51,7 +51,7 @@ def wait_politely():
     waiting rank takes a whole core (5.0 s waited: 6.0 s of CPU), and with 3-4 ranks on the 2-core machine it
     takes it from the ranks still computing. What the collective computes does not change; only how the rank
     waits (about 0.1 ms later at most, against Horovod's 5 ms cycle). SwarmSGD's multi-rank module: 147 s -> 124 s.
-    Does nothing where horovod.torch is not imported."""
+    Does nothing where horovod.torch is not imported; the workers call it after every test's fixtures."""
     mpi_ops = sys.modules.get("horovod.torch.mpi_ops")
     lib = getattr(mpi_ops, "mpi_lib", None)
     if lib is None or getattr(lib, "horovod_qsgd_waits_politely", False):
@@ -257,9 +257,11 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    yield
     if in_worker():
-        wait_politely()  # horovod.torch imported by an earlier test's body
+        wait_politely()  # after the fixtures: horovod.torch imported by hvd_torch or by an earlier test's body
 
 
 def pytest_runtest_logreport(report):
