@@ -70,9 +70,11 @@ class Reference:
     or, with ``node_shards``, shard j of the node's pseudo-gradient exchanged among the nodes by their local
     ranks j (torch.distributed)."""
 
-    def __init__(self, kind, num_ranks, groups, per_node=None, node_shards=False):
+    def __init__(self, kind, num_ranks, groups, per_node=None, node_shards=False, outer_lr=OUTER_LR,
+                 outer_momentum=OUTER_MOMENTUM):
         from horovod_qsgd.codecs import QSGDCodec, TopKCodec
         self.kind, self.num_ranks, self.groups, self.per_node = kind, num_ranks, groups, per_node
+        self.outer_lr, self.outer_momentum = np.float32(outer_lr), np.float32(outer_momentum)
         self.node_shards = node_shards
         self.codec = {"qsgd": QSGDCodec(bits=4), "topk": TopKCodec(ratio=0.05)}.get(kind.split("-")[0])
         self.unit = 512 if kind.startswith("qsgd") else 1
@@ -132,7 +134,7 @@ class Reference:
                 averaged = np.mean(np.stack(deltas).astype(np.float64), 0).astype(np.float32)
             else:
                 averaged = self._average(key_name, deltas)
-            mu, lr = np.float32(OUTER_MOMENTUM), np.float32(OUTER_LR)
+            mu, lr = self.outer_momentum, self.outer_lr
             offset = 0
             for n in names:
                 part = averaged[offset:offset + SIZES[n]]

@@ -152,7 +152,7 @@ def _settings_of(compression):
                                                               **compression.settings()}
 
 
-def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=0.7,
+def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, outer_lr=None,
            outer_momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True, warmup_steps=DEFAULT_WARMUP_STEPS, hierarchical=False,
            process_group=None, warmup_compression=None, fragments=1):
     r"""DiLoCo over ``torch.distributed``: :func:`horovod_qsgd.torch.diloco.DiLoCo`'s algorithm, defaults and
@@ -165,8 +165,9 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
         compression: None (default; float32 ``all_reduce``), or a :class:`~horovod_qsgd.ddp.QSGDState` /
             :class:`~horovod_qsgd.ddp.TopKState` built for this optimizer alone (its codec and exchange
             settings; its ``min_numel`` does not apply: the model goes as one flat tensor).
-        outer_lr (float): default 0.7. outer_momentum (float): default 0.8 (why and when to change it:
-            :func:`horovod_qsgd.torch.diloco.DiLoCo`). nesterov (bool): default True.
+        outer_lr (float): default None: 0.7 from ``sync_every`` = 16 on, ``0.7 * sync_every / 16`` below it, at
+            least ``1 - outer_momentum``. outer_momentum (float): default 0.8. Why and when to change them:
+            :func:`horovod_qsgd.torch.diloco.DiLoCo`. nesterov (bool): default True.
         warmup_steps (int): synchronous steps first, their gradients averaged through the same exchange
             (default 80; why: :func:`horovod_qsgd.torch.diloco.DiLoCo`).
         hierarchical (bool): on several nodes of equal size (torchrun's ``GROUP_RANK``, else the host name),

@@ -54,6 +54,24 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(dist_gloo, n
             assert stats["compression_ratio"] > (6 if kind.startswith("qsgd") else 1.5)
 
 
+@pytest.mark.ranks(2, timeout=170, launcher="torchrun")
+def test_the_default_outer_lr_falls_in_proportion_below_sync_every_16(dist_gloo):
+    """outer_lr and outer_momentum at their defaults (0.8): 0.2 at H=4 (not under 1 - 0.8), 0.35 at H=8, 0.7 at
+    H=16; two outer steps each bitwise the reference at that lr."""
+    import torch
+    from horovod_qsgd.ddp import DiLoCo, QSGDState
+    for every, lr in ((4, 0.2), (8, 0.35), (16, 0.7)):
+        module = model()
+        opt = DiLoCo(torch.optim.SGD(module.parameters(), lr=1.0), module.named_parameters(), sync_every=every,
+                     compression=QSGDState(bits=4), warmup_steps=0)
+        assert opt._diloco.settings()["outer_lr"] == lr
+        reference = Reference("qsgd", 2, [("diloco.outer", list(SIZES))], outer_lr=lr, outer_momentum=0.8)
+        for outer in range(2):
+            steps = list(range(outer * every, (outer + 1) * every))
+            local_steps(opt, module, dist_gloo.get_rank(), steps)
+            assert_every_rank_holds(_gathered(dist_gloo, module), reference.outer_step(steps), "qsgd", (every, outer))
+
+
 @pytest.mark.parametrize("n", RANKS_234)
 def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_reference(dist_gloo, n):
     """fragments=2: each fragment its own exchange (its own codec steps and residuals) at its own step (each

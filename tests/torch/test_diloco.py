@@ -67,6 +67,28 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n
             assert set(stats["exchanges"]) == {f"{opt._diloco_prefix}.outer.{i}" for i in range(len(SIZES))}
 
 
+@pytest.mark.ranks(2)
+def test_the_default_outer_lr_falls_in_proportion_below_sync_every_16(hvd_torch):
+    """outer_lr and outer_momentum left at their defaults (0.8): outer lr 0.2 at H=4 (0.7 * 4/16 = 0.175 is
+    below 1 - 0.8), 0.35 at H=8, 0.7 at H=16; two outer steps each (the second through the momentum) bitwise the
+    reference at that lr."""
+    import torch
+    from horovod_qsgd.torch import DiLoCo, QSGD
+    hvd = hvd_torch
+    for every, lr in ((4, 0.2), (8, 0.35), (16, 0.7)):
+        model = _model()
+        opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), sync_every=every,
+                     compression=QSGD(bits=4, min_numel=0, exchange="allgather"), warmup_steps=0)
+        assert opt._diloco.settings()["outer_lr"] == lr
+        reference = Reference("qsgd", 2, [(f"{opt._diloco_prefix}.outer.{i}", [name]) for i, name in enumerate(SIZES)],
+                              outer_lr=lr, outer_momentum=0.8)
+        for outer in range(2):
+            steps = list(range(outer * every, (outer + 1) * every))
+            _local_steps(opt, model, hvd.rank(), steps)
+            assert_every_rank_holds(_gathered(hvd, model, f"default-lr.{every}.{outer}"), reference.outer_step(steps),
+                                    "qsgd", (every, outer))
+
+
 @pytest.mark.parametrize("n", RANKS_234)
 def test_streaming_fragments_take_their_outer_steps_in_turn_bitwise_the_reference(hvd_torch, n):
     """fragments=2: each fragment its own grouped allreduce (its own codec steps and residuals) at its own step;
