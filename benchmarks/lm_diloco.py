@@ -14,7 +14,8 @@ name says what runs:
 - ``diloco-h<H>[-<compressor>][-lr<outer lr>][-m<outer momentum>][-w<warm-up steps>][-f<fragments>]
   [~<compressor>][-hier]``: :func:`horovod_qsgd.torch.DiLoCo` around AdamW, ``sync_every=H``, the outer
   exchange (and warm-up) through the compressor (none: float32), the other settings at DiLoCo's defaults
-  unless named, except the outer momentum: 0.5 unless named (``UNNAMED_OUTER_MOMENTUM``; ``-f``: streaming
+  unless named, except the outer momentum and lr: 0.5 and 0.7 unless named (``UNNAMED_OUTER_MOMENTUM``,
+  ``UNNAMED_OUTER_LR``: the defaults when the recorded runs were made; ``-f``: streaming
   DiLoCo's ``fragments``; ``~<compressor>``: the warm-up's own, ``warmup_compression``; ``-hier``:
   ``hierarchical=True``, on nodes of several ranks);
 - ``@<lr>`` after any name: the inner learning rate (default ``--lr``), for the baseline's sweep.
@@ -45,6 +46,8 @@ STEPS = 800
 # A name without -m ran at outer momentum 0.5, DiLoCo's default when the recorded runs were made (0.8 since):
 # pinned, so that each recorded name keeps saying what ran.
 UNNAMED_OUTER_MOMENTUM = 0.5
+# Likewise the outer lr: 0.7 at every H when the recorded runs were made (below H=16 the default falls since).
+UNNAMED_OUTER_LR = 0.7
 WEIGHT_DECAY = 0.01
 NAME = re.compile(r"^(?P<kind>adamw|diloco-h(?P<h>\d+))(?:-(?!(?:lr|m|w|f)[0-9])(?P<codec>[a-z0-9%.-]+?))?"
                   r"(?:-lr(?P<olr>[0-9.]+))?(?:-m(?P<mom>[0-9.]+))?(?:-w(?P<warm>\d+))?(?:-f(?P<frag>\d+))?"
@@ -77,6 +80,7 @@ def train(hvd, compressors, name, corpus, seed, s, base_lr):
                                                        ("hierarchical", "hier", bool))
                  if match[g]}
         extra.setdefault("outer_momentum", UNNAMED_OUTER_MOMENTUM)
+        extra.setdefault("outer_lr", UNNAMED_OUTER_LR)
         if match["wcodec"]:
             extra["warmup_compression"] = build(match["wcodec"], compressors, seed=seed)
         opt = DiLoCo(inner, model.named_parameters(), sync_every=int(match["h"]), compression=compression, **extra)

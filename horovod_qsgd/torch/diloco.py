@@ -209,7 +209,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
             ``H`` the pseudo-gradients of successive outer steps point alike and the momentum multiplies each up
             to :math:`\eta / (1 - \mu)` times: on the language model (2 ranks, 1600 steps, QSGD-4, momentum
             0.8, one seed) 0.7 ended +0.062 nats at H = 8 and +0.244 at H = 4; 0.35 and 0.2 ended +0.000 and
-            +0.025; at H = 16 0.35 did worse than 0.7 (+0.034 against +0.024).
+            +0.025; at H = 16 0.35 did worse than 0.7 (+0.034 against +0.023).
         outer_momentum (float): :math:`\mu` (default 0.8). On the language model (1600 steps, warm-up 80,
             H = 16): at 2 ranks 0.8 ended as 0.5 did (QSGD-4, 3 seeds: +0.009 ± 0.007 and +0.008 ± 0.007
             nats); at 4 ranks it closed most of the gap 0.5 left (QSGD-2: +0.018 ± 0.003 against +0.053,

@@ -42,7 +42,7 @@ DEFAULT_OUTER_MOMENTUM = 0.8
 # ranks' average moved, as model averaging): pseudo-gradients of a few local steps point alike from one outer
 # step to the next, and Nesterov momentum then multiplies each by up to outer_lr / (1 - outer_momentum) = 3.5.
 # On the same model (2 ranks, 1600 steps, QSGD-4, momentum 0.8, seed 0): H=8 +0.062 nats at 0.7, +0.000 at
-# 0.35; H=4 +0.244 at 0.7, +0.025 at 0.2; H=16 +0.024 at 0.7, +0.034 at 0.35.
+# 0.35; H=4 +0.244 at 0.7, +0.025 at 0.2; H=16 +0.023 at 0.7, +0.034 at 0.35.
 DEFAULT_OUTER_LR = 0.7
 FULL_OUTER_LR_FROM = 16
 
