@@ -20,9 +20,9 @@ Choosing the settings
   quality (each inner AdamW sees 1/N of the batch).
 * ``compression=QSGD(bits=4)``: the outer exchange at about 1/7 of float32's bytes; ``QSGD(bits=2)`` ended
   better still there, at 1/11.
-* ``outer_lr`` / ``outer_momentum``: 0.7 / 0.8 by default (the outer lr falls in proportion below H = 16:
-  successive outer steps then point alike and the momentum would multiply them); lower the momentum to 0.5
-  without a warm-up.
+* ``outer_lr`` / ``outer_momentum``: 0.7 / 0.8 by default (the outer lr falls in proportion below H = 16, more
+  slowly with more ranks: successive outer steps then point alike and the momentum would multiply them); lower
+  the momentum to 0.5 without a warm-up.
 * ``warmup_steps`` (default 80): synchronous steps first, each costing an outer step's bytes; without them
   the copies drift apart early and the model ends far behind.
 * ``hierarchical=True`` (``--hierarchical``) on nodes of several ranks each: the ranks of a node average every

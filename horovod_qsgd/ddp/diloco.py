@@ -22,7 +22,8 @@ from horovod_qsgd.common.stats import merge_stats
 from horovod_qsgd.ddp.hooks import _PayloadState
 from horovod_qsgd.torch_shared.arrays import as_array
 from horovod_qsgd.torch_shared import in_node, local_sgd
-from horovod_qsgd.torch_shared.distributed import DistributedNodes, DistributedTransport, all_gather_single
+from horovod_qsgd.torch_shared.distributed import (DistributedNodes, DistributedTransport, all_gather_single,
+                                                   node_names)
 from horovod_qsgd.torch_shared.local_sgd import (DEFAULT_OUTER_MOMENTUM, DEFAULT_WARMUP_STEPS, START_ALIKE, DiLoCoMixin,
                                                OuterLoop, check_arguments, check_fragments,
                                                check_warmup_compression, named_parameters_of, wrap_optimizer)
@@ -165,8 +166,10 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
         compression: None (default; float32 ``all_reduce``), or a :class:`~horovod_qsgd.ddp.QSGDState` /
             :class:`~horovod_qsgd.ddp.TopKState` built for this optimizer alone (its codec and exchange
             settings; its ``min_numel`` does not apply: the model goes as one flat tensor).
-        outer_lr (float): default None: 0.7 from ``sync_every`` = 16 on, ``0.7 * sync_every / 16`` below it, at
-            least ``1 - outer_momentum``. outer_momentum (float): default 0.8. Why and when to change them:
+        outer_lr (float): default None: 0.7 from ``sync_every * sqrt(N / 2)`` = 16 on (``N``: the ranks, the
+            nodes where hierarchical), in proportion below it, at least ``1 - outer_momentum``. The nodes are
+            torchrun's ``GROUP_RANK`` (else the host names), gathered when the optimizer is built, on every rank.
+            outer_momentum (float): default 0.8. Why and when to change them:
             :func:`horovod_qsgd.torch.diloco.DiLoCo`. nesterov (bool): default True.
         warmup_steps (int): synchronous steps first, their gradients averaged through the same exchange
             (default 80; why: :func:`horovod_qsgd.torch.diloco.DiLoCo`).
@@ -218,6 +221,10 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=None, ou
     settings = _settings_of(compression)
     if warmup_compression is not None:  # (absent where not given: checkpoints from before it load)
         settings["warmup_compression"] = _settings_of(warmup_compression)
+    # the models in the outer average, for outer_lr's default; the nodes gathered on every rank whatever its
+    # settings, so that a rank whose hierarchical differs reaches the handshake that refuses it
+    nodes = len(set(node_names(group)))
+    workers = nodes if hierarchical else group.size()
     loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, check, settings,
-                     hierarchical, fragments)
+                     hierarchical, fragments, workers)
     return wrap_optimizer(optimizer, DistributedDiLoCoMixin, _diloco=loop, _diloco_exchange=exchange)

@@ -204,12 +204,16 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
             float32 worse (one seed). ``TopK`` alone ended 0.76 behind: the warm-up's steps are per-step Top-k
             on AdamW's gradients, which fails; with ``warmup_compression=QSGD(bits=2)``, Top-k 10% ended
             +0.014 at 57x and Top-k 1% +0.185 at 141x (one seed).
-        outer_lr (float): :math:`\eta` (default None: DiLoCo's 0.7 from ``sync_every`` = 16 on; below it
-            ``0.7 * sync_every / 16``, at least ``1 - outer_momentum``: 0.35 at H = 8, 0.2 at H = 4). At small
-            ``H`` the pseudo-gradients of successive outer steps point alike and the momentum multiplies each up
-            to :math:`\eta / (1 - \mu)` times: on the language model (2 ranks, 1600 steps, QSGD-4, momentum
-            0.8, one seed) 0.7 ended +0.062 nats at H = 8 and +0.244 at H = 4; 0.35 and 0.2 ended +0.000 and
-            +0.025; at H = 16 0.35 did worse than 0.7 (+0.034 against +0.023).
+        outer_lr (float): :math:`\eta` (default None: DiLoCo's 0.7 from ``sync_every * sqrt(N / 2)`` = 16 on,
+            ``N`` the ranks (the nodes where hierarchical), in proportion below it, at least ``1 -
+            outer_momentum``: at 2 ranks 0.35 at H = 8 and 0.2 at H = 4, at 4 ranks 0.495 and 0.247, from 8
+            ranks 0.7 and 0.35). At small ``H`` the pseudo-gradients of successive outer steps point alike and
+            the momentum multiplies each up to :math:`\eta / (1 - \mu)` times: on the language model (2 ranks,
+            1600 steps, QSGD-4, momentum 0.8, one seed) 0.7 ended +0.062 nats at H = 8 and +0.244 at H = 4;
+            0.35 and 0.2 ended +0.000 and +0.025; at H = 16 0.35 did worse than 0.7 (+0.034 against +0.023).
+            More ranks want more (QSGD-2, 1600 steps, H = 8): at 4 ranks 0.495 ended 0.005 ± 0.002 nats
+            better than 0.35 (3 seeds), 0.7 0.018 worse (one seed); at 8 ranks 0.7 0.012 ± 0.006 better than
+            0.35 (2 seeds); at H = 4 and 8 ranks 0.35 0.042 better than 0.2 (one seed).
         outer_momentum (float): :math:`\mu` (default 0.8). On the language model (1600 steps, warm-up 80,
             H = 16): at 2 ranks 0.8 ended as 0.5 did (QSGD-4, 3 seeds: +0.009 ± 0.007 and +0.008 ± 0.007
             nats); at 4 ranks it closed most of the gap 0.5 left (QSGD-2: +0.018 ± 0.003 against +0.053,
@@ -283,8 +287,9 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
         raise ValueError("horovod_qsgd: DiLoCo: this rank is not in process_set")
     prefix = f"{NAME_PREFIX}.{process_set.process_set_id}.{manifest_digest(named):08x}"
     exchange = _Exchange(compression, prefix, process_set, hierarchical, warmup_compression)
+    workers = hvd.cross_size() if hierarchical else process_set.size()  # the models in the outer average
     loop = OuterLoop(named, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps, exchange, exchange.check,
-                     _exchange_settings(compression, warmup_compression), hierarchical, fragments)
+                     _exchange_settings(compression, warmup_compression), hierarchical, fragments, workers)
     # _diloco_prefix: the exchange's collectives are named f"{prefix}.{purpose}.{index}"
     return wrap_optimizer(optimizer, HorovodDiLoCoMixin, _diloco=loop, _diloco_compression=compression,
                           _diloco_exchange=exchange, _diloco_prefix=prefix)

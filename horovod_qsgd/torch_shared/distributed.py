@@ -60,6 +60,13 @@ class DistributedTransport(TorchBuffers):
         return self.start(collective, async_op=False)[1]
 
 
+def node_names(group):
+    """Every rank's node in ``group`` (a collective): torchrun's ``GROUP_RANK``, else the host name."""
+    names = [None] * group.size()
+    dist.all_gather_object(names, os.environ.get("GROUP_RANK") or socket.gethostname(), group=group)
+    return names
+
+
 class DistributedNodes(NodeLayout):
     """The job's nodes for the node-aware exchanges (DDP hooks, FSDP2), a
     :class:`~horovod_qsgd.common.node_aware.NodeLayout` of any grouping, with this rank's node's process group
@@ -87,10 +94,8 @@ class DistributedNodes(NodeLayout):
         if process_group is not None:
             raise ValueError("horovod_qsgd: exchange='node_aware' needs the default process group "
                              "(process_group=None)")
-        nodes = [None] * group.size()
-        dist.all_gather_object(nodes, os.environ.get("GROUP_RANK") or socket.gethostname(), group=group)
         members = {}
-        for rank, node in enumerate(nodes):
+        for rank, node in enumerate(node_names(group)):
             members.setdefault(node, []).append(rank)
         members = list(members.values())
         why_not = node_blind_reason(sorted({len(m) for m in members}), len(members))

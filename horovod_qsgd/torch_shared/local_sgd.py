@@ -21,6 +21,7 @@ hierarchical), and
 the next step depends on (anchor, momentum, counters) is in :meth:`OuterLoop.state`.
 """
 import json
+import math
 import zlib
 
 import torch
@@ -37,20 +38,29 @@ DEFAULT_WARMUP_STEPS = 80
 # did (QSGD-4, 3 seeds); at 4 ranks it closed most of the gap 0.5 left (QSGD-4 +0.048 against +0.078, QSGD-2
 # +0.018 against +0.053). DiLoCo's paper: 0.9 with 8 workers from a pretrained model.
 DEFAULT_OUTER_MOMENTUM = 0.8
-# The outer learning rate from sync_every = FULL_OUTER_LR_FROM on (DiLoCo's). Below it the default falls in
-# proportion to sync_every, not under 1 - outer_momentum (then the outer step moves the anchor as far as the
-# ranks' average moved, as model averaging): pseudo-gradients of a few local steps point alike from one outer
-# step to the next, and Nesterov momentum then multiplies each by up to outer_lr / (1 - outer_momentum) = 3.5.
-# On the same model (2 ranks, 1600 steps, QSGD-4, momentum 0.8, seed 0): H=8 +0.062 nats at 0.7, +0.000 at
-# 0.35; H=4 +0.244 at 0.7, +0.025 at 0.2; H=16 +0.023 at 0.7, +0.034 at 0.35.
+# The outer learning rate from sync_every = FULL_OUTER_LR_FROM on (DiLoCo's), with two workers. Below it the
+# default falls in proportion to sync_every, not under 1 - outer_momentum (then the outer step moves the anchor
+# as far as the ranks' average moved, as model averaging): pseudo-gradients of a few local steps point alike
+# from one outer step to the next, and Nesterov momentum then multiplies each by up to
+# outer_lr / (1 - outer_momentum) = 3.5. On the same model (2 ranks, 1600 steps, QSGD-4, momentum 0.8, seed 0):
+# H=8 +0.062 nats at 0.7, +0.000 at 0.35; H=4 +0.244 at 0.7, +0.025 at 0.2; H=16 +0.023 at 0.7, +0.034 at 0.35.
+# More workers want more: the fall is sqrt(workers / 2) times slower, a fit to QSGD-2 at 1600 steps (H=8: at
+# 4 ranks 0.495 beat 0.35 by 0.005 +- 0.002 nats over 3 seeds, 0.7 0.018 worse on seed 0; at 8 ranks 0.7 beat
+# 0.35 by 0.012 +- 0.006, 2 seeds; H=4 at 8 ranks: 0.35 0.042 better than 0.2). A guess at why, not measured: the
+# average of more workers' drifts, each on a smaller share of the batch, is shorter than the distance a
+# synchronous run would have moved.
 DEFAULT_OUTER_LR = 0.7
 FULL_OUTER_LR_FROM = 16
+FULL_OUTER_LR_WORKERS = 2
 
 
-def default_outer_lr(sync_every, outer_momentum):
-    """``outer_lr=None``'s value: DiLoCo's 0.7 from ``sync_every`` 16 on, in proportion below it, at least
-    ``1 - outer_momentum``."""
-    return round(max(1.0 - outer_momentum, DEFAULT_OUTER_LR * min(1.0, sync_every / FULL_OUTER_LR_FROM)), 6)
+def default_outer_lr(sync_every, outer_momentum, workers=FULL_OUTER_LR_WORKERS):
+    """``outer_lr=None``'s value for ``workers`` models in the outer average (ranks, or nodes where
+    hierarchical): DiLoCo's 0.7 from ``sync_every * sqrt(workers / 2)`` = 16 on, in proportion below it, at least
+    ``1 - outer_momentum``. One worker (a one-rank job, not measured) counts as two."""
+    workers = max(workers, FULL_OUTER_LR_WORKERS)
+    scale = sync_every / FULL_OUTER_LR_FROM * math.sqrt(workers / FULL_OUTER_LR_WORKERS)
+    return round(max(1.0 - outer_momentum, DEFAULT_OUTER_LR * min(1.0, scale)), 6)
 
 
 def needs_nodes(why_not):
@@ -156,17 +166,18 @@ class OuterLoop:
     ``named_parameters``: [(name, parameter)] in a fixed order (the order of the exchange's tensors).
     ``fragments``: streaming DiLoCo's fragments, runs of consecutive parameters of near equal size; fragment f
     synchronizes when the local steps since the warm-up are ``(f + 1) * sync_every // fragments`` modulo
-    ``sync_every``, so the last one keeps whole DiLoCo's schedule.
+    ``sync_every``, so the last one keeps whole DiLoCo's schedule. ``workers``: the models the outer exchange
+    averages (the ranks; the nodes where hierarchical), for ``outer_lr=None``'s value.
     """
 
     def __init__(self, named_parameters, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps,
-                 exchange, check, exchange_settings, hierarchical=False, fragments=1):
+                 exchange, check, exchange_settings, hierarchical=False, fragments=1, workers=2):
         self.params = [p for _, p in named_parameters]
         self.fragments = fragment_bounds([p.numel() for p in self.params], fragments)
         self.fragment_offsets = [(f + 1) * sync_every // fragments % sync_every for f in range(fragments)]
         self.manifest_digest = manifest_digest(named_parameters)
         if outer_lr is None:
-            outer_lr = default_outer_lr(sync_every, outer_momentum)
+            outer_lr = default_outer_lr(sync_every, outer_momentum, workers)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.nesterov, self.warmup_steps, self.hierarchical = bool(nesterov), warmup_steps, bool(hierarchical)
         self.exchange, self.check, self.exchange_settings = exchange, check, exchange_settings

@@ -54,22 +54,28 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(dist_gloo, n
             assert stats["compression_ratio"] > (6 if kind.startswith("qsgd") else 1.5)
 
 
-@pytest.mark.ranks(2, timeout=170, launcher="torchrun")
-def test_the_default_outer_lr_falls_in_proportion_below_sync_every_16(dist_gloo):
-    """outer_lr and outer_momentum at their defaults (0.8): 0.2 at H=4 (not under 1 - 0.8), 0.35 at H=8, 0.7 at
-    H=16; two outer steps each bitwise the reference at that lr."""
+# outer_lr=None's value with momentum 0.8 at H = 4, 8, 16: 0.7 * H / 16 * sqrt(ranks / 2), at least 1 - 0.8
+DEFAULT_OUTER_LRS = {2: (0.2, 0.35, 0.7), 3: (0.21433, 0.428661, 0.7), 4: (0.247487, 0.494975, 0.7)}
+
+
+@pytest.mark.parametrize("n", RANKS_234)
+def test_the_default_outer_lr_falls_below_sync_every_16_more_slowly_with_more_ranks(dist_gloo, n):
+    """outer_lr and outer_momentum at their defaults (0.8): at 2 ranks 0.2 at H=4 (not under 1 - 0.8), 0.35 at
+    H=8, 0.7 at H=16; sqrt(ranks / 2) times more at 3 and 4 ranks below H=16; two outer steps each bitwise the
+    reference at that lr (the allgather at 2 ranks, the two stages from 3)."""
     import torch
     from horovod_qsgd.ddp import DiLoCo, QSGDState
-    for every, lr in ((4, 0.2), (8, 0.35), (16, 0.7)):
+    for every, lr in zip((4, 8, 16), DEFAULT_OUTER_LRS[n]):
         module = model()
         opt = DiLoCo(torch.optim.SGD(module.parameters(), lr=1.0), module.named_parameters(), sync_every=every,
                      compression=QSGDState(bits=4), warmup_steps=0)
         assert opt._diloco.settings()["outer_lr"] == lr
-        reference = Reference("qsgd", 2, [("diloco.outer", list(SIZES))], outer_lr=lr, outer_momentum=0.8)
+        kind = "qsgd-two-stage" if n > 2 else "qsgd"
+        reference = Reference(kind, n, [("diloco.outer", list(SIZES))], outer_lr=lr, outer_momentum=0.8)
         for outer in range(2):
             steps = list(range(outer * every, (outer + 1) * every))
             local_steps(opt, module, dist_gloo.get_rank(), steps)
-            assert_every_rank_holds(_gathered(dist_gloo, module), reference.outer_step(steps), "qsgd", (every, outer))
+            assert_every_rank_holds(_gathered(dist_gloo, module), reference.outer_step(steps), kind, (every, outer))
 
 
 @pytest.mark.parametrize("n", RANKS_234)
@@ -131,6 +137,10 @@ def test_settings_or_starting_models_that_differ_are_refused_on_every_rank(dist_
     opt = _diloco(module, None, sync_every=4)
     with pytest.raises(CompressionMismatchError, match=r"model_digest(.|\n)*torch.distributed.broadcast"):
         local_steps(opt, module, dist.get_rank(), [0])
+    module = model()  # hierarchical on rank 0 alone: every rank built it alike (the nodes gathered), then refused
+    opt = _diloco(module, None, sync_every=4, hierarchical=dist.get_rank() == 0)
+    with pytest.raises(CompressionMismatchError, match=r"hierarchical: rank 0=True, rank 1=False"):
+        local_steps(opt, module, dist.get_rank(), [0])
 
 
 @pytest.mark.ranks(4, timeout=300, launcher="torchrun-nodes:2x2")
@@ -141,9 +151,13 @@ def test_hierarchical_averages_every_step_in_the_node_and_each_shard_between_nod
     residuals; float32 within its rounding); the bytes inside the node as the formula; a warm-up step gives
     every rank the same model."""
     import torch
-    from horovod_qsgd.ddp import QSGDState, TopKState
+    from horovod_qsgd.ddp import DiLoCo, QSGDState, TopKState
     dist, n, per_node = dist_gloo, 4, 2
     rank, total = dist.get_rank(), sum(SIZES.values())
+    module = model()  # outer_lr's default counts the nodes: two (0.7 * 8/16), not four ranks (0.494975)
+    opt = DiLoCo(torch.optim.SGD(module.parameters(), lr=1.0), module.named_parameters(), sync_every=8,
+                 hierarchical=True)
+    assert opt._diloco.settings()["outer_lr"] == 0.35
     for kind, compression in (("none", None), ("qsgd", QSGDState(bits=4)), ("topk", TopKState(ratio=0.05))):
         module = model()
         opt = _diloco(module, compression, sync_every=3, hierarchical=True)

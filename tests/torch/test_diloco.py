@@ -67,20 +67,24 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n
             assert set(stats["exchanges"]) == {f"{opt._diloco_prefix}.outer.{i}" for i in range(len(SIZES))}
 
 
-@pytest.mark.ranks(2)
-def test_the_default_outer_lr_falls_in_proportion_below_sync_every_16(hvd_torch):
-    """outer_lr and outer_momentum left at their defaults (0.8): outer lr 0.2 at H=4 (0.7 * 4/16 = 0.175 is
-    below 1 - 0.8), 0.35 at H=8, 0.7 at H=16; two outer steps each (the second through the momentum) bitwise the
-    reference at that lr."""
+# outer_lr=None's value with momentum 0.8 at H = 4, 8, 16: 0.7 * H / 16 * sqrt(ranks / 2), at least 1 - 0.8
+DEFAULT_OUTER_LRS = {2: (0.2, 0.35, 0.7), 3: (0.21433, 0.428661, 0.7), 4: (0.247487, 0.494975, 0.7)}
+
+
+@pytest.mark.parametrize("n", RANKS_234)
+def test_the_default_outer_lr_falls_below_sync_every_16_more_slowly_with_more_ranks(hvd_torch, n):
+    """outer_lr and outer_momentum left at their defaults (0.8): at 2 ranks 0.2 at H=4 (0.7 * 4/16 = 0.175 is
+    below 1 - 0.8), 0.35 at H=8, 0.7 at H=16; sqrt(ranks / 2) times more at 3 and 4 ranks below H=16; two outer
+    steps each (the second through the momentum) bitwise the reference at that lr."""
     import torch
     from horovod_qsgd.torch import DiLoCo, QSGD
     hvd = hvd_torch
-    for every, lr in ((4, 0.2), (8, 0.35), (16, 0.7)):
+    for every, lr in zip((4, 8, 16), DEFAULT_OUTER_LRS[n]):
         model = _model()
         opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), sync_every=every,
                      compression=QSGD(bits=4, min_numel=0, exchange="allgather"), warmup_steps=0)
         assert opt._diloco.settings()["outer_lr"] == lr
-        reference = Reference("qsgd", 2, [(f"{opt._diloco_prefix}.outer.{i}", [name]) for i, name in enumerate(SIZES)],
+        reference = Reference("qsgd", n, [(f"{opt._diloco_prefix}.outer.{i}", [name]) for i, name in enumerate(SIZES)],
                               outer_lr=lr, outer_momentum=0.8)
         for outer in range(2):
             steps = list(range(outer * every, (outer + 1) * every))
@@ -216,6 +220,10 @@ def test_settings_or_starting_models_that_differ_are_refused_on_every_rank(hvd_t
     opt = _diloco(model, QSGD(bits=4, min_numel=0), sync_every=4)
     with pytest.raises(CompressionMismatchError, match=r"model_digest(.|\n)*hvd.broadcast_parameters"):
         _local_steps(opt, model, hvd.rank(), [0])
+    model = _model()  # hierarchical on rank 0 alone: refused before any rank looks for nodes
+    opt = _diloco(model, QSGD(bits=4, min_numel=0), sync_every=4, hierarchical=hvd.rank() == 0)
+    with pytest.raises(CompressionMismatchError, match=r"hierarchical: rank 0=True, rank 1=False"):
+        _local_steps(opt, model, hvd.rank(), [0])
     # and a checkpoint of another step loaded on one rank
     model = _model()
     opt = _diloco(model, QSGD(bits=4, min_numel=0), sync_every=2)
@@ -259,11 +267,15 @@ def test_hierarchical_averages_every_step_in_the_node_and_the_outer_step_between
     residuals kept across outer steps; float32 within its rounding); the in-node bytes as the formula; an
     overflow on one rank skips the step on both ranks of its node, which still reach the outer step."""
     import torch
-    from horovod_qsgd.torch import QSGD, TopK
+    from horovod_qsgd.torch import QSGD, DiLoCo, TopK
     from horovod_qsgd.torch_shared import in_node
     hvd, n, per_node = hvd_torch, 4, 2
     assert (hvd.local_size(), hvd.cross_size()) == (per_node, 2)
     total = sum(SIZES.values())
+    model = _model()  # outer_lr's default counts the nodes: two (0.7 * 8/16), not four ranks (0.494975)
+    opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), sync_every=8,
+                 hierarchical=True)
+    assert opt._diloco.settings()["outer_lr"] == 0.35
     for kind, compressor in (("none", hvd.Compression.none), ("qsgd", QSGD(bits=4, min_numel=0)),
                              ("topk", TopK(ratio=0.05, min_numel=0))):
         model = _model()
