@@ -213,7 +213,7 @@ def DiLoCo(optimizer, named_parameters=None, sync_every=16, compression=hvd.Comp
             0.35 and 0.2 ended +0.000 and +0.025; at H = 16 0.35 did worse than 0.7 (+0.034 against +0.023).
             More ranks want more (QSGD-2, 1600 steps, H = 8): at 4 ranks 0.495 ended 0.005 ± 0.002 nats
             better than 0.35 (3 seeds), 0.7 0.018 worse (one seed); at 8 ranks 0.7 0.012 ± 0.006 better than
-            0.35 (2 seeds); at H = 4 and 8 ranks 0.35 0.042 better than 0.2 (one seed).
+            0.35, at H = 4 0.35 0.041 ± 0.001 better than 0.2 (2 seeds each).
         outer_momentum (float): :math:`\mu` (default 0.8). On the language model (1600 steps, warm-up 80,
             H = 16): at 2 ranks 0.8 ended as 0.5 did (QSGD-4, 3 seeds: +0.009 ± 0.007 and +0.008 ± 0.007
             nats); at 4 ranks it closed most of the gap 0.5 left (QSGD-2: +0.018 ± 0.003 against +0.053,

@@ -46,9 +46,9 @@ DEFAULT_OUTER_MOMENTUM = 0.8
 # H=8 +0.062 nats at 0.7, +0.000 at 0.35; H=4 +0.244 at 0.7, +0.025 at 0.2; H=16 +0.023 at 0.7, +0.034 at 0.35.
 # More workers want more: the fall is sqrt(workers / 2) times slower, a fit to QSGD-2 at 1600 steps (H=8: at
 # 4 ranks 0.495 beat 0.35 by 0.005 +- 0.002 nats over 3 seeds, 0.7 0.018 worse on seed 0; at 8 ranks 0.7 beat
-# 0.35 by 0.012 +- 0.006, 2 seeds; H=4 at 8 ranks: 0.35 0.042 better than 0.2). A guess at why, not measured: the
-# average of more workers' drifts, each on a smaller share of the batch, is shorter than the distance a
-# synchronous run would have moved.
+# 0.35 by 0.012 +- 0.006; H=4 at 8 ranks: 0.35 beat 0.2 by 0.041 +- 0.001; 2 seeds each). A guess at why,
+# not measured: the average of more workers' drifts, each on a smaller share of the batch, is shorter than the
+# distance a synchronous run would have moved.
 DEFAULT_OUTER_LR = 0.7
 FULL_OUTER_LR_FROM = 16
 FULL_OUTER_LR_WORKERS = 2
