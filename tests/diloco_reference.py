@@ -16,6 +16,9 @@ from tests.two_stage_reference import reference as two_stage_reference
 # (65,536 and up); neither size is a multiple of QSGD's bucket.
 SIZES = {"a": 40_000, "b": 30_001}
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
+# outer_lr=None's value with momentum 0.8 at H = 4, 8, 16 by rank count: 0.7 * H / 16 * sqrt(ranks / 2), at
+# least 1 - 0.8
+DEFAULT_OUTER_LRS = {2: (0.2, 0.35, 0.7), 3: (0.21433, 0.428661, 0.7), 4: (0.247487, 0.494975, 0.7)}
 
 
 def model(seed=0):

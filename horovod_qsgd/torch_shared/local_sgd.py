@@ -171,7 +171,8 @@ class OuterLoop:
     """
 
     def __init__(self, named_parameters, sync_every, outer_lr, outer_momentum, nesterov, warmup_steps,
-                 exchange, check, exchange_settings, hierarchical=False, fragments=1, workers=2):
+                 exchange, check, exchange_settings, hierarchical=False, fragments=1,
+                 workers=FULL_OUTER_LR_WORKERS):
         self.params = [p for _, p in named_parameters]
         self.fragments = fragment_bounds([p.numel() for p in self.params], fragments)
         self.fragment_offsets = [(f + 1) * sync_every // fragments % sync_every for f in range(fragments)]

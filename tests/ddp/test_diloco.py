@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, assert_every_rank_holds, local_steps
-from tests.diloco_reference import check_streaming, model, node_average
+from tests.diloco_reference import DEFAULT_OUTER_LRS, check_streaming, model, node_average
 
 SHARED_LAUNCHES = "torch.distributed"  # one launch per rank count and env (tests/multirank.py)
 RANKS_234 = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=170, launcher="torchrun")) for n in (2, 3, 4)]
@@ -52,10 +52,6 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(dist_gloo, n
         else:
             assert stats["exchanges"] == {"diloco.outer": "two_stage" if two_stage else "allgather"}
             assert stats["compression_ratio"] > (6 if kind.startswith("qsgd") else 1.5)
-
-
-# outer_lr=None's value with momentum 0.8 at H = 4, 8, 16: 0.7 * H / 16 * sqrt(ranks / 2), at least 1 - 0.8
-DEFAULT_OUTER_LRS = {2: (0.2, 0.35, 0.7), 3: (0.21433, 0.428661, 0.7), 4: (0.247487, 0.494975, 0.7)}
 
 
 @pytest.mark.parametrize("n", RANKS_234)

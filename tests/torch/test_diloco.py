@@ -10,9 +10,9 @@ import copy
 import numpy as np
 import pytest
 
-from tests.diloco_reference import OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, grads as _grads, node_average
+from tests.diloco_reference import DEFAULT_OUTER_LRS, OUTER_LR, OUTER_MOMENTUM, SIZES, Reference, grads as _grads
 from tests.diloco_reference import assert_every_rank_holds, check_streaming, local_steps as _local_steps
-from tests.diloco_reference import model as _model
+from tests.diloco_reference import model as _model, node_average
 
 SHARED_LAUNCHES = "horovod.torch"  # a launch per rank count and env with the torch modules (tests/multirank.py)
 RANKS_234 = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=170)) for n in (2, 3, 4)]
@@ -65,10 +65,6 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n
         else:  # the compressor's own count: payloads plus one placeholder per tensor
             assert stats["tensors_compressed"] == 3 * len(SIZES) and stats["bytes_sent"] < stats["bytes_uncompressed"]
             assert set(stats["exchanges"]) == {f"{opt._diloco_prefix}.outer.{i}" for i in range(len(SIZES))}
-
-
-# outer_lr=None's value with momentum 0.8 at H = 4, 8, 16: 0.7 * H / 16 * sqrt(ranks / 2), at least 1 - 0.8
-DEFAULT_OUTER_LRS = {2: (0.2, 0.35, 0.7), 3: (0.21433, 0.428661, 0.7), 4: (0.247487, 0.494975, 0.7)}
 
 
 @pytest.mark.parametrize("n", RANKS_234)
