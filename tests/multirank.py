@@ -42,6 +42,10 @@ WORKER_THREAD_ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
                      "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
                      "NUMBA_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
 POLL_INTERVAL_S = 1e-4
+# A test in a worker fails as hung after its marker's timeout, at least this long (pytest.ini's 1200 s is the
+# parent's): in a launch shared by 50 tests a hang must not cost 1200 s per test that follows it.
+WORKER_TEST_TIMEOUT_MIN_S = 300
+HUNG_FILE = "hung.rank{rank}.txt"  # a worker's note of the test after whose hang it stopped
 
 
 def wait_politely():
@@ -170,6 +174,15 @@ class _Launch:
             self.output = f.read()
         self.returncode = proc.returncode
         self.reports = {nodeid: _rank_reports(report_dir, num_ranks, nodeid) for nodeid in nodeids}
+        self.stopped_after = {}  # rank -> the test after whose hang that rank's worker stopped
+        for rank in range(num_ranks):
+            path = os.path.join(report_dir, HUNG_FILE.format(rank=rank))
+            if os.path.exists(path):
+                with open(path) as f:
+                    self.stopped_after[rank] = f.read()
+
+    def _stopped_after_text(self):
+        return "; ".join(f"rank {rank}: {nodeid}" for rank, nodeid in sorted(self.stopped_after.items()))
 
     def judge(self, nodeid):
         """Calls pytest.fail (or skip) for ``nodeid`` as its ranks reported; returns if every rank passed."""
@@ -187,6 +200,10 @@ class _Launch:
         skipped = [rep for rep in reports.values() if rep["outcome"] == "skipped"]
         if len(skipped) == num_ranks:
             pytest.skip(skipped[0]["longrepr"])
+        if missing and self.stopped_after and nodeid not in self.stopped_after.values():
+            pytest.fail(f"not run on ranks {missing}: the launch{shared} stopped after a test hung there "
+                        f"({self._stopped_after_text()}), which leaves the ranks' collectives out of step",
+                        pytrace=False)
         if missing or (self.returncode != 0 and len(self.nodeids) == 1):
             pytest.fail(f"horovodrun exited with {self.returncode}{shared}; ranks without a report: {missing}\n"
                         f"--- horovodrun output (tail) ---\n{self.output[-3000:]}", pytrace=False)
@@ -224,6 +241,11 @@ def _ranks_of(marker):
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     if in_worker():
+        for item in items:
+            marker = item.get_closest_marker("ranks")
+            if marker is not None and item.get_closest_marker("timeout") is None:
+                limit = max(marker.kwargs.get("timeout", DEFAULT_TIMEOUT), WORKER_TEST_TIMEOUT_MIN_S)
+                item.add_marker(pytest.mark.timeout(limit))
         return
     groups = {}
     for item in items:  # what is left to run, after -k and deselection
@@ -262,6 +284,20 @@ def pytest_runtest_setup(item):
     yield
     if in_worker():
         wait_politely()  # after the fixtures: horovod.torch imported by hvd_torch or by an earlier test's body
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In a worker, a test that hung (pytest-timeout) ends the worker's session: its peers may still wait in
+    that test's collectives, and every later test of the launch would start out of step with them and hang
+    too. The parent fails the tests not run, naming the test that hung."""
+    outcome = yield
+    report = outcome.get_result()
+    if in_worker() and report.when == "call" and report.failed and "from pytest-timeout" in str(report.longrepr):
+        rank = os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "unknown"))
+        with open(os.path.join(os.environ[REPORT_DIR_ENV], HUNG_FILE.format(rank=rank)), "w") as f:
+            f.write(item.nodeid)
+        item.session.shouldstop = f"{item.nodeid} hung"
 
 
 def pytest_runtest_logreport(report):
