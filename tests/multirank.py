@@ -74,6 +74,10 @@ def in_worker():
     return os.environ.get(WORKER_ENV) == "1"
 
 
+def _worker_rank():
+    return os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "unknown"))  # horovodrun, torchrun
+
+
 def init_with_process_sets(hvd, *process_sets, timeout=60.0):
     """``hvd.init(process_sets=...)``, then waits until every set is registered on this rank.
 
@@ -294,8 +298,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if in_worker() and report.when == "call" and report.failed and "from pytest-timeout" in str(report.longrepr):
-        rank = os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "unknown"))
-        with open(os.path.join(os.environ[REPORT_DIR_ENV], HUNG_FILE.format(rank=rank)), "w") as f:
+        with open(os.path.join(os.environ[REPORT_DIR_ENV], HUNG_FILE.format(rank=_worker_rank())), "w") as f:
             f.write(item.nodeid)
         item.session.shouldstop = f"{item.nodeid} hung"
 
@@ -303,7 +306,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logreport(report):
     if not in_worker() or (report.when != "call" and report.outcome == "passed"):
         return
-    rank = os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "unknown"))  # horovodrun, torchrun
+    rank = _worker_rank()
     if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
         longrepr = report.longrepr[2]
     else:
