@@ -19,6 +19,8 @@ SPECS = {
     "topk-1%-allgather": ("TopK", {"ratio": 0.01, "exchange": "allgather"}),
     "qsgd-4bit-second8": ("QSGD", {"bits": 4, "second_stage_bits": 8}),
     "topk-10%": ("TopK", {"ratio": 0.1}),
+    # the same levels as qsgd-2bit (bit for bit), Elias-coded: fewer bytes where most levels are 0
+    "qsgd-2bit-elias": ("QSGD", {"bits": 2, "encoding": "elias"}),
     "qsgd-4bit-two-stage": ("QSGD", {"bits": 4, "exchange": "two_stage"}),
     "topk-1%-two-stage": ("TopK", {"ratio": 0.01, "exchange": "two_stage"}),
     # every two-stage tensor its own alltoall and allgather, as before fusion
