@@ -68,6 +68,31 @@ def test_outer_steps_are_bitwise_the_codecs_reference_on_every_rank(hvd_torch, n
 
 
 @pytest.mark.parametrize("n", RANKS_234)
+def test_an_elias_coded_exchange_trains_bit_for_bit_as_the_fixed_one_in_fewer_bytes(hvd_torch, n):
+    """docs/local-steps.md recommends QSGD(bits=2, encoding="elias") for the same bits as QSGD(bits=2): its
+    payloads vary in size, through the warm-up's and the outer steps' exchanges (two stages from 3 ranks)."""
+    import torch
+    from horovod_qsgd.torch import QSGD
+    hvd = hvd_torch
+    exchange = "two_stage" if n > 2 else "allgather"
+    models, stats = {}, {}
+    for encoding in ("fixed", "elias"):
+        model = _model()
+        opt = _diloco(model, QSGD(bits=2, min_numel=0, encoding=encoding, exchange=exchange), sync_every=3,
+                      warmup_steps=2)
+        _local_steps(opt, model, hvd.rank(), range(11))  # 2 warm-up steps, then 3 outer steps
+        assert opt.outer_steps == 3
+        models[encoding], stats[encoding] = _gathered(hvd, model, f"elias.{encoding}"), opt.compression_stats()
+    assert all(torch.equal(models["fixed"][r], models["elias"][r]) for r in range(n))
+    start = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
+    assert not torch.equal(models["elias"][0], start)
+    for key in ("outer_steps", "values_exchanged", "tensors_compressed"):
+        assert stats["elias"][key] == stats["fixed"][key], key
+    assert stats["elias"]["bytes_sent"] < 0.85 * stats["fixed"]["bytes_sent"], (stats["elias"], stats["fixed"])
+    assert (stats["elias"]["bytes_sent_second_stage"] > 0) == (n > 2)
+
+
+@pytest.mark.parametrize("n", RANKS_234)
 def test_the_default_outer_lr_falls_below_sync_every_16_more_slowly_with_more_ranks(hvd_torch, n):
     """outer_lr and outer_momentum left at their defaults (0.8): at 2 ranks 0.2 at H=4 (0.7 * 4/16 = 0.175 is
     below 1 - 0.8), 0.35 at H=8, 0.7 at H=16; sqrt(ranks / 2) times more at 3 and 4 ranks below H=16; two outer
